@@ -1,0 +1,72 @@
+"""What `LLM.generate` returns: vLLM's RequestOutput shape, with speculation figures per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeculationMetrics:
+    """Speculation figures of one request (vLLM v1's meanings).
+
+    num_steps: target forward passes after the prefill (speculative or plain steps).
+    num_drafted: draft tokens proposed; num_accepted: draft tokens kept.
+    accepted_per_position / drafted_per_position: the same counts at each draft position 1..k.
+    num_generated: tokens emitted; elapsed_s: wall time from the start of generate to this
+        request's last token.
+    """
+
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_generated: int = 0
+    elapsed_s: float = 0.0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Acceptance rate at each draft position: accepted_i / drafted_i."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target step: 1 + accepted / steps."""
+        return 1.0 + self.num_accepted / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens / elapsed wall time."""
+        return self.num_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    finish_reason: "stop" (EOS or a stop token) or "length" (max_tokens).
+    stop_reason: the stop token id that ended it, None for EOS or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: SpeculationMetrics = field(default_factory=SpeculationMetrics)

@@ -1,0 +1,118 @@
+"""KV caches with per-row lengths.
+
+Every row of a batch has its own number of cached tokens (`lengths`), because rows of one batch
+have prompts of different lengths and accept different numbers of draft tokens at each step.
+A model's forward writes the K/V of its q query tokens of row b at positions
+`lengths[b] .. lengths[b] + q - 1` and then advances `lengths[b]` by that row's number of real
+(non-padding) tokens. Rolling back a rejected draft is a length change, never a copy: positions at
+or beyond `lengths[b]` are ignored by attention and overwritten by the next write.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """Key/value tensors of past tokens for every transformer layer, with per-row lengths."""
+
+    @property
+    def lengths(self) -> Tensor:
+        """Number of cached tokens per row. Shape [batch], int64, on the model's device."""
+        ...
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        ...
+
+    def rollback(self, lengths: Tensor, max_length: int | None = None) -> None:
+        """Forget every cached token of row b at or beyond `lengths[b]`.
+
+        lengths: [batch] int64, each <= the current length of its row.
+        max_length: optional host-side `int(lengths.max())`, saving a device sync.
+        """
+        ...
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only `rows` ([n] int64 indices into the batch), in that order."""
+        ...
+
+
+class StaticKVCache:
+    """Preallocated per-layer K/V buffers written at per-row positions.
+
+    keys[layer], values[layer]: [batch, num_kv_heads, max_length, head_dim].
+    `lengths` is the only state that says what is valid; `rollback` just sets it.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_length = max_length
+        self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # Host-side upper bound of lengths.max(): attention reads only keys[:, :, :bound].
+        self.host_max_length = 0
+
+    @property
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    @property
+    def batch_size(self) -> int:
+        return self._lengths.shape[0]
+
+    def positions(self, num_query_tokens: int) -> Tensor:
+        """Positions the next forward writes: [batch, q] = lengths[:, None] + arange(q)."""
+        offsets = torch.arange(num_query_tokens, device=self._lengths.device)
+        return self._lengths[:, None] + offsets
+
+    def check_room(self, num_query_tokens: int) -> None:
+        """Raise if a forward of q tokens could write past `max_length`."""
+        if self.host_max_length + num_query_tokens > self.max_length:
+            raise ValueError(
+                f"KV cache overflow: {self.host_max_length} cached + {num_query_tokens} new tokens "
+                f"> max_length={self.max_length}"
+            )
+
+    def write(self, layer: int, key: Tensor, value: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Write one layer's new K/V and return that layer's K/V over the span in use.
+
+        key, value: [batch, num_kv_heads, q, head_dim]; positions: [batch, q].
+        Returns keys and values [batch, num_kv_heads, span, head_dim], span = host_max_length + q,
+        views of the buffers (no copy).
+        """
+        index = positions[:, None, :, None].expand_as(key)
+        self.keys[layer].scatter_(2, index, key)
+        self.values[layer].scatter_(2, index, value)
+        span = min(self.host_max_length + key.shape[2], self.max_length)
+        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
+
+    def advance(self, num_tokens: Tensor | int, max_num_tokens: int) -> None:
+        """Add `num_tokens` ([batch] or int) to the lengths after a forward of q = max_num_tokens."""
+        self._lengths += num_tokens
+        self.host_max_length = min(self.host_max_length + max_num_tokens, self.max_length)
+
+    def rollback(self, lengths: Tensor, max_length: int | None = None) -> None:
+        self._lengths.copy_(lengths)
+        if max_length is not None:
+            self.host_max_length = max_length
+
+    def select_rows(self, rows: Tensor) -> None:
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+        self._lengths = self._lengths.index_select(0, rows)

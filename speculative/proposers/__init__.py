@@ -1,0 +1,8 @@
+"""Proposers: whatever proposes draft tokens, behind one interface."""
+
+from speculative.proposers.base import Proposal, Proposer
+from speculative.proposers.draft_model import DraftModelProposer
+from speculative.proposers.drafter import Drafter, DraftOut
+from speculative.proposers.ngram import NgramProposer
+
+__all__ = ["DraftModelProposer", "DraftOut", "Drafter", "NgramProposer", "Proposal", "Proposer"]

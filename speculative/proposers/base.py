@@ -1,0 +1,47 @@
+"""The one narrow interface every proposer (drafter) speaks."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from speculative.sampling import SampleStrategy
+
+
+class Proposal(NamedTuple):
+    """Draft tokens for one speculative step.
+
+    token_ids: [batch, k] int64, -1 where the proposer has nothing (never accepted).
+    probs: [batch, k, vocab] float32, the distribution each token was actually drawn from, or None
+        when the proposer is deterministic (a one-hot distribution at each token).
+    """
+
+    token_ids: Tensor
+    probs: Tensor | None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Proposes k tokens per row from the context; told what was kept after verification.
+
+    The context of the batch is `tokens` [batch, capacity] int64 with `lengths` [batch]: row b's
+    context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
+    """
+
+    def start(self, tokens: Tensor, lengths: Tensor) -> None:
+        """Begin a new batch whose contexts are the prompts (lengths >= 1)."""
+        ...
+
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
+                strategy: SampleStrategy) -> Proposal:
+        """Propose `num_tokens` tokens after each row's context."""
+        ...
+
+    def accept(self, lengths: Tensor, max_length: int) -> None:
+        """The rows' contexts now have `lengths` ([batch]; host max `max_length`) tokens."""
+        ...
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only `rows` ([n] int64), in that order."""
+        ...

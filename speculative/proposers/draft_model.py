@@ -1,0 +1,48 @@
+"""A draft model as proposer: k autoregressive steps of a small model sharing the target's vocabulary.
+
+Cache invariant: before a proposal the draft cache holds every context token but the last two
+(length = context length - 2), and the first draft forward feeds those two. This one shape covers
+both outcomes of the previous step: after a rejection only the recovered token is new (the token
+before it is fed again, recomputing identical K/V), and after full acceptance the draft has not yet
+seen x_k nor the bonus token. Rollback after verification is a length change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from speculative.inference import ModelInferencer
+from speculative.models.base import LanguageModel
+from speculative.proposers.base import Proposal
+from speculative.proposers.drafter import Drafter
+from speculative.sampling import SampleStrategy
+
+
+class DraftModelProposer:
+    """Proposes tokens sampled from a draft model with each row's own sampling parameters."""
+
+    def __init__(self, model: LanguageModel) -> None:
+        self.model = model
+        self.drafter = Drafter(ModelInferencer(model))  # no EOS: drafting never syncs to stop early
+        self.cache = None
+
+    def start(self, tokens: Tensor, lengths: Tensor) -> None:
+        self.cache = self.model.new_cache(tokens.shape[0], tokens.shape[1])
+        width = int(lengths.max())
+        self.model.forward(tokens[:, :width], self.cache, num_tokens=lengths,
+                           logits_indices=torch.zeros_like(lengths)[:, None])
+        self.cache.rollback(lengths - 1, width - 1)
+
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
+                strategy: SampleStrategy) -> Proposal:
+        last_two = tokens.gather(1, lengths[:, None] + torch.tensor([-2, -1], device=lengths.device))
+        out = self.drafter.draft(last_two, self.cache, num_tokens, strategy)
+        probs = None if strategy.all_greedy else strategy.probs(out.token_logits)
+        return Proposal(out.token_ids, probs)
+
+    def accept(self, lengths: Tensor, max_length: int) -> None:
+        self.cache.rollback(lengths - 2, max_length - 2)
+
+    def select_rows(self, rows: Tensor) -> None:
+        self.cache.select_rows(rows)
