@@ -65,6 +65,10 @@ class HFCausalLM:
         self.dtype = model.dtype
 
     def new_cache(self, batch_size: int, max_length: int) -> HFKVCache:
+        if batch_size > 1 and getattr(self.config, "sliding_window", None) and \
+                getattr(self.config, "use_sliding_window", True):
+            raise ValueError(f"{self.config.model_type} uses sliding-window attention, which the transformers "
+                             "path supports one prompt at a time; pass one prompt per generate call")
         return HFKVCache(batch_size, max_length, self.device)
 
     @torch.no_grad()

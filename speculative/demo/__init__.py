@@ -1,0 +1,6 @@
+"""The project's own demo model pair: a small Llama target and a distilled draft.
+
+`speculative.demo.train` is the recipe (`python -m speculative.demo.train --out models/demo`); it trains a
+byte-level BPE tokenizer, the target and the draft on the Python standard library's source, a corpus every
+machine has, and writes Hugging Face model directories plus a model card.
+"""

@@ -1,0 +1,74 @@
+"""Tiny in-process models and tokenizers: no downloads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast)
+
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=24),
+}
+
+
+def tiny_model(family: str = "llama", vocab_size: int = 96, num_layers: int = 2, seed: int = 0,
+               hidden_size: int = 64, **overrides) -> torch.nn.Module:
+    """A random causal LM of the given family, in fp32 and eval mode."""
+    spec = dict(FAMILIES[family])
+    model_type = spec.pop("model_type")
+    settings = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                    num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+                    tie_word_embeddings=False)
+    config = AutoConfig.for_model(model_type, **{**settings, **spec, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # sharper, less uniform distributions than the default init
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.Module:
+    """The model with Gaussian noise added to every weight: a draft that mostly agrees."""
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale)
+    return noisy
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer: 256 byte tokens plus <|endoftext|> (id 256). Vocabulary 257."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    """A saved tiny target and draft (Llama, byte tokenizer) loadable by path, as a user's would be."""
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = byte_tokenizer()
+    eos = tokenizer.eos_token_id
+    target = tiny_model("llama", vocab_size=257, num_layers=2, eos_token_id=eos, bos_token_id=eos)
+    draft = noisy_copy(target, 0.02)
+    paths = {}
+    for name, model in (("target", target), ("draft", draft)):
+        path = root / name
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[name] = str(path)
+    return paths

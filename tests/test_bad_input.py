@@ -1,0 +1,106 @@
+"""Bad input gets a clear error that names the problem, raised before any work starts."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import byte_tokenizer, tiny_model
+
+import speculative.engine.engine as engine_module
+from speculative import LLM, SamplingParams, SpeculativeConfig
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if the engine starts running."""
+    def refuse(self, requests):
+        raise AssertionError("the engine ran before the input was checked")
+    monkeypatch.setattr(engine_module.Engine, "run", refuse)
+
+
+def test_empty_prompt(no_work) -> None:
+    llm = LLM(tiny_model("llama"))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        llm.generate([[1, 2], []], SamplingParams())
+
+
+def test_prompt_longer_than_context(no_work) -> None:
+    llm = LLM(tiny_model("llama"))  # max_position_embeddings = 256
+    with pytest.raises(ValueError, match=r"prompt 0 has 300 tokens and max_tokens=16.*context of 256"):
+        llm.generate([[3] * 300], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens=100.*context of 256"):
+        llm.generate([[3] * 200], SamplingParams(max_tokens=100))
+
+
+def test_token_ids_outside_vocabulary(no_work) -> None:
+    llm = LLM(tiny_model("llama"))
+    with pytest.raises(ValueError, match=r"token ids outside \[0, 96\)"):
+        llm.generate([[3, 96]])
+
+
+def test_text_prompt_without_tokenizer(no_work) -> None:
+    with pytest.raises(ValueError, match="no tokenizer"):
+        LLM(tiny_model("llama")).generate("hello")
+
+
+@pytest.mark.parametrize("k", [-1, 0, 33])
+def test_bad_k(k) -> None:
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 32\]"):
+        SpeculativeConfig(num_speculative_tokens=k)
+
+
+def test_draft_with_another_vocabulary() -> None:
+    with pytest.raises(ValueError, match=r"draft model's vocabulary \(100 tokens\) differs from the target's \(96\)"):
+        LLM(tiny_model("llama"), draft_model=tiny_model("llama", vocab_size=100))
+
+
+def test_draft_with_another_tokenizer(tmp_path) -> None:
+    """Same vocabulary size, but the draft's tokenizer maps tokens to other ids."""
+    tokenizer, other = byte_tokenizer(), byte_tokenizer()
+    tokenizer.add_tokens(["<a>"])
+    other.add_tokens(["<b>"])
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    for name, tok in (("target", tokenizer), ("draft", other)):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    with pytest.raises(ValueError, match="tokenizer maps tokens to other ids"):
+        LLM(str(tmp_path / "target"), draft_model=str(tmp_path / "draft"))
+
+
+def test_method_and_draft_mismatch() -> None:
+    with pytest.raises(ValueError, match="needs LLM\\(draft_model=...\\)"):
+        LLM(tiny_model("llama"), speculative_config=SpeculativeConfig(method="draft_model"))
+    with pytest.raises(ValueError, match="uses no draft model"):
+        LLM(tiny_model("llama"), draft_model=tiny_model("llama"),
+            speculative_config=SpeculativeConfig(method="ngram"))
+
+
+def test_mismatched_params_list(no_work) -> None:
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        LLM(tiny_model("llama")).generate([[1], [2]], [SamplingParams()])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", -0.5, "temperature must be a finite number >= 0"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+    ("top_k", 0, "top_k must be -1 \\(disabled\\) or an integer >= 1"),
+    ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+    ("seed", 1.5, "seed must be an integer or None"),
+    ("stop_token_ids", [-3], "stop_token_ids must be a list of integers >= 0"),
+])
+def test_sampling_params_validation(field, value, message) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{message}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("method", "medusa", 'method must be "draft_model" or "ngram"'),
+    ("acceptance", "maybe", 'acceptance must be "rejection" or "typical"'),
+    ("posterior_threshold", 1.5, r"posterior_threshold must be in \[0, 1\]"),
+    ("posterior_alpha", -1.0, "posterior_alpha must be >= 0"),
+    ("prompt_lookup_min", 0, "prompt_lookup_min must be an integer >= 1"),
+    ("prompt_lookup_max", 0, "prompt_lookup_max must be an integer >= prompt_lookup_min"),
+])
+def test_speculative_config_validation(field, value, message) -> None:
+    with pytest.raises(ValueError, match=f"SpeculativeConfig.{message}"):
+        SpeculativeConfig(**{field: value})

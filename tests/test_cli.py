@@ -1,0 +1,48 @@
+"""The CLI end to end, as the README shows it."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_command(name: str) -> list[str]:
+    """The README's `speculative generate` line marked by `# cli: <name>`, as argv."""
+    for line in README.read_text().splitlines():
+        if line.strip().startswith("speculative generate") and line.strip().endswith(f"# cli: {name}"):
+            return shlex.split(line.split("#")[0])
+    raise AssertionError(f"README has no `speculative generate ... # cli: {name}` line")
+
+
+def run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "speculative.cli", *argv[1:]], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_readme_generate_command(model_dirs) -> None:
+    argv = readme_command("draft")
+    argv = [model_dirs["target"] if a == "./target" else model_dirs["draft"] if a == "./draft" else a for a in argv]
+    result = run(argv + ["--max-tokens", "12"])
+    assert result.returncode == 0, result.stderr
+    assert "def fibonacci(n):" in result.stdout
+    assert re.search(r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d", result.stdout)
+    assert "[draft_model, k=4]" in result.stdout
+
+
+def test_ngram_and_plain(model_dirs) -> None:
+    for extra, tag in ((["--ngram", "-k", "3"], "[ngram, k=3]"), ([], "[autoregressive]")):
+        result = run(["speculative", "generate", "--model", model_dirs["target"], "--prompt", "ab ab ab",
+                      "--max-tokens", "8", *extra])
+        assert result.returncode == 0, result.stderr
+        assert tag in result.stdout
+
+
+def test_bad_flag_is_a_clear_error(model_dirs) -> None:
+    result = run(["speculative", "generate", "--model", model_dirs["target"], "--prompt", "x", "--top-p", "2"])
+    assert result.returncode == 2
+    assert "top_p must be in (0, 1]" in result.stderr
