@@ -1,4 +1,4 @@
-"""The `speculative` command line: `speculative generate ...`."""
+"""The `speculative` command line: `speculative generate ...` and `speculative bench ...`."""
 
 from __future__ import annotations
 
@@ -32,7 +32,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmark ours against Hugging Face's decoding, side by side",
+                                description="Every method on the same prompts in one process; writes results.json, "
+                                            "report.md and plots. Flags left out take the defaults (or --quick's).")
+    bench.add_argument("--model", help="target model (default: the demo pair's models/demo/target)")
+    bench.add_argument("--draft-model", help="draft model (default with the demo target: models/demo/draft)")
+    bench.add_argument("--prompts", action="append", help="a JSONL prompt set (repeat; default: the bundled "
+                       "benchmarks/code.jsonl and edit.jsonl)")
+    bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
+    bench.add_argument("--sweep-k", type=int, nargs="+", help="k values of the k sweep (1 .. 8)")
+    bench.add_argument("--batch-size", dest="batch_sizes", type=int, nargs="+", help="batch sizes (1 4 8)")
+    bench.add_argument("--max-tokens", type=int, help="tokens generated per prompt, EOS ignored (128)")
+    bench.add_argument("--num-prompts", type=int, help="prompts per set (all)")
+    bench.add_argument("--sweep-prompts", type=int, help="prompts per sweep point (6)")
+    bench.add_argument("--repeats", type=int, help="timed runs per prompt and method (1)")
+    bench.add_argument("--timing-repeats", type=int, help="rounds of the step-time loops (20)")
+    bench.add_argument("--dtype", help="float32 (default), bfloat16, float16 or auto")
+    bench.add_argument("--device", help="cpu (default) or cuda")
+    bench.add_argument("--model-impl", choices=["auto", "native", "transformers"])
+    bench.add_argument("--seed", type=int)
+    bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
+    bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 32 tokens, 2 sweep "
+                       "points, well under a minute on 2 CPU cores")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -63,10 +89,32 @@ def _report(output: RequestOutput, config: SpeculativeConfig | None) -> str:
     return "\n".join(lines)
 
 
+def bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from speculative.bench.run import DEMO_DIR, BenchConfig, run_and_report
+
+    config = BenchConfig().quick() if args.quick else BenchConfig()
+    fields = ("model", "draft_model", "prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts",
+              "sweep_prompts", "repeats", "timing_repeats", "dtype", "device", "model_impl", "seed")
+    for name in fields:
+        if getattr(args, name) is not None:
+            setattr(config, name, getattr(args, name))
+    if args.model is not None and args.draft_model is None:
+        config.draft_model = None
+    if args.model is None and not (DEMO_DIR / "target").is_dir():
+        raise OSError(f"the demo pair is not at {DEMO_DIR} (train it with `python -m speculative.demo.train "
+                      f"--out models/demo`), or pass --model and --draft-model")
+    run_and_report(config, Path(args.out), Console() if sys.stdout.isatty() else Console(width=130))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return generate(args)
+        return bench(args) if args.command == "bench" else generate(args)
     except (ValueError, TypeError, OSError) as error:
         print(f"speculative: error: {error}", file=sys.stderr)
         return 2

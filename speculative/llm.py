@@ -9,7 +9,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from speculative.acceptance import TypicalAcceptanceSampler
 from speculative.config import SpeculativeConfig
-from speculative.engine.engine import Engine, Request
+from speculative.engine.engine import Engine
+from speculative.engine.request import Request
 from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.models.base import LanguageModel
 from speculative.models.loading import ModelImpl, load_model
@@ -64,32 +65,61 @@ class LLM:
         self.speculative_config = speculative_config
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, typical)
+        self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, typical,
+                             self._detokenize if self.tokenizer is not None else None)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate a completion for each prompt.
+        """Generate completions for each prompt.
 
         prompts: a string, a list of token ids, {"prompt_token_ids": [...]}, or a list of these.
         sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         Returns one RequestOutput per prompt, in order. All inputs are checked before any work.
         """
         texts, token_ids = self._encode(prompts)
+        params = self._params(sampling_params, len(token_ids))
+        sequences = []
+        for i, (ids, p) in enumerate(zip(token_ids, params)):
+            if p.truncate_prompt_tokens is not None:
+                ids = token_ids[i] = ids[-p.truncate_prompt_tokens:]
+            sequences.extend(self._sequences(i, ids, p))
+        if sequences:
+            self.engine.run(sequences)
+        return [self._output(i, texts[i], token_ids[i], params[i], [s for s in sequences if s.prompt_index == i])
+                for i in range(len(token_ids))]
+
+    def _params(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(token_ids)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(token_ids):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(token_ids)} prompts")
-            if not all(isinstance(p, SamplingParams) for p in params):
-                raise TypeError("sampling_params must be SamplingParams or a list of them")
-        self._check_lengths(token_ids, params)
-        requests = [Request(ids, p) for ids, p in zip(token_ids, params)]
-        if requests:
-            self.engine.run(requests)
-        return [self._output(i, text, r) for i, (text, r) in enumerate(zip(texts, requests))]
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be SamplingParams or a list of them")
+        return params
+
+    def _sequences(self, index: int, ids: list[int], p: SamplingParams) -> list[Request]:
+        """Check one prompt's request against the model and make its sequences (n or best_of)."""
+        vocab = self.target.model.vocab_size
+        p.token_ids_in_vocabulary(vocab)
+        limit = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
+        max_tokens = p.max_tokens if p.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit or max_tokens < 1:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens and max_tokens={p.max_tokens}: "
+                             f"together more than the model's context of {limit} tokens")
+        needs_tokenizer = [name for name, used in (("stop", p.stop), ("bad_words", p.bad_words),
+                                                   ("guided_decoding", p.guided_decoding)) if used]
+        if needs_tokenizer and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.{needs_tokenizer[0]} needs a tokenizer, and the model has none")
+        bad_words = _bad_words_token_ids(self.tokenizer, p.bad_words) if p.bad_words else []
+        guide = None
+        if p.guided_decoding is not None:
+            from speculative.sampling.guided import Guide  # llguidance only where guided decoding is used
+            guide = Guide.compile(p.guided_decoding, self.tokenizer, vocab)
+        return [Request(ids, p, max_tokens, index, s, _generator(p.seed, s, self.device), bad_words,
+                        guide.new_state() if guide else None) for s in range(p.sampled_sequences)]
 
     def _encode(self, prompts: PromptType | Sequence[PromptType]) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
@@ -117,18 +147,45 @@ class LLM:
             token_ids.append(list(ids))
         return texts, token_ids
 
-    def _check_lengths(self, token_ids: list[list[int]], params: list[SamplingParams]) -> None:
-        limit = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
-        for i, (ids, p) in enumerate(zip(token_ids, params)):
-            if len(ids) + p.max_tokens > limit:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens and max_tokens={p.max_tokens}: "
-                                 f"together more than the model's context of {limit} tokens")
+    def _output(self, index: int, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                sequences: list[Request]) -> RequestOutput:
+        if params.sampled_sequences > params.n:  # best_of: the n most likely sequences
+            sequences = sorted(sequences, key=lambda r: r.cumulative_logprob, reverse=True)[: params.n]
+        completions = []
+        for i, r in enumerate(sequences):
+            text = r.text if r.text is not None else self._detokenize(r.output_token_ids, params)
+            completions.append(CompletionOutput(i, text, r.output_token_ids, r.cumulative_logprob, r.logprobs,
+                                                r.finish_reason, r.stop_reason))
+        metrics = sequences[0].metrics
+        for r in sequences[1:]:
+            metrics.merge(r.metrics)
+        return RequestOutput(str(index), prompt, prompt_ids, completions, sequences[0].prompt_logprobs, True, metrics)
 
-    def _output(self, index: int, prompt: str | None, request: Request) -> RequestOutput:
-        ids = request.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        completion = CompletionOutput(0, text, ids, request.finish_reason, request.stop_reason)
-        return RequestOutput(str(index), prompt, request.prompt_token_ids, [completion], True, request.metrics)
+    def _detokenize(self, ids: list[int], params: SamplingParams | None) -> str:
+        if self.tokenizer is None or (params is not None and not params.detokenize):
+            return ""
+        if params is None:
+            return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                                     spaces_between_special_tokens=params.spaces_between_special_tokens)
+
+
+def _generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
+    """Sequence s of a seeded prompt draws from its own generator; sequence 0 from the seed itself."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed if sample_index == 0 else (seed * 1_000_003 + sample_index) % 2**63)
+
+
+def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's tokenization, alone and after a space (as it appears mid-text), as vLLM does."""
+    found: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in found:
+                found.append(ids)
+    return found
 
 
 def _check_same_vocabulary(target, draft) -> None:

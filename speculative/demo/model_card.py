@@ -75,6 +75,7 @@ def machine() -> dict:
         lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
         cpu = lines[0].split(":", 1)[1].strip() if lines else cpu
     return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu, "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
             "platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
             "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
@@ -154,6 +155,7 @@ and over {info['heldout_windows']} fixed held-out windows (cross-entropy).
 
 ## Machine
 
-`nproc` {mc['nproc']}, {mc['cpu']}, {mc['platform']}; Python {mc['python']}, torch {mc['torch']},
+`nproc` {mc['nproc']} ({mc['torch_threads']} torch threads, OMP_WAIT_POLICY {mc['omp_wait_policy']}),
+{mc['cpu']}, {mc['platform']}; Python {mc['python']}, torch {mc['torch']},
 transformers {mc['transformers']}, tokenizers {mc['tokenizers']}. All numbers are in `training.json`.
 """

@@ -7,6 +7,10 @@ their top principal directions). Both are written as Hugging Face directories (`
 config, generation config, tokenizer, bf16 safetensors), with `README.md` and `training.json` beside
 them. Everything is seeded and runs fixed step counts; `--max-minutes` is a safety cap that, if it stops
 training early, is recorded. `--smoke` runs tiny sizes on a few files in seconds.
+
+On a CPU shared with other processes, launch with `OMP_WAIT_POLICY=PASSIVE` in the environment (it must be
+set before torch is imported): with spinning OpenMP threads, element-wise ops ran ~10x slower there. It
+changes speed only, never results.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from speculative.demo import corpus
 from speculative.demo.model_card import measure_and_write_card
 
 FULL = {
-    "vocab_size": 8192, "seq_len": 512, "batch": 8, "target_steps": 2400, "draft_steps": 2400,
-    "target_lr": 2e-3, "draft_lr": 3e-3, "warmup": 100, "eval_windows": 64, "eval_every": 400,
+    "vocab_size": 8192, "seq_len": 512, "batch": 8, "target_steps": 800, "draft_steps": 700,
+    "target_lr": 1.5e-3, "draft_lr": 3e-3, "warmup": 80, "eval_windows": 64, "eval_every": 200,
     "target": {"hidden_size": 384, "num_hidden_layers": 12, "intermediate_size": 1152,
                "num_attention_heads": 6, "num_key_value_heads": 2},
     "draft": {"hidden_size": 256, "num_hidden_layers": 1, "intermediate_size": 768,
@@ -188,12 +192,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"corpus: {len(files)} files, {len(train_files)} train, {len(heldout_files)} held out", flush=True)
     train_texts = corpus.read_texts(train_files)
     tokenizer = corpus.train_tokenizer(train_texts, cfg["vocab_size"])
-    tokenizer.model_max_length = cfg["seq_len"]
     eos = tokenizer.eos_token_id
     train_stream = corpus.token_stream(corpus.encode_files(tokenizer, train_texts), eos)
     heldout_encoded = corpus.encode_files(tokenizer, corpus.read_texts(heldout_files))
     heldout_stream = corpus.token_stream(heldout_encoded, eos)
     heldout = corpus.even_windows(heldout_stream, cfg["eval_windows"], cfg["seq_len"])
+    tokenizer.model_max_length = cfg["seq_len"]
     print(f"tokens: {len(train_stream)} train, {len(heldout_stream)} held out "
           f"({time.monotonic() - wall_start:.0f} s)", flush=True)
 

@@ -13,7 +13,8 @@ class SpeculationMetrics:
     num_drafted: draft tokens proposed; num_accepted: draft tokens kept.
     accepted_per_position / drafted_per_position: the same counts at each draft position 1..k.
     num_generated: tokens emitted; elapsed_s: wall time from the start of generate to this
-        request's last token.
+        request's last token. For a prompt with several sequences (n, best_of) the figures add up
+        over all of them, elapsed_s being the longest.
     """
 
     num_steps: int = 0
@@ -23,6 +24,14 @@ class SpeculationMetrics:
     elapsed_s: float = 0.0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+
+    def merge(self, other: SpeculationMetrics) -> None:
+        """Add another sequence's figures to these."""
+        for name in ("num_steps", "num_drafted", "num_accepted", "num_generated"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.elapsed_s = max(self.elapsed_s, other.elapsed_s)
+        self.drafted_per_position = [a + b for a, b in zip(self.drafted_per_position, other.drafted_per_position)]
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
 
     @property
     def acceptance_rate(self) -> float:
@@ -46,18 +55,32 @@ class SpeculationMetrics:
 
 
 @dataclass
+class Logprob:
+    """The target's log-probability of a token (raw logits, before any sampling processor), its rank
+    among the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence.
 
-    finish_reason: "stop" (EOS or a stop token) or "length" (max_tokens).
-    stop_reason: the stop token id that ended it, None for EOS or length.
+    finish_reason: "stop" (EOS, a stop token or a stop string) or "length" (max_tokens).
+    stop_reason: the stop token id or stop string that ended it; None for EOS or length.
+    cumulative_logprob: sum of the chosen tokens' log-probabilities (when logprobs or best_of ask).
+    logprobs: per output token, {token id: Logprob} for the chosen token and the top `logprobs`.
     """
 
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -68,5 +91,6 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = True
     metrics: SpeculationMetrics = field(default_factory=SpeculationMetrics)

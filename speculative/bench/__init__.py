@@ -1,0 +1,9 @@
+"""`speculative bench`: our engine against Hugging Face's decoding methods, side by side in one process.
+
+prompts.py  prompt sets (JSONL, Spec-Bench) and the bundled sets cut from the demo corpus
+methods.py  the decoding methods under test behind one `generate(prompts)` call
+timing.py   step times (T_1, T_v, T_d) and the speed bound of DESIGN.md section 4
+exactness.py  token-identity to the target's greedy output, near-ties proven
+run.py      the interleaved measurement, the sweeps and the results dictionary
+report.py / plots.py  terminal table, results.json, report.md and PNG plots
+"""

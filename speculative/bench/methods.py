@@ -1,0 +1,154 @@
+"""The decoding methods under test, each behind one call: `generate(prompts, max_tokens) -> Generation`.
+
+All decode greedily for exactly `max_tokens` tokens: ours with `ignore_eos=True`, Hugging Face's with
+`eos_token_id=None` (its `min_new_tokens` would instead mask EOS out of the logits and change the greedy
+text wherever EOS is the argmax; ignoring EOS keeps the target's own greedy text).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from speculative.bench.timing import synchronize
+from speculative.llm import LLM
+from speculative.sampling_params import SamplingParams
+
+
+@dataclass
+class Generation:
+    """What one call produced and cost.
+
+    token_ids: the generated tokens of each prompt. seconds: wall time of the call.
+    num_steps: target forward passes: after the prefill (ours, vLLM v1's meaning), every call (HF).
+    num_accepted: draft tokens kept; num_drafted: draft tokens proposed (None where unknown: HF).
+    accepted_per_position / drafted_per_position: the same at draft positions 1..k (ours only).
+    """
+
+    token_ids: list[list[int]]
+    seconds: float
+    num_steps: int = 0
+    num_accepted: int = 0
+    num_drafted: int | None = None
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Method:
+    """A named decoding method. engine: "hf", "ours" or "vllm"; drafter: "draft_model", "ngram" or None
+    (plain decoding); k: drafts per step (0 without a drafter); max_batch: the largest batch it takes
+    (None: any)."""
+
+    name: str
+    label: str
+    engine: str
+    drafter: str | None = None
+    k: int = 0
+    max_batch: int | None = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
+        raise NotImplementedError
+
+
+@dataclass
+class OursMethod(Method):
+    """Our engine through the public API: `LLM.generate` with greedy SamplingParams."""
+
+    llm: LLM | None = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        synchronize(self.llm.device)
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
+        synchronize(self.llm.device)
+        seconds = time.perf_counter() - start
+        metrics = [o.metrics for o in outputs]
+        return Generation(
+            [o.outputs[0].token_ids for o in outputs], seconds, sum(m.num_steps for m in metrics),
+            sum(m.num_accepted for m in metrics), sum(m.num_drafted for m in metrics),
+            [sum(c) for c in zip(*(m.accepted_per_position for m in metrics))] if self.k else [],
+            [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [])
+
+
+@dataclass
+class HFMethod(Method):
+    """Hugging Face `generate`, greedy, with `options` (assistant_model, prompt_lookup_num_tokens, ...).
+
+    Counts the target's forward calls with a hook: each call of assisted generation or prompt lookup
+    verifies a block and emits 1 + (accepted drafts) tokens, so accepted = tokens - calls. Batches are
+    left-padded.
+    """
+
+    model: torch.nn.Module | None = None
+    pad_token_id: int = 0
+    options: dict = field(default_factory=dict)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        calls = []
+        hook = self.model.register_forward_hook(lambda *_: calls.append(1))
+        try:
+            synchronize(self.model.device)
+            start = time.perf_counter()
+            out = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                                      max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                      pad_token_id=self.pad_token_id, **self.options)
+            synchronize(self.model.device)
+            seconds = time.perf_counter() - start
+        finally:
+            hook.remove()
+        tokens = out[:, width:].tolist()
+        accepted = len(tokens[0]) - len(calls) if self.k else 0  # speculative HF methods take batch 1
+        return Generation(tokens, seconds, len(calls), accepted)
+
+
+def hf_assistant(draft: torch.nn.Module, k: int) -> torch.nn.Module:
+    """Configure a draft for HF assisted generation with exactly k drafts per step, like ours (HF's
+    defaults adapt the count with a heuristic schedule and stop drafting below a confidence)."""
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    return draft
+
+
+@dataclass
+class VLLMMethod(Method):
+    """vLLM's offline `LLM.generate` with a draft model (on a GPU, where vLLM is installed)."""
+
+    llm: object = None
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        params = VLLMSamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        return Generation([list(o.outputs[0].token_ids) for o in outputs], seconds)
+
+
+def vllm_unavailable(device: torch.device) -> str | None:
+    """Why vLLM cannot run here (a note for the results), or None when it can."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed"
+    if device.type != "cuda":
+        return f"vLLM needs a CUDA GPU; this run is on {device.type} (--device cuda)"
+    return None
+
+
+def vllm_method(target: str, draft: str, k: int, dtype: str) -> VLLMMethod:
+    """vLLM with the same pair and k (draft-model speculation, vLLM >= 0.11's speculative_config)."""
+    import vllm
+
+    llm = vllm.LLM(model=target, dtype=dtype, seed=0, gpu_memory_utilization=0.3,
+                   speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k})
+    return VLLMMethod("vllm_draft", f"vLLM draft k={k}", "vllm", "draft_model", k, llm=llm)

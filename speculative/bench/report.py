@@ -1,0 +1,145 @@
+"""The results as a terminal table (rich), `results.json` and `report.md`: the same rows in each."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+METHOD_COLUMNS = ["method", "tok/s", "vs HF", "vs ours AR", "accept", "mean len", "bound", "effic.",
+                  "identical (ties)"]
+K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "accept", "mean len"]
+BATCH_COLUMNS = ["batch", "method", "tok/s", "identical (ties)"]
+
+
+def _num(value, spec: str = ".2f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def _identical(entry: dict) -> str:
+    return f"{_num(entry['identical_fraction'])} ({entry['near_ties']})"
+
+
+def method_rows(methods: dict) -> list[list[str]]:
+    """One row per method of a prompt set's table that ran."""
+    return [[e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"]),
+             _num(e["acceptance_rate"]), _num(e["mean_accepted_length"]), _num(e["bound"]), _num(e["efficiency"]),
+             _identical(e)] for e in methods.values() if e["status"] == "ok"]
+
+
+def skipped_lines(methods: dict) -> list[str]:
+    """"<method>: skipped (<why>)" for each method that did not run."""
+    return [f"{e['label']}: skipped ({e['note']})" for e in methods.values() if e["status"] == "skipped"]
+
+
+def k_rows(points: list[dict]) -> list[list[str]]:
+    """One row per k of a k sweep."""
+    return [[str(p["k"]), _num(p["speedup_vs_ours_ar"]), _num(p["bound"]), _num(p["efficiency"]),
+             _num(p["acceptance_rate"]), _num(p["mean_accepted_length"])] for p in points]
+
+
+def batch_rows(rows: list[dict]) -> list[list[str]]:
+    """One row per (batch size, method) of the batch sweep."""
+    return [[str(r["batch_size"]), r["label"], _num(r["tokens_per_s"], ".1f"), _identical(r)] for r in rows]
+
+
+def step_times_line(times: dict, k: int) -> str:
+    """T_1, T_v, T_d and the n-gram proposal time, in milliseconds."""
+    t_d = "n/a" if times["t_d"] is None else f"{times['t_d'] * 1e3:.2f} ms"
+    return (f"step times (batch 1, cache of {times['context']} tokens, medians): T_1 {times['t_1'] * 1e3:.2f} ms, "
+            f"T_v(k={k}) {times['t_v'][k] * 1e3:.2f} ms, T_d {t_d}, "
+            f"n-gram proposal of {k} tokens {times['t_ngram'][k] * 1e3:.3f} ms")
+
+
+def _normalized(results: dict) -> dict:
+    """The results with int keys of T_v / n-gram times (JSON turns them into strings)."""
+    times = results["step_times"]
+    times = {**times, "t_v": {int(k): v for k, v in times["t_v"].items()},
+             "t_ngram": {int(k): v for k, v in times["t_ngram"].items()}}
+    return {**results, "step_times": times}
+
+
+def _rich_table(title: str, columns: list[str], rows: list[list[str]], caption: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 or column == "method" else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def print_tables(results: dict, console: Console) -> None:
+    """The side-by-side tables, the sweeps and the step times on the terminal."""
+    results = _normalized(results)
+    config = results["config"]
+    for name, data in results["sets"].items():
+        title = (f"{name}: {data['num_prompts']} prompts, {config['max_tokens']} tokens each, greedy, "
+                 f"{config['dtype']}, {results['machine']['device']}")
+        console.print(_rich_table(title, METHOD_COLUMNS, method_rows(data["methods"]),
+                                  "; ".join(skipped_lines(data["methods"])) or None))
+    console.print(step_times_line(results["step_times"], config["k"]))
+    for name, sweeps in results["sweeps"]["k"].items():
+        for drafter, points in sweeps.items():
+            console.print(_rich_table(f"{name}: ours, {drafter}, speedup over ours AR against k", K_COLUMNS,
+                                      k_rows(points)))
+    batch_set = results["sweeps"].get("batch_set", "")
+    console.print(_rich_table(f"{batch_set}: throughput against batch size", BATCH_COLUMNS,
+                              batch_rows(results["sweeps"]["batch"])))
+
+
+def _markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(results: dict, plots: list[str]) -> str:
+    """report.md: what was run, on what, the tables, the plots and the notes."""
+    results = _normalized(results)
+    config, m = results["config"], results["machine"]
+    parts = [
+        "# speculative bench",
+        f"Target `{config['model']}`, draft `{config['draft_model']}`, k={config['k']}, {config['max_tokens']} "
+        f"tokens per prompt (greedy, EOS ignored), {config['dtype']} on {m['device']}; {config['repeats']} timed "
+        f"run(s) per prompt and method after a discarded warm-up, runs interleaved, medians over prompts.",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}, transformers {m['transformers']}, "
+        f"Python {m['python']}, OMP_WAIT_POLICY={m['omp_wait_policy']}.",
+        "Columns: tokens/s (median over prompts); speedup against HF generate and against our autoregressive "
+        "baseline; acceptance rate (accepted / drafted drafts); mean accepted length (tokens per target "
+        "step); speed bound; efficiency; fraction of outputs identical to the target's greedy output.",
+        "Speedups are medians of per-prompt time ratios. bound = E * T_1 / (k * T_d + T_v) with "
+        "E = (1 - a^(k+1)) / (1 - a) and a the acceptance per drafted slot (a slot where the drafter proposed "
+        "nothing counts as rejected); efficiency = speedup over the engine's own plain decoding / bound. "
+        "identical: fraction of outputs token-identical to HF generate's greedy output, proven near-ties "
+        "(top-2 logits within 1e-4 at the first difference) counted as identical, their number in brackets.",
+    ]
+    for name, data in results["sets"].items():
+        parts += [f"## {name} ({data['num_prompts']} prompts)",
+                  _markdown_table(METHOD_COLUMNS, method_rows(data["methods"]))]
+        skipped = skipped_lines(data["methods"])
+        if skipped:
+            parts.append("\n".join(f"- {line}" for line in skipped))
+    parts += ["## Step times", step_times_line(results["step_times"], config["k"]) + "."]
+    for name, sweeps in results["sweeps"]["k"].items():
+        for drafter, points in sweeps.items():
+            parts += [f"## k sweep: {name}, {drafter} ({config['sweep_prompts']} prompts)",
+                      _markdown_table(K_COLUMNS, k_rows(points))]
+    parts += [f"## Batch sweep: {results['sweeps'].get('batch_set', '')}",
+              _markdown_table(BATCH_COLUMNS, batch_rows(results["sweeps"]["batch"]))]
+    parts += ["## Plots"] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    parts += ["## Notes", "\n".join(f"- {note}" for note in results["notes"])]
+    return "\n\n".join(parts) + "\n"
+
+
+def write_outputs(results: dict, out: Path, plots: list[str]) -> dict[str, Path]:
+    """results.json and report.md into `out`; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "report": out / "report.md"}
+    paths["json"].write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    paths["report"].write_text(markdown(results, plots))
+    return paths

@@ -1,0 +1,69 @@
+"""Device-side state of the rows being generated, kept in step with their host-side records."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from speculative.engine.request import Request
+from speculative.kv_cache import KVCache
+from speculative.proposers.base import Proposer
+from speculative.sampling import SampleStrategy
+from speculative.sampling.context import TokenContext
+
+
+class Batch:
+    """The active rows: one per sequence.
+
+    tokens: [B, width] contexts (prompt + output) with room for a block of k + 1 beyond the longest;
+    lengths / prompt_lengths: [B]; stop_ids: [B, s] tokens that finish each row (-1 padded);
+    max_tokens / num_generated: [B]. host_lengths mirrors lengths on the host.
+    """
+
+    def __init__(self, requests: list[Request], eos_token_ids: list[int], k: int, vocab_size: int,
+                 device: torch.device, generator: torch.Generator) -> None:
+        self.requests = list(requests)
+        for r in requests:
+            r.metrics.drafted_per_position = [0] * k
+            r.metrics.accepted_per_position = [0] * k
+        self.host_lengths = [len(r.prompt_token_ids) for r in requests]
+        self.capacity = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + k + 1
+        self.tokens = torch.zeros(len(requests), self.capacity + k + 1, dtype=torch.long, device=device)
+        for row, r in enumerate(requests):
+            self.tokens[row, : len(r.prompt_token_ids)] = torch.tensor(r.prompt_token_ids)
+        self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=device)
+        self.prompt_lengths = self.lengths.clone()
+        stops = [sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_token_ids)))
+                 for r in requests]
+        width = max(1, max(len(s) for s in stops))
+        self.stop_ids = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=device)
+        self.max_tokens = torch.tensor([r.max_tokens for r in requests], dtype=torch.long, device=device)
+        self.num_generated = torch.zeros_like(self.max_tokens)
+        self.strategy = SampleStrategy([r.params for r in requests], vocab_size, device, generator,
+                                       generators=[r.generator for r in requests], stop_ids=self.stop_ids,
+                                       bad_words=[r.bad_words_token_ids for r in requests],
+                                       guides=[r.guide for r in requests])
+
+    def context(self, block: Tensor | None = None) -> TokenContext | None:
+        """The TokenContext of a forward whose positions are separated by `block` [B, q - 1] (None:
+        one position, after the context). None when no row's processing depends on its context."""
+        if not self.strategy.needs_context:
+            return None
+        if block is None:
+            block = self.tokens.new_empty((len(self.requests), 0))
+        return TokenContext(self.tokens, self.lengths, self.prompt_lengths, block, self.strategy.vocab_size)
+
+    def select(self, rows: list[int], caches: list[KVCache], proposer: Proposer | None) -> None:
+        """Keep only `rows` (host indices, repeats allowed: a repeated row is copied) everywhere."""
+        self.requests = [self.requests[i] for i in rows]
+        self.host_lengths = [self.host_lengths[i] for i in rows]
+        if not rows:
+            return
+        self.strategy.select_rows(rows)
+        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
+        for name in ("tokens", "lengths", "prompt_lengths", "stop_ids", "max_tokens", "num_generated"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        for cache in caches:
+            cache.select_rows(index)
+        if proposer is not None:
+            proposer.select_rows(index)

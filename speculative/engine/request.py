@@ -1,0 +1,75 @@
+"""Host-side record of one generated sequence: its tokens, text, log-probabilities and figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speculative.engine.outputs import Logprob, SpeculationMetrics
+from speculative.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    """One sequence being generated (a prompt with n > 1 has several, sharing its prefill).
+
+    prompt_index / sample_index: which prompt, and which of its sampled sequences.
+    max_tokens: resolved (never None). generator: this sequence's own generator, or None.
+    bad_words_token_ids / guide: the tokenizer's and the grammar's share of the sampling work.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    prompt_index: int = 0
+    sample_index: int = 0
+    generator: torch.Generator | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    guide: Any = None
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    metrics: SpeculationMetrics = field(default_factory=SpeculationMetrics)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StopStrings:
+    """Finds a request's stop strings in its text as it grows, across step boundaries."""
+
+    def __init__(self, request: Request, decode) -> None:
+        self.request = request
+        self.decode = decode  # list[int] -> str
+        self.stops = request.params.stop
+        self.longest = max(len(s) for s in self.stops)
+        self.text = ""
+
+    def extend(self, num_new: int) -> bool:
+        """Check the text after `num_new` more tokens; on a match cut tokens and text, return True."""
+        ids = self.request.output_token_ids
+        old_length = len(self.text)
+        text = self.decode(ids)
+        start = max(0, old_length - self.longest + 1)
+        hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
+        self.text = text
+        if not hits:
+            return False
+        index, stop = min(hits)
+        end = index + len(stop)
+        keep = len(ids) - num_new + 1
+        while keep < len(ids) and len(self.decode(ids[:keep])) < end:
+            keep += 1
+        del ids[keep:]
+        if self.request.logprobs is not None:
+            del self.request.logprobs[keep:]
+        self.text = text[: end if self.request.params.include_stop_str_in_output else index]
+        self.request.stop_reason = stop
+        return True

@@ -1,0 +1,120 @@
+"""`speculative bench`: the speed-bound arithmetic, prompt loading, and the --quick run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import byte_tokenizer
+
+from speculative.bench.prompts import BUNDLED_DIR, PromptRecord, encode, load_jsonl
+from speculative.bench.timing import efficiency, expected_tokens_per_step, speedup_bound
+from speculative.demo import corpus
+
+METHODS = {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_ar", "ours_draft", "ours_ngram", "vllm_draft"}
+PLOTS = ("tokens_per_s.png", "acceptance_by_position.png", "speedup_vs_k.png", "throughput_vs_batch.png")
+
+
+def test_expected_tokens_per_step() -> None:
+    assert expected_tokens_per_step(0.5, 3) == pytest.approx((1 - 0.5**4) / 0.5)  # 1.875
+    assert expected_tokens_per_step(0.0, 5) == 1.0
+    assert expected_tokens_per_step(1.0, 5) == 6.0
+    assert expected_tokens_per_step(0.999999, 5) == pytest.approx(6.0, rel=1e-5)
+    with pytest.raises(ValueError, match="acceptance"):
+        expected_tokens_per_step(1.5, 3)
+
+
+def test_bound_and_efficiency() -> None:
+    # E = 1.875; T_1 = 10, k * T_d + T_v = 3 * 1 + 12 = 15: bound 1.25
+    assert speedup_bound(0.5, 3, t_1=10.0, t_v=12.0, t_d=1.0) == pytest.approx(1.25)
+    assert efficiency(1.0, 1.25) == pytest.approx(0.8)
+    # no acceptance, free drafts, verification as cheap as one token: no speedup at all
+    assert speedup_bound(0.0, 4, t_1=2.0, t_v=2.0, t_d=0.0) == pytest.approx(1.0)
+
+
+def test_jsonl_plain_and_spec_bench(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    lines = [{"prompt": "def f(x):"}, {"id": "b", "prompt": "class A:"},
+             {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}]
+    path.write_text("\n".join(json.dumps(obj) for obj in lines) + "\n\n")
+    records = load_jsonl(path)
+    assert records == [PromptRecord("1", "def f(x):"), PromptRecord("b", "class A:"),
+                       PromptRecord("81", "Write a poem.", chat=True)]
+    path.write_text(json.dumps({"text": "no prompt"}) + "\n")
+    with pytest.raises(ValueError, match="turns"):
+        load_jsonl(path)
+
+
+def test_encode_uses_chat_template_for_turns_and_keeps_the_last_tokens() -> None:
+    tokenizer = byte_tokenizer()
+    assert tokenizer.decode(encode(tokenizer, PromptRecord("1", "hello", chat=True), 100)) == "hello"
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert tokenizer.decode(encode(tokenizer, PromptRecord("1", "hi", chat=True), 100)) == "<user>hi<assistant>"
+    assert tokenizer.decode(encode(tokenizer, PromptRecord("1", "hi", chat=False), 100)) == "hi"
+    assert tokenizer.decode(encode(tokenizer, PromptRecord("1", "abcdef"), 3)) == "def"
+
+
+def test_bundled_sets_come_from_heldout_files() -> None:
+    code, edit = load_jsonl(BUNDLED_DIR / "code.jsonl"), load_jsonl(BUNDLED_DIR / "edit.jsonl")
+    for records in (code, edit):
+        assert 16 <= len(records) <= 24
+        assert all(corpus.is_heldout(r.id.rsplit(":", 1)[0]) for r in records)
+    assert all(r.text.rstrip().split("\n")[-1].lstrip().startswith(("def ", "class ", "async def ")) for r in code)
+    for r in edit:  # the function, the comment, then the function's first line again
+        assert r.text.startswith(r.text.split("\n")[-1] + "\n") and "# The same code again" in r.text
+
+
+def run_quick(out: Path, *model_args: str) -> dict:
+    """`speculative bench --quick` in a subprocess; returns results.json after checking what every run
+    must show: all methods (vLLM skipped with a note), our outputs identical to the target's greedy
+    output, finite speedups and bounds, the report and the plots."""
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    result = subprocess.run([sys.executable, "-m", "speculative.cli", "bench", "--quick", "--out", str(out),
+                             *model_args], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ours draft k=4" in result.stdout and "vs ours AR" in result.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["sets"]) == {"code", "edit"}
+    for data in results["sets"].values():
+        methods = data["methods"]
+        assert set(methods) == METHODS
+        assert methods["vllm_draft"]["status"] == "skipped" and methods["vllm_draft"]["note"]
+        for name, entry in methods.items():
+            if name == "vllm_draft":
+                continue
+            assert entry["status"] == "ok"
+            for key in ("tokens_per_s", "speedup_vs_hf", "speedup_vs_ours_ar", "bound", "efficiency"):
+                assert math.isfinite(entry[key]) and entry[key] > 0, (name, key, entry[key])
+            if name.startswith("ours"):
+                assert entry["identical_fraction"] == 1.0, (name, entry)
+        assert len(methods["ours_draft"]["acceptance_per_position"]) == 4
+    for sweeps in results["sweeps"]["k"].values():
+        for points in sweeps.values():
+            assert [p["k"] for p in points] == [1, 4]
+            assert all(math.isfinite(p["speedup_vs_ours_ar"]) and math.isfinite(p["bound"]) for p in points)
+    batch = results["sweeps"]["batch"]
+    assert {r["batch_size"] for r in batch} == {1, 2}
+    assert all(r["identical_fraction"] == 1.0 for r in batch if r["method"].startswith("ours"))
+    report = (out / "report.md").read_text()
+    assert "## code" in report and "## edit" in report and "vLLM" in report
+    for plot in PLOTS:
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return results
+
+
+def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
+    results = run_quick(tmp_path / "out", "--model", model_dirs["target"], "--draft-model", model_dirs["draft"])
+    assert results["config"]["max_tokens"] == 32
+    assert any("cut to their last" in note for note in results["notes"])  # 256-token models, longer prompts
+
+
+def test_bench_quick_on_the_demo_pair(tmp_path: Path) -> None:
+    results = run_quick(tmp_path / "out")
+    assert results["config"]["model"].endswith("models/demo/target")
+    assert results["sets"]["code"]["methods"]["ours_draft"]["acceptance_rate"] > 0.2

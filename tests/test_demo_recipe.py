@@ -1,0 +1,62 @@
+"""The demo-model recipe: its smoke run writes loadable Hugging Face directories; the split is fixed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from speculative.demo import corpus, train
+
+
+@pytest.fixture(scope="module")
+def smoke_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    train.main(["--out", str(out), "--smoke"])
+    return out
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_smoke_outputs_load_and_generate(smoke_dir, name):
+    path = smoke_dir / name
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (path / f).exists(), f
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert model.config.model_type == "llama" and model.dtype == torch.bfloat16
+    assert tok.eos_token == tok.bos_token == tok.pad_token == corpus.EOT
+    ids = tok("def add(a, b):\n", return_tensors="pt")
+    assert ids["input_ids"][0, 0].item() == tok.eos_token_id
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+    assert isinstance(tok.decode(out[0], skip_special_tokens=True), str)
+
+
+def test_smoke_card_and_numbers(smoke_dir):
+    info = json.loads((smoke_dir / "training.json").read_text())
+    assert 0.0 <= info["acceptance"]["greedy_acceptance_rate"] <= 1.0
+    assert info["target"]["steps"] == info["target"]["planned_steps"] and not info["draft"]["stopped_early"]
+    card = (smoke_dir / "README.md").read_text()
+    assert "Greedy acceptance rate" in card and "nproc" in card
+
+
+def test_split_is_fixed_and_disjoint():
+    files = corpus.list_files()
+    assert files == sorted(files) and not any("site-packages" in f for f in files)
+    train_files, heldout = corpus.split_files(files)
+    assert set(train_files).isdisjoint(heldout) and len(train_files) + len(heldout) == len(files)
+    assert 0.02 < len(heldout) / len(files) < 0.06
+    assert corpus.split_files(files) == (train_files, heldout)
+    # membership depends on the relative path alone, not on which other files exist
+    assert [f for f in files[::7] if corpus.is_heldout(f)] == [f for f in heldout if f in set(files[::7])]
+    assert corpus.is_heldout("a/b.py") == corpus.is_heldout("a/b.py")
+
+
+def test_same_seed_same_smoke_losses(smoke_dir, tmp_path):
+    again = train.main(["--out", str(tmp_path), "--smoke"])
+    first = json.loads((smoke_dir / "training.json").read_text())
+    for name in ("target", "draft"):
+        assert again[name]["final_train_loss"] == first[name]["final_train_loss"]
+        assert again[name]["final_heldout_ce"] == first[name]["final_heldout_ce"]
