@@ -40,8 +40,8 @@ class GuidedDecodingParams:
     """vLLM's guided decoding parameters: exactly one of json, regex, choice, grammar, json_object.
 
     json: a JSON schema (a dict or its JSON text); the output is a JSON value valid under it. Object
-        properties come out in the schema's order; whitespace between tokens is llguidance's default
-        (flexible). regex: the whole output matches it (Rust `regex` syntax, as llguidance reads it).
+        properties come out in the schema's order; compact (no free whitespace) unless the schema's
+        "x-guidance" options say otherwise. regex: the whole output matches it (Rust `regex` syntax, as llguidance reads it).
     choice: the output is exactly one of these strings. grammar: a Lark grammar in llguidance's syntax
         (or GBNF, which is converted). json_object: the output is any JSON object.
     """
@@ -109,10 +109,9 @@ def _schema_text(schema: dict | str) -> str:
 def _grammar_text(params: GuidedDecodingParams) -> str:
     """llguidance's grammar text for the constraint; ValueError when it cannot be built."""
     kind, text = params.key()
-    if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(text)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema('{"type":"object"}')
+    if kind in ("json", "json_object"):  # compact JSON unless the schema's "x-guidance" says otherwise
+        schema = text if kind == "json" else '{"type":"object"}'
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
