@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
+
+from speculative.sampling_params import SamplingParams
 
 
 @dataclass
@@ -50,6 +54,78 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+def _check(ok: bool, name: str, value: object, allowed: str, owner: str = "SpeculativeConfig") -> None:
     if not ok:
-        raise ValueError(f"SpeculativeConfig.{name} must be {allowed}; got {value!r}")
+        raise ValueError(f"{owner}.{name} must be {allowed}; got {value!r}")
+
+
+@dataclass
+class GenerationConfig:
+    """How `LLM.stream` runs a generation (after EasyDeL's vInferenceConfig, seed 003).
+
+    max_new_tokens: tokens generated at most per sequence (sets SamplingParams.max_tokens). >= 1.
+    streaming_chunks: target steps per yielded SampleState. >= 1.
+    num_return_sequences: sequences per prompt (sets SamplingParams.n). >= 1.
+    pad_token_id: the id `SampleState.padded` pads with (default 0).
+    bos_token_id: prepended to every prompt that does not start with it; None adds nothing.
+    eos_token_id: one id or several that end a sequence, replacing the model's; None keeps the model's.
+    sampling_params: the rest of the sampling parameters (default: SamplingParams()).
+    """
+
+    max_new_tokens: int = 64
+    streaming_chunks: int = 16
+    num_return_sequences: int = 1
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    sampling_params: SamplingParams | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "streaming_chunks", "num_return_sequences"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, value, "an integer >= 1", "GenerationConfig")
+        for name in ("pad_token_id", "bos_token_id"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 0), name, value, "None or an integer >= 0",
+                   "GenerationConfig")
+        eos = self.eos_token_id
+        _check(eos is None or (_is_int(eos) and eos >= 0) or (isinstance(eos, (list, tuple)) and eos and all(
+            _is_int(t) and t >= 0 for t in eos)), "eos_token_id", eos,
+               "None, an integer >= 0 or a non-empty list of them", "GenerationConfig")
+        _check(self.sampling_params is None or isinstance(self.sampling_params, SamplingParams),
+               "sampling_params", self.sampling_params, "a SamplingParams or None", "GenerationConfig")
+
+    @property
+    def eos_token_ids(self) -> list[int] | None:
+        """eos_token_id as a list, or None."""
+        eos = self.eos_token_id
+        return None if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def request_params(self) -> SamplingParams:
+        """The SamplingParams each prompt runs with."""
+        base = self.sampling_params or SamplingParams()
+        return dataclasses.replace(base, max_tokens=self.max_new_tokens, n=self.num_return_sequences,
+                                   best_of=None if base.best_of is None else max(base.best_of, self.num_return_sequences))
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.sampling_params is not None:
+            data["sampling_params"] = self.sampling_params.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationConfig:
+        data = dict(data)
+        if data.get("sampling_params") is not None:
+            data["sampling_params"] = SamplingParams.from_dict(data["sampling_params"])
+        return cls(**data)
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> GenerationConfig:
+        return cls.from_dict(json.loads(text))

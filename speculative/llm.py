@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from speculative.acceptance import TypicalAcceptanceSampler
-from speculative.config import SpeculativeConfig
+from speculative.config import GenerationConfig, SpeculativeConfig
 from speculative.engine.engine import Engine
 from speculative.engine.request import Request
+from speculative.engine.state import SampleState, unpack_generator
 from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.models.base import LanguageModel
 from speculative.models.loading import ModelImpl, load_model
@@ -76,6 +78,59 @@ class LLM:
         sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         Returns one RequestOutput per prompt, in order. All inputs are checked before any work.
         """
+        texts, token_ids, params, sequences = self._prepare(prompts, sampling_params)
+        if sequences:
+            self.engine.run(sequences)
+        return [self._output(i, texts[i], token_ids[i], params[i], [s for s in sequences if s.prompt_index == i])
+                for i in range(len(token_ids))]
+
+    def stream(self, prompts: PromptType | Sequence[PromptType],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               config: GenerationConfig | None = None) -> Iterator[SampleState]:
+        """Generate like `generate`, yielding a SampleState every `config.streaming_chunks` target
+        steps (and a last one when all sequences have finished), each with the new text of every
+        sequence. sampling_params default to `config.request_params()`."""
+        config = config or GenerationConfig()
+        if config.bos_token_id is not None:
+            bos = config.bos_token_id
+            prompts = [p if p[:1] == [bos] else [bos, *p] for p in self._encode(prompts)[1]]
+        _, _, _, sequences = self._prepare(prompts, sampling_params or config.request_params())
+        yield from self._stream(sequences, config, [""] * len(sequences), 0.0)
+
+    def resume(self, state: SampleState, config: GenerationConfig | None = None) -> Iterator[SampleState]:
+        """Go on from a SampleState (of this process or another), yielding states as `stream` does.
+
+        The caches are rebuilt from the state's tokens; the generators continue from their saved
+        states, so the tokens are those of a run that never stopped."""
+        sequences = state.requests(self.device)
+        for r in sequences:
+            r.bad_words_token_ids, guide = self._sampling_aids(r.params)
+            if guide is not None:
+                r.guide = guide.new_state()
+                r.guide.accept(r.output_token_ids)
+        self.generator.set_state(unpack_generator(state.prng_key["default"], self.device).get_state())
+        config = config or GenerationConfig()
+        yield from self._stream(sequences, config, state.text, state.time_spent_computing)
+
+    def _stream(self, sequences: list[Request], config: GenerationConfig, previous: list[str],
+                elapsed: float) -> Iterator[SampleState]:
+        start = time.perf_counter()
+        pad = config.pad_token_id if config.pad_token_id is not None else 0
+        for requests in self.engine.generate(sequences, config.streaming_chunks, config.eos_token_ids):
+            texts = [self._stream_text(r) for r in requests]
+            yield SampleState.capture(requests, self.generator, previous, elapsed + time.perf_counter() - start,
+                                      texts, pad)
+            previous = texts
+
+    def _stream_text(self, request: Request) -> str:
+        """A sequence's text so far; while it runs, without a trailing incomplete character."""
+        if request.text is not None:
+            return request.text
+        text = self._detokenize(request.output_token_ids, request.params)
+        return text if request.finished else text.rstrip("\ufffd")
+
+    def _prepare(self, prompts, sampling_params):
+        """Encode and check everything; make the sequences (n or best_of per prompt)."""
         texts, token_ids = self._encode(prompts)
         params = self._params(sampling_params, len(token_ids))
         sequences = []
@@ -83,10 +138,7 @@ class LLM:
             if p.truncate_prompt_tokens is not None:
                 ids = token_ids[i] = ids[-p.truncate_prompt_tokens:]
             sequences.extend(self._sequences(i, ids, p))
-        if sequences:
-            self.engine.run(sequences)
-        return [self._output(i, texts[i], token_ids[i], params[i], [s for s in sequences if s.prompt_index == i])
-                for i in range(len(token_ids))]
+        return texts, token_ids, params, sequences
 
     def _params(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
@@ -113,11 +165,7 @@ class LLM:
                                                    ("guided_decoding", p.guided_decoding)) if used]
         if needs_tokenizer and self.tokenizer is None:
             raise ValueError(f"SamplingParams.{needs_tokenizer[0]} needs a tokenizer, and the model has none")
-        bad_words = _bad_words_token_ids(self.tokenizer, p.bad_words) if p.bad_words else []
-        guide = None
-        if p.guided_decoding is not None:
-            from speculative.sampling.guided import Guide  # llguidance only where guided decoding is used
-            guide = Guide.compile(p.guided_decoding, self.tokenizer, vocab)
+        bad_words, guide = self._sampling_aids(p)
         return [Request(ids, p, max_tokens, index, s, _generator(p.seed, s, self.device), bad_words,
                         guide.new_state() if guide else None) for s in range(p.sampled_sequences)]
 
@@ -146,6 +194,15 @@ class LLM:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
             token_ids.append(list(ids))
         return texts, token_ids
+
+    def _sampling_aids(self, p: SamplingParams) -> tuple[list[list[int]], object]:
+        """The tokenizer's share of a request: its bad words' token ids and its compiled grammar."""
+        bad_words = _bad_words_token_ids(self.tokenizer, p.bad_words) if p.bad_words else []
+        guide = None
+        if p.guided_decoding is not None:
+            from speculative.sampling.guided import Guide  # llguidance only where guided decoding is used
+            guide = Guide.compile(p.guided_decoding, self.tokenizer, self.target.model.vocab_size)
+        return bad_words, guide
 
     def _output(self, index: int, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                 sequences: list[Request]) -> RequestOutput:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -154,6 +154,28 @@ class SamplingParams:
     def sampled_sequences(self) -> int:
         """Sequences generated for the prompt: best_of, or n."""
         return self.best_of if self.best_of is not None else self.n
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields; refuses logits_processors, which are callables."""
+        if self.logits_processors:
+            raise ValueError("SamplingParams with logits_processors cannot be serialized (they are callables)")
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "logits_processors"}
+        if self.guided_decoding is not None:
+            data["guided_decoding"] = asdict(self.guided_decoding)
+        if self.logit_bias:
+            data["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """The inverse of to_dict."""
+        data = dict(data)
+        if data.get("guided_decoding") is not None:
+            from speculative.sampling.guided import GuidedDecodingParams
+            data["guided_decoding"] = GuidedDecodingParams(**data["guided_decoding"])
+        if data.get("logit_bias"):
+            data["logit_bias"] = {int(t): b for t, b in data["logit_bias"].items()}
+        return cls(**data)
 
     def token_ids_in_vocabulary(self, vocab_size: int) -> None:
         """Raise if a token id field names an id outside [0, vocab_size)."""

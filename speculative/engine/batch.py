@@ -23,22 +23,26 @@ class Batch:
     def __init__(self, requests: list[Request], eos_token_ids: list[int], k: int, vocab_size: int,
                  device: torch.device, generator: torch.Generator) -> None:
         self.requests = list(requests)
+        self.eos_token_ids = list(eos_token_ids)
         for r in requests:
-            r.metrics.drafted_per_position = [0] * k
-            r.metrics.accepted_per_position = [0] * k
-        self.host_lengths = [len(r.prompt_token_ids) for r in requests]
+            if len(r.metrics.drafted_per_position) != k:
+                r.metrics.drafted_per_position = [0] * k
+                r.metrics.accepted_per_position = [0] * k
+        contexts = [r.prompt_token_ids + r.output_token_ids for r in requests]
+        self.host_lengths = [len(c) for c in contexts]
         self.capacity = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + k + 1
         self.tokens = torch.zeros(len(requests), self.capacity + k + 1, dtype=torch.long, device=device)
-        for row, r in enumerate(requests):
-            self.tokens[row, : len(r.prompt_token_ids)] = torch.tensor(r.prompt_token_ids)
+        for row, context in enumerate(contexts):
+            self.tokens[row, : len(context)] = torch.tensor(context)
         self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=device)
-        self.prompt_lengths = self.lengths.clone()
+        self.prompt_lengths = torch.tensor([len(r.prompt_token_ids) for r in requests], dtype=torch.long,
+                                           device=device)
         stops = [sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_token_ids)))
                  for r in requests]
         width = max(1, max(len(s) for s in stops))
         self.stop_ids = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=device)
         self.max_tokens = torch.tensor([r.max_tokens for r in requests], dtype=torch.long, device=device)
-        self.num_generated = torch.zeros_like(self.max_tokens)
+        self.num_generated = self.lengths - self.prompt_lengths
         self.strategy = SampleStrategy([r.params for r in requests], vocab_size, device, generator,
                                        generators=[r.generator for r in requests], stop_ids=self.stop_ids,
                                        bad_words=[r.bad_words_token_ids for r in requests],

@@ -19,7 +19,7 @@ The prefill runs once per prompt; a prompt's n / best_of sequences then copy its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -58,22 +58,54 @@ class Engine:
         self.generator = generator
         self.decode = decode
 
-    @torch.inference_mode()
     def run(self, requests: list[Request]) -> None:
-        """Generate every sequence to completion, filling in its outputs and metrics.
+        """Generate every sequence to completion, filling in its outputs and metrics."""
+        for _ in self.generate(requests):
+            pass
 
-        The sequences of one prompt (same prompt_index) must be adjacent."""
+    @torch.inference_mode()
+    def generate(self, requests: list[Request], chunk_steps: int | None = None,
+                 eos_token_ids: Sequence[int] | None = None) -> Iterator[list[Request]]:
+        """Generate the sequences, yielding them all after every `chunk_steps` target steps (the
+        prefill included) and once more when every one has finished.
+
+        Sequences that already have output tokens are resumed: their caches are rebuilt from their
+        tokens and their generators must hold the state they had. The sequences of one prompt (same
+        prompt_index) must be adjacent. eos_token_ids overrides the model's EOS for this generation.
+        """
         self.start_time = time.perf_counter()
-        batch = Batch(requests, self.eos_token_ids, self.k, self.target.vocab_size, self.target.device,
-                      self.generator)
+        eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        active = [r for r in requests if not r.finished]
+        if not active:
+            yield requests
+            return
+        batch = Batch(active, eos, self.k, self.target.vocab_size, self.target.device, self.generator)
         self.stop_strings = {id(r): StopStrings(r, lambda ids, p=r.params: self.decode(ids, p))
-                             for r in requests if r.params.stop}
-        self.num_top = max([r.params.logprobs or 0 for r in requests])
+                             for r in active if r.params.stop}
+        self.num_top = max([r.params.logprobs or 0 for r in active])
         self.want_logprobs = any(r.params.logprobs is not None or r.params.sampled_sequences > r.params.n
-                                 for r in requests)
-        self._prefill(batch)
+                                 for r in active)
+        if any(r.output_token_ids for r in active):
+            self._rebuild_caches(batch)
+        else:
+            self._prefill(batch)
+        steps = 1
         while batch.requests:
+            if chunk_steps is not None and steps % chunk_steps == 0:
+                yield requests
             self._step(batch)
+            steps += 1
+        yield requests
+
+    def _rebuild_caches(self, batch: Batch) -> None:
+        """Resume: both caches computed again from the tokens (target: all but the last; draft: all
+        but the last two), sampling nothing."""
+        lengths = batch.lengths
+        self.cache = self.target.new_cache(len(batch.requests), batch.capacity)
+        self.target.forward(batch.tokens[:, : max(batch.host_lengths) - 1], self.cache, num_tokens=lengths - 1,
+                            logits_indices=torch.zeros_like(lengths)[:, None])
+        if self.proposer is not None:
+            self.proposer.start(batch.tokens, lengths - 1)
 
     def _prefill(self, batch: Batch) -> None:
         """One target forward per prompt; its sequences copy the cache; each samples a first token."""
@@ -186,7 +218,7 @@ class Engine:
             elif stop:
                 last = request.output_token_ids[-1]
                 request.finish_reason = "stop"
-                request.stop_reason = None if last in self.eos_token_ids else last
+                request.stop_reason = None if last in batch.eos_token_ids else last
             elif m.num_generated >= request.max_tokens:
                 request.finish_reason = "length"
             if request.finished:

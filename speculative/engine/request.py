@@ -50,7 +50,7 @@ class StopStrings:
         self.decode = decode  # list[int] -> str
         self.stops = request.params.stop
         self.longest = max(len(s) for s in self.stops)
-        self.text = ""
+        self.text = decode(request.output_token_ids) if request.output_token_ids else ""
 
     def extend(self, num_new: int) -> bool:
         """Check the text after `num_new` more tokens; on a match cut tokens and text, return True."""
