@@ -5,25 +5,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speculative.config import SpeculativeConfig
-from speculative.engine.outputs import RequestOutput
+from transformers.utils import logging as transformers_logging
+
+from speculative.config import GenerationConfig, SpeculativeConfig
+from speculative.demo import DEMO_DIR
+from speculative.engine.outputs import SpeculationMetrics
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
+
+DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculative", description="Fast, exact speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text from prompts and print acceptance figures")
-    gen.add_argument("--model", required=True, help="target model: hub id or local path")
+    gen.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
     drafter = gen.add_mutually_exclusive_group()
     drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
     drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
     gen.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
                      help="rejection is lossless; typical is not")
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    gen.add_argument("--prompt", action="append", help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})")
     gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--streaming-chunks", type=int, default=1, help="target steps between printed chunks")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -62,26 +68,39 @@ def _add_bench_parser(commands) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
+    model, draft = args.model, args.draft_model
+    if model is None:  # the demo pair, speculating with its draft unless told otherwise
+        if not (DEMO_DIR / "target").is_dir():
+            raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model (train the pair with "
+                          f"`python -m speculative.demo.train --out models/demo`)")
+        model = str(DEMO_DIR / "target")
+        draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
     config = None
-    if args.ngram or args.draft_model:
+    if args.ngram or draft:
         config = SpeculativeConfig(method="ngram" if args.ngram else "draft_model",
-                                   num_speculative_tokens=args.num_speculative_tokens,
-                                   acceptance=args.acceptance)
-    llm = LLM(args.model, draft_model=args.draft_model, speculative_config=config, dtype=args.dtype,
-              device=args.device, model_impl=args.model_impl)
+                                   num_speculative_tokens=args.num_speculative_tokens, acceptance=args.acceptance)
+    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, device=args.device,
+              model_impl=args.model_impl)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    for output in llm.generate(args.prompt, params):
-        print(_report(output, config))
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    if len(prompts) > 1:
+        for output in llm.generate(prompts, params):
+            print(f"{output.prompt}{output.outputs[0].text}\n")
+            print(_figures(output.metrics, output.outputs[0].finish_reason, config))
+        return 0
+    print(prompts[0], end="", flush=True)  # one prompt: print the text as it streams
+    for state in llm.stream(prompts, params, config=GenerationConfig(streaming_chunks=args.streaming_chunks)):
+        print(state.new_text[0], end="", flush=True)
+    print("\n")
+    print(_figures(SpeculationMetrics(**state.metrics[0]), state.finish_reasons[0], config))
     return 0
 
 
-def _report(output: RequestOutput, config: SpeculativeConfig | None) -> str:
-    completion, m = output.outputs[0], output.metrics
+def _figures(m: SpeculationMetrics, finish_reason: str | None, config: SpeculativeConfig | None) -> str:
     method = f"{config.method}, k={config.num_speculative_tokens}" if config else "autoregressive"
-    lines = [f"{output.prompt}{completion.text}", "",
-             f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, {m.tokens_per_second:.1f} tokens/s, "
-             f"finish: {completion.finish_reason}"]
+    lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, {m.tokens_per_second:.1f} tokens/s, "
+             f"finish: {finish_reason}"]
     if config:
         per_position = " ".join(f"{a:.2f}" for a in m.acceptance_per_position)
         lines.append(f"acceptance rate {m.acceptance_rate:.2f} ({m.num_accepted}/{m.num_drafted} drafts), "
@@ -113,6 +132,8 @@ def bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    transformers_logging.set_verbosity_error()  # no weight-loading bars or warnings in the CLI's output
+    transformers_logging.disable_progress_bar()
     try:
         return bench(args) if args.command == "bench" else generate(args)
     except (ValueError, TypeError, OSError) as error:

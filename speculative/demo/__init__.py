@@ -4,3 +4,8 @@
 byte-level BPE tokenizer, the target and the draft on the Python standard library's source, a corpus every
 machine has, and writes Hugging Face model directories plus a model card.
 """
+
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parents[2] / "models" / "demo"
+"""Where the committed demo pair lives: models/demo/{target,draft} beside the package."""
