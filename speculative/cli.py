@@ -113,7 +113,7 @@ def bench(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from speculative.bench.run import DEMO_DIR, BenchConfig, run_and_report
+    from speculative.bench.run import BenchConfig, run_and_report
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
     fields = ("model", "draft_model", "prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts",

@@ -36,11 +36,11 @@ from speculative.bench.prompts import BUNDLED_DIR, REPO_ROOT, encode, load_jsonl
 from speculative.bench.report import print_tables, write_outputs
 from speculative.bench.timing import StepTimes, efficiency, measure_step_times, speedup_bound
 from speculative.config import SpeculativeConfig
+from speculative.demo import DEMO_DIR
 from speculative.demo.model_card import machine
 from speculative.llm import LLM
 from speculative.proposers import NgramProposer
 
-DEMO_DIR = REPO_ROOT / "models" / "demo"
 Advance = Callable[[str, int], None]  # (phase description, total runs of the phase): one run done
 
 
@@ -73,9 +73,10 @@ class BenchConfig:
     seed: int = 0
 
     def quick(self) -> BenchConfig:
-        """The CI smoke test's settings: 2 prompts a set, 32 tokens, 2 sweep points, 1 repeat."""
+        """The CI smoke test's settings: 2 prompts a set, 32 tokens, k sweep [1, k] on 1 prompt, batch
+        sizes 1 and 2, 1 repeat."""
         return BenchConfig(**{**asdict(self), "sweep_k": [1, self.k], "batch_sizes": [1, 2], "max_tokens": 32,
-                              "num_prompts": 2, "sweep_prompts": 2, "repeats": 1, "timing_repeats": 5})
+                              "num_prompts": 2, "sweep_prompts": 1, "repeats": 1, "timing_repeats": 5})
 
 
 class Pair:

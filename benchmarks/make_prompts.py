@@ -1,0 +1,25 @@
+"""Regenerate the bundled prompt sets `code.jsonl` and `edit.jsonl` beside this script.
+
+    python benchmarks/make_prompts.py [--count 20]
+
+Deterministic for a given Python standard library (the demo corpus); see `speculative.bench.prompts`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from speculative.bench.prompts import write_bundled
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=20, help="prompts per set")
+    args = parser.parse_args()
+    for name, path in write_bundled(Path(__file__).resolve().parent, args.count).items():
+        print(f"{name}: {sum(1 for _ in path.open())} prompts -> {path}")
+
+
+if __name__ == "__main__":
+    main()
