@@ -11,9 +11,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from speculative.acceptance import TypicalAcceptanceSampler
 from speculative.config import GenerationConfig, SpeculativeConfig
 from speculative.engine.engine import Engine
+from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.engine.request import Request
 from speculative.engine.state import SampleState, unpack_generator
-from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.models.base import LanguageModel
 from speculative.models.loading import ModelImpl, load_model
 from speculative.proposers import DraftModelProposer, NgramProposer

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast)
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 FAMILIES = {
     "llama": dict(model_type="llama"),

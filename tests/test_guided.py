@@ -13,9 +13,9 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import byte_tokenizer
 
 from speculative.sampling.guided import Guide, GuidedDecodingParams, GuideState, allowed_for_blocks
-from conftest import byte_tokenizer
 
 EOS = 256
 N_TOK = 257  # the byte tokenizer's vocabulary

@@ -32,7 +32,7 @@ from speculative.bench.methods import (
     vllm_unavailable,
 )
 from speculative.bench.plots import write_plots
-from speculative.bench.prompts import BUNDLED_DIR, REPO_ROOT, encode, load_jsonl
+from speculative.bench.prompts import BUNDLED_DIR, encode, load_jsonl
 from speculative.bench.report import print_tables, write_outputs
 from speculative.bench.timing import StepTimes, efficiency, measure_step_times, speedup_bound
 from speculative.config import SpeculativeConfig

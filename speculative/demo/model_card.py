@@ -22,8 +22,6 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from speculative.demo.corpus import HELDOUT_FRACTION
-
 
 def heldout_prompts(encoded: list[list[int]], count: int, length: int, seed: int) -> torch.Tensor:
     """[count, length] token windows at seeded offsets in distinct held-out files (cycling if too few)."""
