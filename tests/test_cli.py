@@ -34,6 +34,16 @@ def test_readme_generate_command(model_dirs) -> None:
     assert "[draft_model, k=4]" in result.stdout
 
 
+def test_readme_first_command_on_the_demo_pair() -> None:
+    """The README's first command, exactly as written: the committed demo pair, speculating."""
+    result = run(readme_command("demo") + ["--max-tokens", "24"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def fibonacci(n):")
+    assert "[draft_model, k=4]" in result.stdout
+    rate = float(re.search(r"acceptance rate (\d\.\d\d)", result.stdout).group(1))
+    assert rate > 0.3, result.stdout  # the distilled draft agrees with its target
+
+
 def test_ngram_and_plain(model_dirs) -> None:
     for extra, tag in ((["--ngram", "-k", "3"], "[ngram, k=3]"), ([], "[autoregressive]")):
         result = run(["speculative", "generate", "--model", model_dirs["target"], "--prompt", "ab ab ab",
