@@ -60,3 +60,21 @@ def test_same_seed_same_smoke_losses(smoke_dir, tmp_path):
     for name in ("target", "draft"):
         assert again[name]["final_train_loss"] == first[name]["final_train_loss"]
         assert again[name]["final_heldout_ce"] == first[name]["final_heldout_ce"]
+
+
+def test_committed_pair_loads_with_plain_transformers_and_writes_code() -> None:
+    """The committed demo pair, through transformers alone: same tokenizer, code-like greedy text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from speculative.demo import DEMO_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    assert AutoTokenizer.from_pretrained(DEMO_DIR / "draft").get_vocab() == tokenizer.get_vocab()
+    for name in ("target", "draft"):
+        model = AutoModelForCausalLM.from_pretrained(DEMO_DIR / name).eval()
+        assert model.dtype == torch.bfloat16 and model.config.model_type == "llama"
+        ids = tokenizer("def parse_args(argv):\n", return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert "\n    " in text and any(c in text for c in "=()"), text  # indented Python statements
