@@ -98,7 +98,8 @@ class ModelInferencer:
         stops = self.eos_token_ids.numel() > 0
         start = kv_cache.lengths.clone()
         finished = torch.zeros(query_token_ids.shape[0], dtype=torch.bool, device=query_token_ids.device)
-        ignore_eos = torch.tensor([p.ignore_eos for p in sample_strategy.params], device=finished.device)
+        if stops:
+            ignore_eos = torch.tensor([p.ignore_eos for p in sample_strategy.params], device=finished.device)
         tokens, all_logits = [], []
         current = query_token_ids
         for _ in range(max_new_tokens):

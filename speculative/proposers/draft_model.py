@@ -25,6 +25,7 @@ class DraftModelProposer:
     def __init__(self, model: LanguageModel) -> None:
         self.model = model
         self.drafter = Drafter(ModelInferencer(model))  # no EOS: drafting never syncs to stop early
+        self._last_two = torch.tensor([-2, -1], device=model.device)
         self.cache = None
 
     def start(self, tokens: Tensor, lengths: Tensor) -> None:
@@ -36,7 +37,7 @@ class DraftModelProposer:
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
                 strategy: SampleStrategy) -> Proposal:
-        last_two = tokens.gather(1, lengths[:, None] + torch.tensor([-2, -1], device=lengths.device))
+        last_two = tokens.gather(1, lengths[:, None] + self._last_two)
         out = self.drafter.draft(last_two, self.cache, num_tokens, strategy)
         probs = None if strategy.all_greedy else strategy.probs(out.token_logits)
         return Proposal(out.token_ids, probs)
