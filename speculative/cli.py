@@ -54,8 +54,8 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--sweep-k", type=int, nargs="+", help="k values of the k sweep (1 .. 8)")
     bench.add_argument("--batch-size", dest="batch_sizes", type=int, nargs="+", help="batch sizes (1 4 8)")
     bench.add_argument("--max-tokens", type=int, help="tokens generated per prompt, EOS ignored (128)")
-    bench.add_argument("--num-prompts", type=int, help="prompts per set (all)")
-    bench.add_argument("--sweep-prompts", type=int, help="prompts per sweep point (6)")
+    bench.add_argument("--num-prompts", type=int, help="prompts per set, the first ones (12)")
+    bench.add_argument("--sweep-prompts", type=int, help="prompts per k-sweep point (4)")
     bench.add_argument("--repeats", type=int, help="timed runs per prompt and method (1)")
     bench.add_argument("--timing-repeats", type=int, help="rounds of the step-time loops (20)")
     bench.add_argument("--dtype", help="float32 (default), bfloat16, float16 or auto")
@@ -63,7 +63,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--model-impl", choices=["auto", "native", "transformers"])
     bench.add_argument("--seed", type=int)
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
-    bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 32 tokens, 2 sweep "
+    bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep "
                        "points, well under a minute on 2 CPU cores")
 
 

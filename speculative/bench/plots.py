@@ -43,8 +43,9 @@ def acceptance_by_position(results: dict, path: Path) -> str:
             rates = entry.get("acceptance_per_position")
             if entry["status"] == "ok" and rates:
                 ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{set_name}: {entry['label']}")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
+    ax.set_ylabel("accepted / drafted at the position")
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position (ours)")
     ax.legend(fontsize=8)
@@ -77,6 +78,7 @@ def throughput_against_batch(results: dict, path: Path) -> str:
         points = [r for r in rows if r["method"] == name]
         ax.plot([r["batch_size"] for r in points], [r["tokens_per_s"] for r in points], marker="o",
                 label=points[0]["label"])
+    ax.set_xticks(sorted({r["batch_size"] for r in rows}))
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s (all rows)")
     ax.set_title("Throughput against batch size")

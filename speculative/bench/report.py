@@ -9,9 +9,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-METHOD_COLUMNS = ["method", "tok/s", "vs HF", "vs ours AR", "accept", "mean len", "bound", "effic.",
+METHOD_COLUMNS = ["method", "tok/s", "vs HF", "vs ours AR", "accept", "alpha", "mean len", "bound", "effic.",
                   "identical (ties)"]
-K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "accept", "mean len"]
+K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "accept", "alpha", "mean len"]
 BATCH_COLUMNS = ["batch", "method", "tok/s", "identical (ties)"]
 
 
@@ -28,8 +28,8 @@ def _identical(entry: dict) -> str:
 def method_rows(methods: dict) -> list[list[str]]:
     """One row per method of a prompt set's table that ran."""
     return [[e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"]),
-             _num(e["acceptance_rate"]), _num(e["mean_accepted_length"]), _num(e["bound"]), _num(e["efficiency"]),
-             _identical(e)] for e in methods.values() if e["status"] == "ok"]
+             _num(e["acceptance_rate"]), _num(e["alpha"]), _num(e["mean_accepted_length"]), _num(e["bound"]),
+             _num(e["efficiency"]), _identical(e)] for e in methods.values() if e["status"] == "ok"]
 
 
 def skipped_lines(methods: dict) -> list[str]:
@@ -40,7 +40,7 @@ def skipped_lines(methods: dict) -> list[str]:
 def k_rows(points: list[dict]) -> list[list[str]]:
     """One row per k of a k sweep."""
     return [[str(p["k"]), _num(p["speedup_vs_ours_ar"]), _num(p["bound"]), _num(p["efficiency"]),
-             _num(p["acceptance_rate"]), _num(p["mean_accepted_length"])] for p in points]
+             _num(p["acceptance_rate"]), _num(p["alpha"]), _num(p["mean_accepted_length"])] for p in points]
 
 
 def batch_rows(rows: list[dict]) -> list[list[str]]:
@@ -110,13 +110,12 @@ def markdown(results: dict, plots: list[str]) -> str:
         f"Machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}, transformers {m['transformers']}, "
         f"Python {m['python']}, OMP_WAIT_POLICY={m['omp_wait_policy']}.",
         "Columns: tokens/s (median over prompts); speedup against HF generate and against our autoregressive "
-        "baseline; acceptance rate (accepted / drafted drafts); mean accepted length (tokens per target "
-        "step); speed bound; efficiency; fraction of outputs identical to the target's greedy output.",
-        "Speedups are medians of per-prompt time ratios. bound = E * T_1 / (k * T_d + T_v) with "
-        "E = (1 - a^(k+1)) / (1 - a) and a the acceptance per drafted slot (a slot where the drafter proposed "
-        "nothing counts as rejected); efficiency = speedup over the engine's own plain decoding / bound. "
-        "identical: fraction of outputs token-identical to HF generate's greedy output, proven near-ties "
-        "(top-2 logits within 1e-4 at the first difference) counted as identical, their number in brackets.",
+        "baseline (medians of per-prompt time ratios); acceptance rate (accepted / drafted); alpha, the "
+        "per-token acceptance whose E = (1 - a^(k+1)) / (1 - a) equals the measured mean accepted length "
+        "(tokens per target step); bound = E * T_1 / (k * T_d + T_v), DESIGN.md section 4, with a = alpha; "
+        "efficiency = speedup over the engine's own plain decoding (ours: ours AR; HF: HF generate) / bound; "
+        "identical: fraction of outputs token-identical to HF generate's greedy output, proven near-ties (top-2 "
+        "logits within 1e-4 at the first difference) counted as identical, their number in brackets.",
     ]
     for name, data in results["sets"].items():
         parts += [f"## {name} ({data['num_prompts']} prompts)",
@@ -131,6 +130,7 @@ def markdown(results: dict, plots: list[str]) -> str:
                       _markdown_table(K_COLUMNS, k_rows(points))]
     parts += [f"## Batch sweep: {results['sweeps'].get('batch_set', '')}",
               _markdown_table(BATCH_COLUMNS, batch_rows(results["sweeps"]["batch"]))]
+    parts += ["## Run time", ", ".join(f"{phase} {s:.0f} s" for phase, s in results["seconds"].items()) + "."]
     parts += ["## Plots"] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     parts += ["## Notes", "\n".join(f"- {note}" for note in results["notes"])]
     return "\n\n".join(parts) + "\n"

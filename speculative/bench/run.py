@@ -1,17 +1,18 @@
-"""The measurement: every method side by side on the same prompts, then the k and batch-size sweeps.
+"""The benchmark run: configuration, the loaded pair, the methods, and the order of the measurements.
 
-DESIGN.md section 7: one process, same prompts and pair, warm-up discarded, runs interleaved (method A
-on prompt 1, method B on prompt 1, ..., then prompt 2), medians over prompts (of each prompt's median
-over repeats). Speedups are medians of per-prompt time ratios; a speculative method's speedup bound uses
-its measured acceptance and the step times of timing.py; its efficiency divides its speedup over its own
-engine's plain decoding (ours: our baseline; HF: HF `generate`) by that bound.
+DESIGN.md section 7: one process, same prompts and pair, warm-up discarded, runs interleaved, medians
+(measure.py). A speculative method's speed bound uses its measured tokens per step and the step times of
+timing.py; its efficiency divides its speedup over its own engine's plain decoding (ours: our baseline;
+HF: HF `generate`) by that bound.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,9 +22,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM
 
-from speculative.bench import exactness
+from speculative.bench.measure import Advance, compare_methods, sweep_batch, sweep_k
 from speculative.bench.methods import (
-    Generation,
     HFMethod,
     Method,
     OursMethod,
@@ -34,14 +34,12 @@ from speculative.bench.methods import (
 from speculative.bench.plots import write_plots
 from speculative.bench.prompts import BUNDLED_DIR, encode, load_jsonl
 from speculative.bench.report import print_tables, write_outputs
-from speculative.bench.timing import StepTimes, efficiency, measure_step_times, speedup_bound
+from speculative.bench.timing import StepTimer, bound_figures
 from speculative.config import SpeculativeConfig
 from speculative.demo import DEMO_DIR
 from speculative.demo.model_card import machine
 from speculative.llm import LLM
 from speculative.proposers import NgramProposer
-
-Advance = Callable[[str, int], None]  # (phase description, total runs of the phase): one run done
 
 
 @dataclass
@@ -52,7 +50,7 @@ class BenchConfig:
     prompts: JSONL files, one prompt set each, named after the file's stem.
     k: drafts per step of the side-by-side comparison; sweep_k: the k of the k sweep.
     batch_sizes: the batch-size sweep. max_tokens: tokens generated per prompt (EOS ignored).
-    num_prompts: prompts per set (None: all); sweep_prompts: prompts per sweep point.
+    num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
     repeats: timed runs per prompt and method; timing_repeats: rounds of the step-time loops.
     """
 
@@ -63,8 +61,8 @@ class BenchConfig:
     sweep_k: list[int] = field(default_factory=lambda: list(range(1, 9)))
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
     max_tokens: int = 128
-    num_prompts: int | None = None
-    sweep_prompts: int = 6
+    num_prompts: int | None = 12
+    sweep_prompts: int = 4
     repeats: int = 1
     timing_repeats: int = 20
     dtype: str = "float32"
@@ -73,9 +71,9 @@ class BenchConfig:
     seed: int = 0
 
     def quick(self) -> BenchConfig:
-        """The CI smoke test's settings: 2 prompts a set, 32 tokens, k sweep [1, k] on 1 prompt, batch
+        """The CI smoke test's settings: 2 prompts a set, 24 tokens, k sweep [1, k] on 1 prompt, batch
         sizes 1 and 2, 1 repeat."""
-        return BenchConfig(**{**asdict(self), "sweep_k": [1, self.k], "batch_sizes": [1, 2], "max_tokens": 32,
+        return BenchConfig(**{**asdict(self), "sweep_k": [1, self.k], "batch_sizes": [1, 2], "max_tokens": 24,
                               "num_prompts": 2, "sweep_prompts": 1, "repeats": 1, "timing_repeats": 5})
 
 
@@ -140,138 +138,16 @@ def load_sets(config: BenchConfig, tokenizer, max_prompt_tokens: int, notes: lis
     return sets
 
 
-def interleaved(methods: Sequence[Method], prompts: Sequence[list[int]], max_tokens: int, repeats: int,
-                advance: Advance, phase: str, warmup: bool = True) -> dict[str, list[list[Generation]]]:
-    """runs[method][prompt] = its timed Generations: every method on prompt 1, then on prompt 2, ...;
-    with `warmup`, first one discarded run of each method on the first prompt."""
-    total = len(methods) * (len(prompts) * repeats + warmup)
-    if warmup:
-        for method in methods:
-            method.generate([prompts[0]], max_tokens)
-            advance(phase, total)
-    runs: dict[str, list[list[Generation]]] = {m.name: [[] for _ in prompts] for m in methods}
-    for _ in range(repeats):
-        for i, prompt in enumerate(prompts):
-            for method in methods:
-                runs[method.name][i].append(method.generate([prompt], max_tokens))
-                advance(phase, total)
-    return runs
-
-
-def _seconds(runs: list[list[Generation]]) -> list[float]:
-    """Each prompt's median seconds over its repeats."""
-    return [statistics.median(g.seconds for g in repeats) for repeats in runs]
-
-
-def _median_ratio(numerator: list[float], denominator: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
-
-
-def speculation_stats(method: Method, generations: Sequence[Generation], times: StepTimes) -> dict:
-    """Acceptance figures, the speed bound's inputs and the bound of a method's first runs."""
-    if method.drafter is None:
-        return {"acceptance_rate": None, "mean_accepted_length": 1.0, "acceptance_per_position": None,
-                "T_1": times.t_1, "T_v": times.t_1, "T_d": 0.0, "bound": 1.0}
-    steps = sum(g.num_steps for g in generations)
-    accepted = sum(g.num_accepted for g in generations)
-    drafted = sum(g.num_drafted for g in generations) if method.engine == "ours" else None
-    per_step = accepted / (steps * method.k) if steps else 0.0  # undrafted slots count as rejected
-    per_position = None
-    if method.engine == "ours":
-        acc = [sum(c) for c in zip(*(g.accepted_per_position for g in generations))]
-        dra = [sum(c) for c in zip(*(g.drafted_per_position for g in generations))]
-        per_position = [a / d if d else 0.0 for a, d in zip(acc, dra)]
-    t_d = times.t_d if method.drafter == "draft_model" else times.t_ngram[method.k] / method.k
-    return {"acceptance_rate": accepted / drafted if drafted else per_step,
-            "acceptance_per_step_slot": per_step,
-            "mean_accepted_length": 1.0 + accepted / steps if steps else None,
-            "acceptance_per_position": per_position, "T_1": times.t_1, "T_v": times.t_v[method.k], "T_d": t_d,
-            "bound": speedup_bound(per_step, method.k, times.t_1, times.t_v[method.k], t_d)}
-
-
-def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[int]], times: StepTimes,
-                    advance: Advance, phase: str) -> tuple[dict[str, dict], list[list[int]]]:
-    """The side-by-side table of one prompt set (one entry per method), and the reference outputs
-    (HF `generate`'s greedy tokens of each prompt)."""
-    config = pair.config
-    runs = interleaved(methods, prompts, config.max_tokens, config.repeats, advance, phase)
-    seconds = {name: _seconds(r) for name, r in runs.items()}
-    reference = [r[0].token_ids[0] for r in runs["hf_generate"]]
-    baselines = {"hf": "hf_generate", "ours": "ours_ar"}
-    table = {}
-    for method in methods:
-        first = [r[0] for r in runs[method.name]]
-        tokens = [len(g.token_ids[0]) for g in first]
-        verdicts = [exactness.compare(pair.hf_target, p, g.token_ids[0], ref)
-                    for p, g, ref in zip(prompts, first, reference)]
-        entry = {"label": method.label, "engine": method.engine, "drafter": method.drafter, "k": method.k,
-                 "status": "ok", "tokens": sum(tokens), "seconds_median": statistics.median(seconds[method.name]),
-                 "tokens_per_s": statistics.median(n / s for n, s in zip(tokens, seconds[method.name])),
-                 "speedup_vs_hf": _median_ratio(seconds["hf_generate"], seconds[method.name]),
-                 "speedup_vs_ours_ar": _median_ratio(seconds["ours_ar"], seconds[method.name]),
-                 **speculation_stats(method, first, times), **exactness.summarize(verdicts)}
-        baseline = baselines.get(method.engine)
-        own = _median_ratio(seconds[baseline], seconds[method.name]) if baseline else None
-        entry["efficiency"] = efficiency(own, entry["bound"]) if own is not None else None
-        table[method.name] = entry
-    return table, reference
-
-
-def sweep_k(pair: Pair, ar: OursMethod, drafter: str, prompts: list[list[int]], times: StepTimes,
-            advance: Advance, phase: str) -> list[dict]:
-    """Ours with `drafter` at every k of the sweep against our baseline, interleaved, on `prompts`."""
-    config = pair.config
-    methods = [ar] + [pair.ours(drafter, k) for k in config.sweep_k]
-    for method in methods[1:]:
-        method.name = f"{method.name}_k{method.k}"
-    runs = interleaved(methods, prompts, config.max_tokens, 1, advance, phase, warmup=False)
-    base = _seconds(runs[ar.name])
-    points = []
-    for method in methods[1:]:
-        first = [r[0] for r in runs[method.name]]
-        speedup = _median_ratio(base, _seconds(runs[method.name]))
-        stats = speculation_stats(method, first, times)
-        points.append({"k": method.k, "speedup_vs_ours_ar": speedup, "efficiency": efficiency(speedup, stats["bound"]),
-                       **{key: stats[key] for key in ("acceptance_rate", "mean_accepted_length", "bound")}})
-    return points
-
-
-def sweep_batch(pair: Pair, methods: Sequence[Method], prompts: list[list[int]], reference: list[list[int]],
-                advance: Advance, phase: str) -> list[dict]:
-    """Throughput (generated tokens / wall time) of each method at each batch size, interleaved per batch,
-    over the first max(batch_sizes) prompts (repeated if fewer), with exactness against `reference`."""
-    config = pair.config
-    count = max(config.batch_sizes)
-    indices = [i % len(prompts) for i in range(count)]
-    usable = {b: [m for m in methods if m.max_batch is None or b <= m.max_batch] for b in config.batch_sizes}
-    total = sum(len(ms) * -(-count // b) for b, ms in usable.items())
-    rows = []
-    for b in config.batch_sizes:
-        totals = {m.name: [0, 0.0, []] for m in usable[b]}
-        for start in range(0, count, b):
-            chunk = indices[start : start + b]
-            for method in usable[b]:
-                g = method.generate([prompts[i] for i in chunk], config.max_tokens)
-                record = totals[method.name]
-                record[0] += sum(len(t) for t in g.token_ids)
-                record[1] += g.seconds
-                record[2] += [exactness.compare(pair.hf_target, prompts[i], t, reference[i])
-                              for i, t in zip(chunk, g.token_ids)]
-                advance(phase, total)
-        for method in usable[b]:
-            tokens, seconds, verdicts = totals[method.name]
-            rows.append({"batch_size": b, "method": method.name, "label": method.label,
-                         "tokens_per_s": tokens / seconds, **exactness.summarize(verdicts)})
-    return rows
-
-
 NOTES = [
     "HF methods generate with eos_token_id=None and ours with ignore_eos=True: every output has max_tokens "
     "tokens and both follow the target's own greedy text.",
     "HF assisted generation drafts a constant k per step (num_assistant_tokens_schedule='constant', no "
     "confidence threshold), like ours; HF prompt lookup matches n-grams of up to 3 tokens, like ours.",
-    "HF acceptance is derived from the target's forward calls (accepted = tokens - calls); its per-position "
-    "acceptance is not available.",
+    "HF's tokens per step come from counting the target's forward calls (accepted = tokens - calls); what it "
+    "drafted, hence its acceptance rate and per-position acceptance, is not available.",
+    "The bound's a is alpha, the per-token acceptance whose E = (1 - a^(k+1)) / (1 - a) equals the measured "
+    "tokens per step; accepted / drafted (the acceptance rate column) counts drafts after a rejection as "
+    "rejected and would understate E and the bound.",
     "HF assisted generation and prompt lookup take batch 1 only: the batch sweep leaves them out.",
 ]
 
@@ -293,8 +169,21 @@ def build_methods(pair: Pair) -> tuple[list[Method], dict[str, dict]]:
     return methods, skipped
 
 
+@contextmanager
+def stopwatch(seconds: dict[str, float], phase: str) -> Iterator[None]:
+    """Record the wall time of the `with` block as seconds[phase]."""
+    start = time.perf_counter()
+    yield
+    seconds[phase] = time.perf_counter() - start
+
+
 def run_bench(config: BenchConfig, advance: Advance) -> dict:
-    """Measure everything `config` asks for; returns the results (the content of results.json)."""
+    """Measure everything `config` asks for; returns the results (the content of results.json).
+
+    The side-by-side table runs on every prompt set; the draft model's k sweep on the first set and the
+    n-gram k sweep on the last (code and edit by default); the batch sweep on the first set.
+    """
+    clock = time.perf_counter()
     torch.manual_seed(config.seed)
     notes = list(NOTES)
     if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
@@ -308,29 +197,46 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
         raise ValueError(f"max_tokens={config.max_tokens} leaves no room for a prompt in the models' "
                          f"context of {min(limits)} tokens")
     sets = load_sets(config, pair.tokenizer, max_prompt, notes)
-    first_name, first_prompts = next(iter(sets.items()))
-    context = int(statistics.median(len(p) for p in first_prompts)) + config.max_tokens // 2
+    names = list(sets)
+    context = int(statistics.median(len(p) for p in sets[names[0]])) + config.max_tokens // 2
     proposer = NgramProposer(SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max)
-    times = measure_step_times(pair.target, pair.draft, proposer, first_prompts[0], context, ks,
-                               config.timing_repeats, config.seed)
+    timer = StepTimer(pair.target, pair.draft, proposer, sets[names[0]][0], context, ks, config.seed)
+    timer.sample(config.timing_repeats // 2)
     methods, skipped = build_methods(pair)
     results: dict = {"config": asdict(config), "machine": {**machine(), "device": str(pair.device),
                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
-                     "step_times": asdict(times), "sets": {}, "sweeps": {"k": {}}, "notes": notes}
-    references = {}
-    for name, prompts in sets.items():
-        table, references[name] = compare_methods(pair, methods, prompts, times, advance,
-                                                  f"{name}: methods side by side")
+                     "sets": {}, "sweeps": {"k": {}}, "notes": notes,
+                     "seconds": {"loading and first step times": time.perf_counter() - clock}}
+    seconds = results["seconds"]
+    references, runs = {}, {}
+    for name, prompts in sets.items():  # one warm-up per method, before its first timed run
+        phase = f"{name}: methods side by side"
+        with stopwatch(seconds, phase):
+            table, references[name], runs[name] = compare_methods(pair, methods, prompts, advance, phase,
+                                                                  warmup=name == names[0])
         table.update({m: {**entry, "status": "skipped"} for m, entry in skipped.items()})
         results["sets"][name] = {"num_prompts": len(prompts), "methods": table}
     ar = next(m for m in methods if m.name == "ours_ar")
-    for name, prompts in sets.items():
-        results["sweeps"]["k"][name] = {d: sweep_k(pair, ar, d, prompts[: config.sweep_prompts], times, advance,
-                                                   f"{name}: k sweep, {d}") for d in pair.drafters}
+    for drafter in pair.drafters:
+        name = names[0] if drafter == "draft_model" else names[-1]
+        phase = f"{name}: k sweep, {drafter}"
+        with stopwatch(seconds, phase):
+            points = sweep_k(pair, ar, drafter, sets[name][: config.sweep_prompts], advance, phase)
+        results["sweeps"]["k"].setdefault(name, {})[drafter] = points
     batch_methods = [m for m in methods if m.engine == "ours" or m.name == "hf_generate"]
-    results["sweeps"]["batch"] = sweep_batch(pair, batch_methods, first_prompts, references[first_name], advance,
-                                             f"{first_name}: batch sweep")
-    results["sweeps"]["batch_set"] = first_name
+    phase = f"{names[0]}: batch sweep"
+    with stopwatch(seconds, phase):
+        results["sweeps"]["batch"] = sweep_batch(pair, batch_methods, sets[names[0]], references[names[0]],
+                                                 runs[names[0]], advance, phase)
+    results["sweeps"]["batch_set"] = names[0]
+    timer.sample(config.timing_repeats - config.timing_repeats // 2)
+    times = timer.times()
+    results["step_times"] = asdict(times)
+    entries = [e for data in results["sets"].values() for e in data["methods"].values() if e["status"] == "ok"]
+    entries += [p for sweeps in results["sweeps"]["k"].values() for points in sweeps.values() for p in points]
+    for entry in entries:
+        entry.update(bound_figures(entry["drafter"], entry["k"], entry["alpha"], entry.pop("own_speedup"), times))
+    results["seconds"]["total"] = time.perf_counter() - clock
     return results
 
 
@@ -350,5 +256,6 @@ def run_and_report(config: BenchConfig, out: Path, console: Console) -> dict:
     print_tables(results, console)
     plots = write_plots(results, out)
     paths = write_outputs(results, out, plots)
-    console.print(f"wrote {paths['json']}, {paths['report']} and {len(plots)} plots to {out}/")
+    console.print(f"{results['seconds']['total']:.0f} s; wrote {paths['json']}, {paths['report']} and "
+                  f"{len(plots)} plots to {out}/")
     return results
