@@ -42,6 +42,10 @@ class KVCache(Protocol):
         """Keep only `rows` ([n] int64 indices into the batch), in that order."""
         ...
 
+    def append_rows(self, other: KVCache) -> None:
+        """Add the rows of `other` (a cache of the same kind and model) after this cache's rows."""
+        ...
+
 
 class StaticKVCache:
     """Preallocated per-layer K/V buffers written at per-row positions.
@@ -112,7 +116,26 @@ class StaticKVCache:
         if max_length is not None:
             self.host_max_length = max_length
 
+    def append_rows(self, other: StaticKVCache) -> None:
+        """Concatenate `other`'s rows; the shorter buffers are padded to the longer max_length."""
+        self.max_length = max(self.max_length, other.max_length)
+
+        def joined(mine: Tensor, theirs: Tensor) -> Tensor:
+            pad = [_pad_length(t, self.max_length) for t in (mine, theirs)]
+            return torch.cat(pad, dim=0)
+
+        self.keys = [joined(a, b) for a, b in zip(self.keys, other.keys)]
+        self.values = [joined(a, b) for a, b in zip(self.values, other.values)]
+        self._lengths = torch.cat([self._lengths, other.lengths])
+        self.host_max_length = max(self.host_max_length, other.host_max_length)
+
     def select_rows(self, rows: Tensor) -> None:
         self.keys = [k.index_select(0, rows) for k in self.keys]
         self.values = [v.index_select(0, rows) for v in self.values]
         self._lengths = self._lengths.index_select(0, rows)
+
+
+def _pad_length(buffer: Tensor, max_length: int) -> Tensor:
+    """[batch, heads, length, dim] -> [batch, heads, max_length, dim], zero padded."""
+    missing = max_length - buffer.shape[2]
+    return torch.nn.functional.pad(buffer, (0, 0, 0, missing)) if missing else buffer

@@ -68,7 +68,7 @@ class LLM:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
         self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, typical,
-                             self._detokenize if self.tokenizer is not None else None)
+                             self.detokenize if self.tokenizer is not None else None)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -126,7 +126,7 @@ class LLM:
         """A sequence's text so far; while it runs, without a trailing incomplete character."""
         if request.text is not None:
             return request.text
-        text = self._detokenize(request.output_token_ids, request.params)
+        text = self.detokenize(request.output_token_ids, request.params)
         return text if request.finished else text.rstrip("\ufffd")
 
     def _prepare(self, prompts, sampling_params):
@@ -137,7 +137,7 @@ class LLM:
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             if p.truncate_prompt_tokens is not None:
                 ids = token_ids[i] = ids[-p.truncate_prompt_tokens:]
-            sequences.extend(self._sequences(i, ids, p))
+            sequences.extend(self.make_sequences(ids, p, i))
         return texts, token_ids, params, sequences
 
     def _params(self, sampling_params, count: int) -> list[SamplingParams]:
@@ -152,8 +152,10 @@ class LLM:
             raise TypeError("sampling_params must be SamplingParams or a list of them")
         return params
 
-    def _sequences(self, index: int, ids: list[int], p: SamplingParams) -> list[Request]:
-        """Check one prompt's request against the model and make its sequences (n or best_of)."""
+    def make_sequences(self, ids: list[int], p: SamplingParams, index: int = 0) -> list[Request]:
+        """The engine's sequences (n or best_of) for one prompt of token ids, checked against the
+        models (vocabulary, context length, tokenizer needs): a ValueError names what does not fit.
+        `index` is the prompt's place in its batch, used in messages and to group its sequences."""
         vocab = self.target.model.vocab_size
         p.token_ids_in_vocabulary(vocab)
         limit = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
@@ -209,8 +211,11 @@ class LLM:
         if params.sampled_sequences > params.n:  # best_of: the n most likely sequences
             sequences = sorted(sequences, key=lambda r: r.cumulative_logprob, reverse=True)[: params.n]
         completions = []
+        for r in sequences:
+            if r.error is not None:
+                raise RuntimeError(f"prompt {index} failed: {r.error}")
         for i, r in enumerate(sequences):
-            text = r.text if r.text is not None else self._detokenize(r.output_token_ids, params)
+            text = r.text if r.text is not None else self.detokenize(r.output_token_ids, params)
             completions.append(CompletionOutput(i, text, r.output_token_ids, r.cumulative_logprob, r.logprobs,
                                                 r.finish_reason, r.stop_reason))
         metrics = sequences[0].metrics
@@ -218,7 +223,9 @@ class LLM:
             metrics.merge(r.metrics)
         return RequestOutput(str(index), prompt, prompt_ids, completions, sequences[0].prompt_logprobs, True, metrics)
 
-    def _detokenize(self, ids: list[int], params: SamplingParams | None) -> str:
+    def detokenize(self, ids: list[int], params: SamplingParams | None) -> str:
+        """Token ids -> text with the request's detokenize options ("" without a tokenizer or
+        with detokenize=False; params None: plain decoding)."""
         if self.tokenizer is None or (params is not None and not params.detokenize):
             return ""
         if params is None:

@@ -57,12 +57,23 @@ class Batch:
             block = self.tokens.new_empty((len(self.requests), 0))
         return TokenContext(self.tokens, self.lengths, self.prompt_lengths, block, self.strategy.vocab_size)
 
+    def append(self, other: Batch) -> None:
+        """Add `other`'s rows (same k, vocabulary and device) after these; caches are the caller's."""
+        self.requests += other.requests
+        self.host_lengths += other.host_lengths
+        self.eos_token_ids += [t for t in other.eos_token_ids if t not in self.eos_token_ids]
+        self.capacity = max(self.capacity, other.capacity)
+        width = max(self.tokens.shape[1], other.tokens.shape[1])
+        self.tokens = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (self.tokens, other.tokens)])
+        for name in ("lengths", "prompt_lengths", "max_tokens", "num_generated"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.strategy.append(other.strategy)
+        self.stop_ids = self.strategy.stop_ids
+
     def select(self, rows: list[int], caches: list[KVCache], proposer: Proposer | None) -> None:
         """Keep only `rows` (host indices, repeats allowed: a repeated row is copied) everywhere."""
         self.requests = [self.requests[i] for i in rows]
         self.host_lengths = [self.host_lengths[i] for i in rows]
-        if not rows:
-            return
         self.strategy.select_rows(rows)
         index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
         for name in ("tokens", "lengths", "prompt_lengths", "stop_ids", "max_tokens", "num_generated"):

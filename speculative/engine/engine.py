@@ -14,6 +14,10 @@ The one host-device synchronisation of a step is the read of the kept tokens and
 Cache invariant between steps: the target's cache holds the context minus its last token.
 With no proposer the same loop is plain autoregressive decoding (k = 0): the baseline.
 The prefill runs once per prompt; a prompt's n / best_of sequences then copy its cache rows.
+
+Continuous batching: `add` prefills new sequences into caches of their own and then appends their
+rows to the running batch (and its caches), `step` advances every running row, `abort` drops rows;
+a server's scheduler calls these between steps. `generate` is the same loop for one fixed batch.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from speculative.acceptance import TypicalAcceptanceSampler, greedy_accept, reje
 from speculative.engine import logprobs as L
 from speculative.engine.batch import Batch
 from speculative.engine.request import Request, StopStrings
+from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
 from speculative.proposers.base import Proposer
 from speculative.sampling_params import SamplingParams
@@ -57,58 +62,130 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = generator
         self.decode = decode
+        self.batch: Batch | None = None
+        self.cache: KVCache | None = None
+        self.stop_strings: dict[int, StopStrings] = {}
+        self.num_top, self.want_logprobs = 0, False
+
+    @property
+    def requests(self) -> list[Request]:
+        """The sequences in the running batch."""
+        return self.batch.requests if self.batch is not None else []
 
     def run(self, requests: list[Request]) -> None:
         """Generate every sequence to completion, filling in its outputs and metrics."""
         for _ in self.generate(requests):
             pass
 
-    @torch.inference_mode()
     def generate(self, requests: list[Request], chunk_steps: int | None = None,
                  eos_token_ids: Sequence[int] | None = None) -> Iterator[list[Request]]:
         """Generate the sequences, yielding them all after every `chunk_steps` target steps (the
         prefill included) and once more when every one has finished.
 
+        The engine is this generator's alone while it runs: it starts from an empty batch, and
+        closing it early drops the sequences still running (their records stay as they are).
         Sequences that already have output tokens are resumed: their caches are rebuilt from their
         tokens and their generators must hold the state they had. The sequences of one prompt (same
         prompt_index) must be adjacent. eos_token_ids overrides the model's EOS for this generation.
         """
-        self.start_time = time.perf_counter()
-        eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        active = [r for r in requests if not r.finished]
-        if not active:
+        self.reset()
+        try:
+            self.add([r for r in requests if not r.finished], eos_token_ids)
+            steps = 1
+            while self.batch is not None:
+                if chunk_steps is not None and steps % chunk_steps == 0:
+                    yield requests
+                self.step()
+                steps += 1
             yield requests
-            return
-        batch = Batch(active, eos, self.k, self.target.vocab_size, self.target.device, self.generator)
-        self.stop_strings = {id(r): StopStrings(r, lambda ids, p=r.params: self.decode(ids, p))
-                             for r in active if r.params.stop}
-        self.num_top = max([r.params.logprobs or 0 for r in active])
-        self.want_logprobs = any(r.params.logprobs is not None or r.params.sampled_sequences > r.params.n
-                                 for r in active)
-        if any(r.output_token_ids for r in active):
-            self._rebuild_caches(batch)
-        else:
-            self._prefill(batch)
-        steps = 1
-        while batch.requests:
-            if chunk_steps is not None and steps % chunk_steps == 0:
-                yield requests
-            self._step(batch)
-            steps += 1
-        yield requests
+        finally:
+            self.reset()
 
-    def _rebuild_caches(self, batch: Batch) -> None:
-        """Resume: both caches computed again from the tokens (target: all but the last; draft: all
-        but the last two), sampling nothing."""
-        lengths = batch.lengths
-        self.cache = self.target.new_cache(len(batch.requests), batch.capacity)
-        self.target.forward(batch.tokens[:, : max(batch.host_lengths) - 1], self.cache, num_tokens=lengths - 1,
-                            logits_indices=torch.zeros_like(lengths)[:, None])
+    def reset(self) -> None:
+        """Forget the running batch and its caches."""
+        self.batch, self.cache = None, None
+        self.stop_strings = {}
         if self.proposer is not None:
-            self.proposer.start(batch.tokens, lengths - 1)
+            self.proposer.select_rows(torch.empty(0, dtype=torch.long, device=self.target.device))
 
-    def _prefill(self, batch: Batch) -> None:
-        """One target forward per prompt; its sequences copy the cache; each samples a first token."""
+    @torch.inference_mode()
+    def add(self, requests: list[Request], eos_token_ids: Sequence[int] | None = None) -> list[Request]:
+        """Admit sequences to the running batch (continuous batching): prefill new ones, each
+        sampling its first token, or rebuild the caches of resumed ones from their tokens.
+
+        The running rows are untouched until the new ones are ready, so when this raises only the
+        new sequences are lost. Returns the new sequences that already finished (one token was
+        enough, or they failed).
+        """
+        if not requests:
+            return []
+        start = time.perf_counter()
+        for r in requests:
+            r.start_time = start
+        eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        batch = Batch(requests, eos, self.k, self.target.vocab_size, self.target.device, self.generator)
+        for r in requests:
+            if r.params.stop:
+                self.stop_strings[id(r)] = StopStrings(r, lambda ids, p=r.params: self.decode(ids, p))
+        self._want_logprobs(self.requests + requests)
+        if any(r.output_token_ids for r in requests):
+            cache = self._rebuild_cache(batch)
+            finished = []
+        else:
+            cache, finished = self._prefill(batch)
+        if not batch.requests:
+            return finished
+        if self.proposer is not None:
+            self.proposer.add_rows(batch.tokens, batch.lengths)
+        if self.batch is None:
+            self.batch, self.cache = batch, cache
+        else:
+            self.batch.append(batch)
+            self.cache.append_rows(cache)
+        return finished
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """One speculative (or plain) step of every running row; returns the sequences it finished."""
+        if self.batch is None:
+            return []
+        finished = self._step(self.batch)
+        if not self.batch.requests:
+            self.reset()
+        return finished
+
+    def abort(self, requests: list[Request], reason: str = "abort") -> None:
+        """Drop these sequences from the running batch, marking them finished with `reason`."""
+        gone = {id(r) for r in requests}
+        for r in requests:
+            if not r.finished:
+                r.finish_reason = reason
+            self.stop_strings.pop(id(r), None)
+        if self.batch is None:
+            return
+        keep = [i for i, r in enumerate(self.batch.requests) if id(r) not in gone]
+        if len(keep) < len(self.batch.requests):
+            self.batch.select(keep, [self.cache], self.proposer)
+            if not self.batch.requests:
+                self.reset()
+
+    def _want_logprobs(self, requests: list[Request]) -> None:
+        self.num_top = max([r.params.logprobs or 0 for r in requests])
+        self.want_logprobs = any(r.params.logprobs is not None or r.params.sampled_sequences > r.params.n
+                                 for r in requests)
+
+    def _rebuild_cache(self, batch: Batch) -> KVCache:
+        """Resume: the target's cache computed again from the tokens (all but the last), sampling
+        nothing."""
+        lengths = batch.lengths
+        cache = self.target.new_cache(len(batch.requests), batch.capacity)
+        self.target.forward(batch.tokens[:, : max(batch.host_lengths) - 1], cache, num_tokens=lengths - 1,
+                            logits_indices=torch.zeros_like(lengths)[:, None])
+        return cache
+
+    def _prefill(self, batch: Batch) -> tuple[KVCache, list[Request]]:
+        """One target forward per prompt; its sequences copy the cache; each samples a first token.
+        Returns the new cache and the sequences that finished with that token."""
         requests = batch.requests
         heads, expand = [], []  # the first row of each prompt; row -> its prompt's index in heads
         for row, r in enumerate(requests):
@@ -118,10 +195,10 @@ class Engine:
         index = torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)
         lengths = batch.lengths[index]
         width = max(batch.host_lengths[h] for h in heads)
-        self.cache = self.target.new_cache(len(heads), batch.capacity)
+        cache = self.target.new_cache(len(heads), batch.capacity)
         all_logits = any(r.params.prompt_logprobs is not None for r in requests)
         last = (lengths - 1)[:, None]
-        logits = self.target.forward(batch.tokens[index, :width], self.cache, num_tokens=lengths,
+        logits = self.target.forward(batch.tokens[index, :width], cache, num_tokens=lengths,
                                      logits_indices=None if all_logits else last)
         if all_logits:
             for row, head in enumerate(heads):
@@ -132,24 +209,19 @@ class Engine:
                     for other in requests[head: head + expand.count(row)]:
                         other.prompt_logprobs = found
             logits = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))
-        if self.proposer is not None:
-            self.proposer.start(batch.tokens[index], lengths)
         if len(heads) != len(requests):
-            rows = torch.tensor(expand, dtype=torch.long, device=index.device)
-            self.cache.select_rows(rows)
-            if self.proposer is not None:
-                self.proposer.select_rows(rows)
-            logits = logits[rows]
+            cache.select_rows(torch.tensor(expand, dtype=torch.long, device=index.device))
+            logits = logits[torch.tensor(expand, dtype=torch.long, device=index.device)]
         first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
-        self._commit(batch, first, logits, None, prefill=True)
+        return cache, self._commit(batch, cache, None, first, logits, None)
 
-    def _step(self, batch: Batch) -> None:
+    def _step(self, batch: Batch) -> list[Request]:
         k, strategy = self.k, batch.strategy
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
         if self.proposer is None:
             logits = self.target.forward(last, self.cache)  # [B, 1, V]
-            self._commit(batch, strategy.next_tokens(logits[:, 0], batch.context())[:, None], logits, None)
-            return
+            tokens = strategy.next_tokens(logits[:, 0], batch.context())[:, None]
+            return self._commit(batch, self.cache, None, tokens, logits, None, counted=True)
         proposal = self.proposer.propose(batch.tokens, batch.lengths, k, strategy)
         draft_ids = proposal.token_ids  # [B, k], -1 = nothing proposed
         query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, k + 1]
@@ -165,15 +237,17 @@ class Engine:
             else:
                 out = rejection_sample(target_probs[:, :k], bonus, proposal.probs, draft_ids,
                                        strategy.random.uniform(k), strategy.random.exponential(logits.shape[-1]))
-        self._commit(batch, out, logits, draft_ids)
+        return self._commit(batch, self.cache, self.proposer, out, logits, draft_ids, counted=True)
 
-    def _commit(self, batch: Batch, emitted: Tensor, logits: Tensor, draft_ids: Tensor | None,
-                prefill: bool = False) -> None:
-        """Cut each row's block at its stop token or max_tokens, append it, roll the caches back.
+    def _commit(self, batch: Batch, cache: KVCache, proposer: Proposer | None, emitted: Tensor, logits: Tensor,
+                draft_ids: Tensor | None, counted: bool = False) -> list[Request]:
+        """Cut each row's block at its stop token or max_tokens, append it, roll the caches back,
+        drop the rows that finished (returned).
 
         emitted: [B, m] tokens of this step, -1 padded; logits: [B, m, V] the target's raw logits
-        they were chosen from; draft_ids: [B, k], or None for a step without drafts; prefill: the
-        first token, which no step counts.
+        they were chosen from; draft_ids: [B, k], or None for a step without drafts; counted: a
+        step of the metrics (the prefill's first token is not one). A row whose own host-side work
+        (stop strings, grammar, log-probability tokens) raises fails alone: finish_reason "error".
         """
         width = emitted.shape[1]
         positions = torch.arange(width, device=emitted.device)
@@ -191,47 +265,61 @@ class Engine:
         host = torch.cat(columns, dim=1).tolist()  # the step's one host sync
         scores = [t.tolist() for t in L.token_logprobs(logits, emitted, self.num_top)] if self.want_logprobs else None
         now = time.perf_counter()
+        failures = batch.strategy.take_failures()  # {row: error} from per-row processing this step
         finished = []
         for row, (request, values) in enumerate(zip(batch.requests, host)):
-            n, stop, accepted, drafted = values[width:]
-            new = values[:n]
-            request.output_token_ids.extend(new)
-            batch.host_lengths[row] += n
-            if scores is not None:
-                self._add_logprobs(request, new, [s[row][:n] for s in scores])
-            if request.guide is not None:
-                request.guide.accept(new)
-            m = request.metrics
-            m.num_generated += n
-            if not prefill:
-                m.num_steps += 1
-                m.num_drafted += drafted
-                m.num_accepted += accepted
-                for i in range(drafted):
-                    m.drafted_per_position[i] += 1
-                for i in range(accepted):
-                    m.accepted_per_position[i] += 1
-            checker = self.stop_strings.get(id(request))
-            if checker is not None and checker.extend(n):
-                request.finish_reason, request.text = "stop", checker.text
-                m.num_generated = len(request.output_token_ids)
-            elif stop:
-                last = request.output_token_ids[-1]
-                request.finish_reason = "stop"
-                request.stop_reason = None if last in batch.eos_token_ids else last
-            elif m.num_generated >= request.max_tokens:
-                request.finish_reason = "length"
+            batch.host_lengths[row] += values[width]
+            try:
+                if row in failures:
+                    raise failures[row]
+                self._record(request, values, width, batch.eos_token_ids,
+                             [s[row] for s in scores] if scores is not None else None, counted)
+            except Exception as error:  # noqa: BLE001 - the row's own work failed: it fails alone
+                request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
             if request.finished:
-                m.elapsed_s = now - self.start_time
-                finished.append(row)
+                request.metrics.elapsed_s = now - request.start_time
+                self.stop_strings.pop(id(request), None)
+                finished.append(request)
         if finished:
-            gone = set(finished)
-            batch.select([i for i in range(len(batch.requests)) if i not in gone], [self.cache], self.proposer)
+            gone = {id(r) for r in finished}
+            batch.select([i for i, r in enumerate(batch.requests) if id(r) not in gone], [cache], proposer)
         if batch.requests:
             max_length = max(batch.host_lengths)
-            self.cache.rollback(batch.lengths - 1, max_length - 1)
-            if self.proposer is not None:
-                self.proposer.accept(batch.lengths, max_length)
+            cache.rollback(batch.lengths - 1, max_length - 1)
+            if proposer is not None:
+                proposer.accept(batch.lengths, max_length)
+        return finished
+
+    def _record(self, request: Request, values: list[int], width: int, eos_token_ids: list[int],
+                scores: list[list] | None, counted: bool) -> None:
+        """One row's share of a commit, on the host: its new tokens, figures and finish."""
+        n, stop, accepted, drafted = values[width:]
+        new = values[:n]
+        request.output_token_ids.extend(new)
+        if scores is not None:
+            self._add_logprobs(request, new, [s[:n] for s in scores])
+        if request.guide is not None:
+            request.guide.accept(new)
+        m = request.metrics
+        m.num_generated += n
+        if counted:
+            m.num_steps += 1
+            m.num_drafted += drafted
+            m.num_accepted += accepted
+            for i in range(drafted):
+                m.drafted_per_position[i] += 1
+            for i in range(accepted):
+                m.accepted_per_position[i] += 1
+        checker = self.stop_strings.get(id(request))
+        if checker is not None and checker.extend(n):
+            request.finish_reason, request.text = "stop", checker.text
+            m.num_generated = len(request.output_token_ids)
+        elif stop:
+            last = request.output_token_ids[-1]
+            request.finish_reason = "stop"
+            request.stop_reason = None if last in eos_token_ids else last
+        elif m.num_generated >= request.max_tokens:
+            request.finish_reason = "length"
 
     def _add_logprobs(self, request: Request, new: list[int], scores: list[list]) -> None:
         chosen = scores[0]

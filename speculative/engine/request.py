@@ -18,6 +18,8 @@ class Request:
     prompt_index / sample_index: which prompt, and which of its sampled sequences.
     max_tokens: resolved (never None). generator: this sequence's own generator, or None.
     bad_words_token_ids / guide: the tokenizer's and the grammar's share of the sampling work.
+    finish_reason: "stop", "length", "abort" (dropped before the end) or "error" (its own work
+    raised; `error` says what). start_time: when the engine admitted it (time.perf_counter()).
     """
 
     prompt_token_ids: list[int]
@@ -36,6 +38,8 @@ class Request:
     cumulative_logprob: float | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: SpeculationMetrics = field(default_factory=SpeculationMetrics)
+    error: str | None = None
+    start_time: float = 0.0
 
     @property
     def finished(self) -> bool:

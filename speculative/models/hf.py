@@ -21,8 +21,10 @@ class HFKVCache:
     valid: [batch, slots] bool, which physical slots hold a row's context.
     """
 
-    def __init__(self, batch_size: int, max_length: int, device: torch.device) -> None:
+    def __init__(self, batch_size: int, max_length: int, device: torch.device,
+                 single_row_reason: str | None = None) -> None:
         self.past = DynamicCache()
+        self.single_row_reason = single_row_reason  # why this model's cache cannot hold several rows
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.max_length = max_length
         self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -45,6 +47,22 @@ class HFKVCache:
             self.past.crop(keep - self.valid.shape[1])  # a negative count removes that many slots
             self.valid = self.valid[:, :keep]
 
+    def append_rows(self, other: HFKVCache) -> None:
+        """Concatenate `other`'s rows; the one with fewer slots gets invalid slots at its end."""
+        if self.single_row_reason is not None:
+            raise ValueError(self.single_row_reason)
+        slots = max(self.valid.shape[1], other.valid.shape[1])
+        merged = DynamicCache()
+        for i, (mine, theirs) in enumerate(zip(self.past.layers, other.past.layers)):
+            keys = torch.cat([_pad_slots(mine.keys, slots), _pad_slots(theirs.keys, slots)])
+            values = torch.cat([_pad_slots(mine.values, slots), _pad_slots(theirs.values, slots)])
+            merged.update(keys, values, i)
+        self.past = merged
+        self.valid = torch.cat([torch.cat([v, v.new_zeros(v.shape[0], slots - v.shape[1])], dim=1)
+                                for v in (self.valid, other.valid)])
+        self._lengths = torch.cat([self._lengths, other.lengths])
+        self.max_length = max(self.max_length, other.max_length)
+
     def select_rows(self, rows: Tensor) -> None:
         self.past.batch_select_indices(rows)
         self.valid = self.valid.index_select(0, rows)
@@ -65,11 +83,13 @@ class HFCausalLM:
         self.dtype = model.dtype
 
     def new_cache(self, batch_size: int, max_length: int) -> HFKVCache:
-        if batch_size > 1 and getattr(self.config, "sliding_window", None) and \
-                getattr(self.config, "use_sliding_window", True):
-            raise ValueError(f"{self.config.model_type} uses sliding-window attention, which the transformers "
-                             "path supports one prompt at a time; pass one prompt per generate call")
-        return HFKVCache(batch_size, max_length, self.device)
+        reason = None
+        if getattr(self.config, "sliding_window", None) and getattr(self.config, "use_sliding_window", True):
+            reason = (f"{self.config.model_type} uses sliding-window attention, which the transformers path "
+                      "supports one sequence at a time; pass one prompt per generate call")
+        if batch_size > 1 and reason is not None:
+            raise ValueError(reason)
+        return HFKVCache(batch_size, max_length, self.device, reason)
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, cache: HFKVCache, num_tokens: Tensor | None = None,
@@ -90,3 +110,9 @@ class HFCausalLM:
         if logits_indices is not None:
             logits = logits.gather(1, logits_indices[:, :, None].expand(-1, -1, logits.shape[-1]))
         return logits
+
+
+def _pad_slots(t: Tensor, slots: int) -> Tensor:
+    """[batch, heads, s, dim] -> [batch, heads, slots, dim], zero (False) padded at the end."""
+    missing = slots - t.shape[2]
+    return torch.nn.functional.pad(t, (0, 0, 0, missing)) if missing else t

@@ -29,8 +29,9 @@ class Proposer(Protocol):
     context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
     """
 
-    def start(self, tokens: Tensor, lengths: Tensor) -> None:
-        """Begin a new batch whose contexts are the prompts (lengths >= 1)."""
+    def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
+        """Add rows after the current ones (a new batch when there are none), whose contexts are
+        tokens[b, :lengths[b]] (lengths >= 2: the prompt and at least its first generated token)."""
         ...
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,

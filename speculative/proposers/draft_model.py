@@ -28,12 +28,16 @@ class DraftModelProposer:
         self._last_two = torch.tensor([-2, -1], device=model.device)
         self.cache = None
 
-    def start(self, tokens: Tensor, lengths: Tensor) -> None:
-        self.cache = self.model.new_cache(tokens.shape[0], tokens.shape[1])
-        width = int(lengths.max())
-        self.model.forward(tokens[:, :width], self.cache, num_tokens=lengths,
+    def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
+        cache = self.model.new_cache(tokens.shape[0], tokens.shape[1])
+        width = int(lengths.max()) - 1  # the prefill feeds all but the last token, then forgets one more
+        self.model.forward(tokens[:, :width], cache, num_tokens=lengths - 1,
                            logits_indices=torch.zeros_like(lengths)[:, None])
-        self.cache.rollback(lengths - 1, width - 1)
+        cache.rollback(lengths - 2, width - 1)
+        if self.cache is None or self.cache.batch_size == 0:
+            self.cache = cache
+        else:
+            self.cache.append_rows(cache)
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
                 strategy: SampleStrategy) -> Proposal:
@@ -46,4 +50,5 @@ class DraftModelProposer:
         self.cache.rollback(lengths - 2, max_length - 2)
 
     def select_rows(self, rows: Tensor) -> None:
-        self.cache.select_rows(rows)
+        if self.cache is not None:
+            self.cache.select_rows(rows)

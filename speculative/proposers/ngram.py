@@ -22,7 +22,7 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def start(self, tokens: Tensor, lengths: Tensor) -> None:
+    def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         pass
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,

@@ -39,6 +39,11 @@ class RowRandom:
         self.generators = [self.generators[i] for i in rows]
         self._index()
 
+    def append(self, other: RowRandom) -> None:
+        """Add `other`'s rows after these (the default generator stays this one's)."""
+        self.generators += other.generators
+        self._index()
+
     def _draw(self, shape: tuple[int, ...], fill: Callable[[Tensor, torch.Generator], Tensor]) -> Tensor:
         out = torch.empty((len(self.generators), *shape), dtype=torch.float32, device=self.device)
         if self._all_unseeded:

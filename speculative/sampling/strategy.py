@@ -108,6 +108,7 @@ class SampleStrategy:
         self._user = [(row, [(_arity(f), f) for f in p.logits_processors]) for row, p in enumerate(ps)
                       if p.logits_processors]
         self._guided = [(row, g) for row, g in enumerate(self.guides) if g is not None]
+        self._failures: dict[int, Exception] = {}
         self.needs_context = bool(self._allowed is not None or self._bad_words or self._use_min_tokens
                                   or self._bias is not None or self._user or self._use_penalties or self._guided)
 
@@ -123,6 +124,21 @@ class SampleStrategy:
         self.bad_words = [self.bad_words[i] for i in rows]
         self.guides = [self.guides[i] for i in rows]
         self._build()
+
+    def append(self, other: SampleStrategy) -> None:
+        """Add `other`'s rows (same vocabulary and device) after these."""
+        self.params += other.params
+        self.random.append(other.random)
+        self.stop_ids = _cat_padded(self.stop_ids, other.stop_ids)
+        self.bad_words += other.bad_words
+        self.guides += other.guides
+        self._build()
+
+    def take_failures(self) -> dict[int, Exception]:
+        """The rows whose grammar or logits processors raised since the last call ({row: error});
+        their positions were left unprocessed by the failing step, so the caller must drop them."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     def process(self, logits: Tensor, context: TokenContext | None) -> Tensor:
         """Steps 1-5 (everything before temperature): [B, q, V] -> float32 [B, q, V].
@@ -185,7 +201,10 @@ class SampleStrategy:
         for row, guide in self._guided:
             drafts = block[row]
             drafts = drafts[: drafts.index(-1)] if -1 in drafts else drafts
-            masks[row, : len(drafts) + 1] = guide.allowed_for_block(drafts)
+            try:
+                masks[row, : len(drafts) + 1] = guide.allowed_for_block(drafts)
+            except Exception as error:  # noqa: BLE001 - this row fails alone
+                self._failures[row] = error
         return masks.to(self.device)
 
     def _apply_user(self, logits: Tensor, context: TokenContext) -> Tensor:
@@ -193,11 +212,14 @@ class SampleStrategy:
         block = context.block.tolist()
         for row, functions in self._user:
             usable = block[row].index(-1) + 1 if -1 in block[row] else context.num_positions
-            for position in range(usable):  # positions after a missing draft are never used
-                prompt, output = context.row_context(row, position)
-                for arity, fn in functions:
-                    row_logits = logits[row, position]
-                    logits[row, position] = fn(output, row_logits) if arity == 2 else fn(prompt, output, row_logits)
+            try:
+                for position in range(usable):  # positions after a missing draft are never used
+                    prompt, output = context.row_context(row, position)
+                    for arity, fn in functions:
+                        row_logits = logits[row, position]
+                        logits[row, position] = fn(output, row_logits) if arity == 2 else fn(prompt, output, row_logits)
+            except Exception as error:  # noqa: BLE001 - this row fails alone
+                self._failures[row] = error
         return logits
 
 
@@ -206,6 +228,12 @@ def _arity(fn) -> int:
         return len(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return 2
+
+
+def _cat_padded(a: Tensor, b: Tensor) -> Tensor:
+    """Rows of [n, s] and [m, t] id tables, the narrower padded with -1: [n + m, max(s, t)]."""
+    width = max(a.shape[1], b.shape[1])
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in (a, b)])
 
 
 def _one_hot_argmax(logits: Tensor) -> Tensor:

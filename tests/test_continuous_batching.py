@@ -1,0 +1,106 @@
+"""Continuous batching: sequences admitted to, and dropped from, a running batch between steps
+give exactly the tokens they give alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_model
+
+from speculative import LLM, SamplingParams, SpeculativeConfig
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
+SETUPS = {
+    "draft, native": dict(model_impl="native", method="draft_model"),
+    "draft, transformers": dict(model_impl="transformers", method="draft_model"),
+    "ngram, native": dict(model_impl="native", method="ngram"),
+    "autoregressive, native": dict(model_impl="native", method=None),
+}
+
+
+def _llm(model_impl: str, method: str | None) -> LLM:
+    target = tiny_model("llama", num_layers=2)
+    draft = noisy_copy(target, 0.03) if method == "draft_model" else None
+    config = SpeculativeConfig(method=method, num_speculative_tokens=3) if method else None
+    return LLM(target, draft_model=draft, speculative_config=config, model_impl=model_impl, seed=0)
+
+
+def _params() -> list[SamplingParams]:
+    """Greedy and seeded sampled requests, with several lengths and a penalty (needs context)."""
+    return [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=7, max_tokens=9, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True, repetition_penalty=1.3),
+            SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=8, ignore_eos=True)]
+
+
+def _alone(llm: LLM, i: int) -> list[list[int]]:
+    return [c.token_ids for c in llm.generate([PROMPTS[i]], _params()[i])[0].outputs]
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_rows_admitted_mid_run_give_their_tokens_alone(setup: str) -> None:
+    llm = _llm(**SETUPS[setup])
+    expected = [_alone(llm, i) for i in range(len(PROMPTS))]
+    engine = llm.engine
+    sequences = [llm.make_sequences(PROMPTS[i], p, i) for i, p in enumerate(_params())]
+    engine.add(sequences[0])
+    engine.step()
+    engine.step()
+    engine.add(sequences[1] + sequences[2])  # joins a batch whose rows are 2 steps ahead
+    engine.step()
+    engine.add(sequences[3])
+    steps = 0
+    while engine.requests:
+        engine.step()
+        steps += 1
+        assert steps < 100
+    for i, group in enumerate(sequences):
+        assert [r.output_token_ids for r in group] == expected[i], f"prompt {i}"
+        assert all(r.finish_reason == "length" for r in group)
+    assert engine.batch is None and engine.cache is None
+
+
+@pytest.mark.parametrize("setup", ["draft, native", "draft, transformers"])
+def test_aborted_rows_leave_and_the_rest_are_unchanged(setup: str) -> None:
+    llm = _llm(**SETUPS[setup])
+    expected = _alone(llm, 2)
+    engine = llm.engine
+    first, kept = (llm.make_sequences(PROMPTS[i], _params()[i], i) for i in (0, 2))
+    engine.add(first + kept)
+    engine.step()
+    engine.abort(first)
+    assert engine.requests == kept
+    while engine.requests:
+        engine.step()
+    assert first[0].finish_reason == "abort" and kept[0].output_token_ids == expected[0]
+
+
+def test_a_row_whose_processor_raises_fails_alone() -> None:
+    llm = _llm("native", "draft_model")
+    expected = _alone(llm, 0)
+
+    def broken(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(output_ids) >= 3:
+            raise RuntimeError("processor exploded")
+        return logits
+
+    engine = llm.engine
+    good = llm.make_sequences(PROMPTS[0], _params()[0], 0)
+    bad = llm.make_sequences(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20, logits_processors=[broken]), 1)
+    engine.add(good + bad)
+    while engine.requests:
+        engine.step()
+    assert bad[0].finish_reason == "error" and "processor exploded" in bad[0].error
+    assert good[0].output_token_ids == expected[0]
+    with pytest.raises(RuntimeError, match="prompt 0 failed: RuntimeError: processor exploded"):
+        llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=20, logits_processors=[broken]))
+
+
+def test_generate_starts_clean_after_an_abandoned_stream() -> None:
+    llm = _llm("native", "draft_model")
+    expected = _alone(llm, 0)
+    from speculative.config import GenerationConfig
+    for _ in llm.stream([PROMPTS[2]], _params()[2], config=GenerationConfig(streaming_chunks=1)):
+        break  # left mid-generation: its rows must not leak into the next batch
+    assert llm.engine.batch is None
+    assert _alone(llm, 0) == expected
