@@ -1,0 +1,391 @@
+"""Continuous batching for the server: one engine thread owns the models; HTTP handlers only queue.
+
+The engine thread loops: drop the rows of requests whose clients left, admit waiting requests while
+the running batch has room (`max_num_seqs` sequences; a prefill joins the batch between two steps),
+run one step of every running row, and hand each request what it gained to its handler's asyncio
+queue (thread-safe, through the event loop). Handlers never touch tensors. A request that fails
+inside the engine (its prefill, or its own per-row work) fails alone; a whole step that raises fails
+the requests of that step and the server goes on with an empty batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from speculative.engine.outputs import Logprob, SpeculationMetrics
+from speculative.engine.request import Request
+from speculative.llm import LLM
+from speculative.sampling_params import SamplingParams
+from speculative.server.metrics import ServerMetrics
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler no longer takes requests (HTTP 503)."""
+
+
+@dataclass
+class SequenceDelta:
+    """What one choice of a request gained since its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class RequestUpdate:
+    """What a request gained in one engine step (or its prefill).
+
+    sequences: only the choices that gained something or finished. finished: every choice has.
+    metrics: the request's speculation figures, on the final update. error: the engine failed the
+    request (the handler answers 500).
+    """
+
+    sequences: list[SequenceDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    metrics: SpeculationMetrics | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Sent:
+    """How much of one sequence its handler has: text, tokens, speculation counts."""
+
+    text: str = ""
+    tokens: int = 0
+    finished: bool = False
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class RequestStream:
+    """The updates of one request, as an async iterator that ends after the final one."""
+
+    def __init__(self, job: _Job, scheduler: Scheduler) -> None:
+        self.request_id = job.request_id
+        self._job = job
+        self._scheduler = scheduler
+
+    async def __aiter__(self) -> AsyncIterator[RequestUpdate]:
+        while True:
+            update = await self._job.queue.get()
+            yield update
+            if update.finished or update.error is not None:
+                return
+
+    def abort(self) -> None:
+        """The client is gone: its rows leave the batch at the next step. Idempotent, thread-safe."""
+        self._scheduler._abort(self._job)
+
+
+@dataclass
+class _Job:
+    """One HTTP request: its sequences (n or best_of of them) and what its handler has been sent."""
+
+    request_id: str
+    number: int
+    sequences: list[Request]
+    queue: asyncio.Queue
+    arrival: float
+    sent: list[_Sent]
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    aborted: bool = False
+    done: bool = False
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.sequences[0].params
+
+
+class Scheduler:
+    """Owns `llm`'s engine in a thread and batches requests continuously.
+
+    max_num_seqs: sequences in the running batch at most (a request's n / best_of all count).
+    max_waiting: sequences that may wait for room in the running batch; beyond, `submit` raises
+        QueueFull.
+    """
+
+    def __init__(self, llm: LLM, *, max_num_seqs: int = 32, max_waiting: int = 128,
+                 metrics: ServerMetrics | None = None) -> None:
+        if max_num_seqs < 1 or max_waiting < 0:
+            raise ValueError(f"max_num_seqs must be >= 1 and max_waiting >= 0; got {max_num_seqs}, {max_waiting}")
+        self.llm = llm
+        self.engine = llm.engine
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self.metrics = metrics or ServerMetrics()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._waiting: deque[_Job] = deque()
+        self._running: list[_Job] = []
+        self._num_running = 0  # sequences of the _running jobs (read from other threads)
+        self._aborted: list[_Job] = []
+        self._numbers = itertools.count()
+        self._accepting = True
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running batch."""
+        return self._num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for the running batch."""
+        with self._lock:
+            return sum(len(j.sequences) for j in self._waiting)
+
+    def start(self) -> None:
+        """Start the engine thread; call from inside the event loop that will read the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="speculative-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Queue a request; call from the event loop. Raises ValueError (naming the problem) when the
+        models cannot take it, QueueFull, or ShuttingDown."""
+        if not self._accepting:
+            raise ShuttingDown("the server is shutting down and takes no new requests")
+        sequences = self.llm.make_sequences(list(prompt_token_ids), params)
+        if len(sequences) > self.max_num_seqs:
+            raise ValueError(f"the request needs {len(sequences)} sequences (n / best_of), more than the "
+                             f"server's max_num_seqs={self.max_num_seqs}")
+        job = _Job(request_id, next(self._numbers), sequences, asyncio.Queue(), time.perf_counter(),
+                   [_Sent(accepted_per_position=[0] * self.engine.k) for _ in sequences])
+        with self._lock:
+            queued = sum(len(j.sequences) for j in self._waiting) + len(sequences)
+            if queued - (self.max_num_seqs - self._num_running) > self.max_waiting:
+                raise QueueFull(f"the server is full: {self._num_running} sequences running (max_num_seqs="
+                                f"{self.max_num_seqs}) and the queue is at max_waiting={self.max_waiting}; "
+                                "retry later")
+            self._waiting.append(job)
+        self._wake.set()
+        return RequestStream(job, self)
+
+    async def shutdown(self, timeout: float) -> None:
+        """Stop taking requests, let queued and running ones finish for at most `timeout` seconds
+        (the rest fail with an error update), then stop the engine thread."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while (self._running or self._waiting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def _abort(self, job: _Job) -> None:
+        with self._lock:
+            if job.aborted or job.done:
+                return
+            job.aborted = True
+            if job in self._waiting:
+                self._waiting.remove(job)
+            else:
+                self._aborted.append(job)
+        self._wake.set()
+
+    # The engine thread.
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                aborted, self._aborted = self._aborted, []
+                admitted = self._admit() if not self._stopping else []
+            for job in aborted:
+                if not job.done:
+                    self._finish(job, "abort")
+            if self._stopping:
+                self._fail_all("the server shut down before this request finished")
+                self._set_gauges()
+                return
+            if admitted:
+                self._add(admitted)
+            self._set_gauges()
+            if not self._running:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            start = time.perf_counter()
+            try:
+                self.engine.step()
+            except Exception as error:  # noqa: BLE001 - the step's requests fail; the server goes on
+                self._fail_all(f"{type(error).__name__}: {error}")
+                continue
+            self._publish(list(self._running), time.perf_counter() - start)
+
+    def _admit(self) -> list[_Job]:
+        """Move waiting jobs that fit into the running batch (under the lock), oldest first."""
+        admitted, room = [], self.max_num_seqs - self.num_running
+        while self._waiting and len(self._waiting[0].sequences) <= room:
+            job = self._waiting.popleft()
+            room -= len(job.sequences)
+            admitted.append(job)
+        self._running.extend(admitted)
+        self._num_running = sum(len(j.sequences) for j in self._running)
+        return admitted
+
+    def _add(self, jobs: list[_Job]) -> None:
+        """Prefill the jobs together; if that raises, one at a time, so that a failing one fails alone."""
+        for job in jobs:
+            for r in job.sequences:
+                r.prompt_index = job.number  # the engine shares one prefill per prompt index
+            self.metrics.prompt_tokens.inc(len(job.sequences[0].prompt_token_ids))
+        start = time.perf_counter()
+        try:
+            self.engine.add([r for job in jobs for r in job.sequences])
+        except Exception as error:  # noqa: BLE001
+            if len(jobs) == 1:
+                self._fail(jobs[0], f"{type(error).__name__}: {error}")
+                return
+            for job in jobs:
+                self._add([job])
+            return
+        self._publish(jobs, time.perf_counter() - start)
+
+    def _publish(self, jobs: list[_Job], elapsed: float) -> None:
+        """Hand each job what its sequences gained; retire the finished and failed ones."""
+        now = time.perf_counter()
+        for job in jobs:
+            if job.done:
+                continue
+            errors = [r.error for r in job.sequences if r.error is not None]
+            if errors:
+                self._fail(job, errors[0])
+                continue
+            deltas = self._deltas(job)
+            gained = sum(len(d.token_ids) for d in deltas)
+            self._count(job, gained, elapsed, now)
+            finished = all(r.finished for r in job.sequences)
+            if not deltas and not finished:
+                continue
+            if finished:
+                self._retire(job)
+                self.metrics.e2e_latency.observe(now - job.arrival)
+                self.metrics.requests_finished.labels(finished_reason=_reason(job)).inc()
+            self._send(job, RequestUpdate(deltas, finished, len(job.sequences[0].prompt_token_ids),
+                                          sum(len(r.output_token_ids) for r in job.sequences),
+                                          _metrics(job) if finished else None))
+
+    def _deltas(self, job: _Job) -> list[SequenceDelta]:
+        """Each sequence's new text and tokens. best_of > n sends the best n whole, at the end."""
+        params = job.params
+        if params.sampled_sequences > params.n:
+            if not all(r.finished for r in job.sequences):
+                return []
+            best = sorted(job.sequences, key=lambda r: r.cumulative_logprob or 0.0, reverse=True)[: params.n]
+            return [SequenceDelta(i, self._text(r), list(r.output_token_ids), r.logprobs, r.finish_reason,
+                                  r.stop_reason) for i, r in enumerate(best)]
+        deltas = []
+        for i, (r, sent) in enumerate(zip(job.sequences, job.sent)):
+            if sent.finished:
+                continue
+            text = self._text(r)
+            new_text = text[len(sent.text):] if len(text) > len(sent.text) else ""
+            new_ids = r.output_token_ids[sent.tokens:]
+            if not new_ids and not new_text and not r.finished:
+                continue
+            logprobs = r.logprobs[sent.tokens: sent.tokens + len(new_ids)] if r.logprobs is not None else None
+            sent.text, sent.tokens, sent.finished = sent.text + new_text, sent.tokens + len(new_ids), r.finished
+            deltas.append(SequenceDelta(i, new_text, new_ids, logprobs, r.finish_reason, r.stop_reason))
+        return deltas
+
+    def _text(self, r: Request) -> str:
+        """A sequence's text so far; while it runs, without a trailing incomplete character nor the
+        characters that could still turn out to begin a stop string."""
+        if r.text is not None:
+            return r.text
+        text = self.llm.detokenize(r.output_token_ids, r.params)
+        if r.finished:
+            return text
+        text = text.rstrip("\ufffd")
+        if r.params.stop:
+            text = text[: max(0, len(text) - max(len(s) for s in r.params.stop) + 1)]
+        return text
+
+    def _count(self, job: _Job, gained: int, elapsed: float, now: float) -> None:
+        """Token, latency and speculation metrics of what a job gained in one step."""
+        m = self.metrics
+        if gained:
+            m.generation_tokens.inc(gained)
+            if job.first_token_time is None:
+                job.first_token_time = now
+                m.time_to_first_token.observe(now - job.arrival)
+            else:
+                for _ in range(gained):
+                    m.inter_token_latency.observe(elapsed / gained)
+        for r, sent in zip(job.sequences, job.sent):
+            s = r.metrics
+            drafts = s.drafted_per_position[0] if s.drafted_per_position else 0
+            m.num_drafts.inc(drafts - sent.drafts)
+            m.num_draft_tokens.inc(s.num_drafted - sent.drafted)
+            m.num_accepted_tokens.inc(s.num_accepted - sent.accepted)
+            for position, (now_count, before) in enumerate(zip(s.accepted_per_position, sent.accepted_per_position)):
+                if now_count > before:
+                    m.accepted_per_position.labels(position=str(position)).inc(now_count - before)
+            sent.drafts, sent.drafted, sent.accepted = drafts, s.num_drafted, s.num_accepted
+            sent.accepted_per_position = list(s.accepted_per_position)
+
+    def _finish(self, job: _Job, reason: str) -> None:
+        """Drop a running job's rows (an aborted client, or a failure)."""
+        self._retire(job)
+        self.engine.abort([r for r in job.sequences if not r.finished], reason)
+        self.metrics.requests_finished.labels(finished_reason=reason).inc()
+
+    def _retire(self, job: _Job) -> None:
+        job.done = True
+        if job in self._running:
+            self._running.remove(job)
+            self._num_running = sum(len(j.sequences) for j in self._running)
+
+    def _fail(self, job: _Job, error: str) -> None:
+        self._finish(job, "error")
+        self._send(job, RequestUpdate([], True, len(job.sequences[0].prompt_token_ids), 0, None, error))
+
+    def _fail_all(self, error: str) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting + list(self._running):
+            self._fail(job, error)
+        self.engine.reset()
+
+    def _send(self, job: _Job, update: RequestUpdate) -> None:
+        if not job.aborted and self._loop is not None:
+            self._loop.call_soon_threadsafe(job.queue.put_nowait, update)
+
+    def _set_gauges(self) -> None:
+        self.metrics.running.set(self.num_running)
+        self.metrics.waiting.set(self.num_waiting)
+
+
+def _reason(job: _Job) -> str:
+    reasons = {r.finish_reason for r in job.sequences}
+    return "length" if reasons == {"length"} else "stop"
+
+
+def _metrics(job: _Job) -> SpeculationMetrics:
+    total = SpeculationMetrics(drafted_per_position=[0] * len(job.sequences[0].metrics.drafted_per_position),
+                               accepted_per_position=[0] * len(job.sequences[0].metrics.accepted_per_position))
+    for r in job.sequences:
+        total.merge(r.metrics)
+    return total

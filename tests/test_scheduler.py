@@ -1,0 +1,116 @@
+"""The server's scheduler without HTTP: continuous batching gives every request its offline output."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import byte_tokenizer, noisy_copy, tiny_model
+
+from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.server.scheduler import QueueFull, RequestStream, Scheduler
+
+
+def _llm() -> LLM:
+    tokenizer = byte_tokenizer()
+    target = tiny_model("llama", vocab_size=257, eos_token_id=256, bos_token_id=256)
+    return LLM(target, draft_model=noisy_copy(target, 0.03), tokenizer=tokenizer,
+               speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+
+
+PROMPTS = ["def add(a, b):", "hello", "x = [1, 2", "The quick brown fox"]
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+          SamplingParams(temperature=0.8, seed=5, max_tokens=15, ignore_eos=True, n=2),
+          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["e"]),
+          SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)]
+
+
+async def _collect(stream: RequestStream) -> tuple[dict[int, str], dict[int, list[int]], list]:
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    updates = []
+    async for update in stream:
+        updates.append(update)
+        for d in update.sequences:
+            texts[d.index] = texts.get(d.index, "") + d.text
+            ids.setdefault(d.index, []).extend(d.token_ids)
+    return texts, ids, updates
+
+
+def test_concurrent_requests_get_their_offline_outputs() -> None:
+    llm = _llm()
+    expected = llm.generate(PROMPTS, PARAMS)
+
+    async def main():
+        scheduler = Scheduler(llm, max_num_seqs=3, max_waiting=8)
+        scheduler.start()
+        streams = []
+        for i, (prompt, params) in enumerate(zip(PROMPTS * 2, PARAMS * 2)):
+            streams.append(scheduler.submit(llm.tokenizer(prompt)["input_ids"], params, f"r{i}"))
+            await asyncio.sleep(0.01 * i)  # arrivals spread over the running batch's steps
+        results = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), 60)
+        assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+        await scheduler.shutdown(5)
+        return results, scheduler
+
+    results, scheduler = asyncio.run(main())
+    for i, (texts, ids, updates) in enumerate(results):
+        out = expected[i % len(PROMPTS)]
+        assert [texts[c.index] for c in out.outputs] == [c.text for c in out.outputs], i
+        assert [ids[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs], i
+        assert updates[-1].finished and updates[-1].metrics.num_generated == sum(len(c.token_ids) for c in out.outputs)
+        assert max(len(d.token_ids) for u in updates for d in u.sequences) > 1  # several tokens per step
+    sent = sum(len(token_ids) for _, ids, _ in results for token_ids in ids.values())
+    assert scheduler.metrics.generation_tokens._value.get() == sent
+    assert scheduler.metrics.num_accepted_tokens._value.get() > 0
+
+
+def test_aborts_free_rows_and_the_queue_has_a_limit() -> None:
+    llm = _llm()
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    expected = llm.generate(PROMPTS[0], PARAMS[0])[0].outputs[0].text
+
+    async def main():
+        scheduler = Scheduler(llm, max_num_seqs=2, max_waiting=1)
+        scheduler.start()
+        ids = llm.tokenizer(PROMPTS[1])["input_ids"]
+        first, second, queued = (scheduler.submit(ids, long, f"a{i}") for i in range(3))
+        with pytest.raises(QueueFull, match="max_waiting=1"):
+            scheduler.submit(ids, long, "refused")
+        async for _ in first:
+            break
+        for stream in (first, second, queued):
+            stream.abort()
+        for _ in range(200):
+            if scheduler.num_running == 0 and scheduler.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert scheduler.num_running == 0 and scheduler.engine.batch is None
+        texts, _, _ = await _collect(scheduler.submit(llm.tokenizer(PROMPTS[0])["input_ids"], PARAMS[0], "b"))
+        await scheduler.shutdown(5)
+        return texts
+
+    assert asyncio.run(main())[0] == expected
+
+
+def test_a_failing_request_fails_alone() -> None:
+    llm = _llm()
+    expected = llm.generate(PROMPTS[0], PARAMS[0])[0].outputs[0].text
+
+    def broken(output_ids, logits):
+        if len(output_ids) > 2:
+            raise RuntimeError("boom")
+        return logits
+
+    async def main():
+        scheduler = Scheduler(llm)
+        scheduler.start()
+        bad = scheduler.submit([5, 6, 7], SamplingParams(max_tokens=30, logits_processors=[broken]), "bad")
+        good = scheduler.submit(llm.tokenizer(PROMPTS[0])["input_ids"], PARAMS[0], "good")
+        (_, _, bad_updates), (texts, _, _) = await asyncio.gather(_collect(bad), _collect(good))
+        await scheduler.shutdown(5)
+        return bad_updates, texts
+
+    bad_updates, texts = asyncio.run(main())
+    assert "boom" in bad_updates[-1].error
+    assert texts[0] == expected
