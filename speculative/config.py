@@ -23,6 +23,9 @@ class SpeculativeConfig:
         posterior_alpha * exp(-entropy)). >= 0.
     prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by the "ngram" method, longest first.
         1 <= min <= max.
+    adaptive: choose k per step in [0, num_speculative_tokens] from the measured acceptance and
+        step times (`speculative.engine.draft_length`); 0 switches speculation off where it does not
+        pay. The output stays exact, but a seeded sampled request's text then depends on timing.
     """
 
     method: Literal["draft_model", "ngram"] = "draft_model"
@@ -32,6 +35,7 @@ class SpeculativeConfig:
     posterior_alpha: float = 0.3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         _check(self.method in ("draft_model", "ngram"), "method", self.method, '"draft_model" or "ngram"')
@@ -48,6 +52,7 @@ class SpeculativeConfig:
         _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
                "prompt_lookup_max", self.prompt_lookup_max, f"an integer >= prompt_lookup_min "
                f"({self.prompt_lookup_min})")
+        _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
 
 
 def _is_int(value: object) -> bool:

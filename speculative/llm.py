@@ -68,7 +68,8 @@ class LLM:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
         self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, typical,
-                             self.detokenize if self.tokenizer is not None else None)
+                             self.detokenize if self.tokenizer is not None else None,
+                             adaptive=bool(speculative_config and speculative_config.adaptive))
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

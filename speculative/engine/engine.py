@@ -31,6 +31,7 @@ from torch import Tensor
 from speculative.acceptance import TypicalAcceptanceSampler, greedy_accept, rejection_sample
 from speculative.engine import logprobs as L
 from speculative.engine.batch import Batch
+from speculative.engine.draft_length import DraftLength
 from speculative.engine.request import Request, StopStrings
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
@@ -47,6 +48,7 @@ class Engine:
     eos_token_ids: tokens that finish a row unless its params say ignore_eos.
     generator: the generator of rows without one of their own.
     typical: a TypicalAcceptanceSampler to use instead of the lossless rejection rule.
+    adaptive: choose k per step in [0, num_speculative_tokens] (`draft_length.DraftLength`).
     decode: (token ids, SamplingParams or None) -> text, for stop strings and log-probability
         tokens; None when there is no tokenizer.
     """
@@ -54,7 +56,8 @@ class Engine:
     def __init__(self, target: LanguageModel, proposer: Proposer | None, num_speculative_tokens: int,
                  eos_token_ids: Sequence[int], generator: torch.Generator,
                  typical: TypicalAcceptanceSampler | None = None,
-                 decode: Callable[[list[int], SamplingParams | None], str] | None = None) -> None:
+                 decode: Callable[[list[int], SamplingParams | None], str] | None = None,
+                 adaptive: bool = False) -> None:
         self.target = target
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
@@ -62,6 +65,7 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = generator
         self.decode = decode
+        self.draft_length = DraftLength(self.k, adaptive)
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
         self.stop_strings: dict[int, StopStrings] = {}
@@ -136,6 +140,8 @@ class Engine:
         if not batch.requests:
             return finished
         if self.proposer is not None:
+            if self.batch is not None:
+                self.proposer.catch_up(self.batch.tokens, self.batch.lengths)
             self.proposer.add_rows(batch.tokens, batch.lengths)
         if self.batch is None:
             self.batch, self.cache = batch, cache
@@ -216,12 +222,24 @@ class Engine:
         return cache, self._commit(batch, cache, None, first, logits, None)
 
     def _step(self, batch: Batch) -> list[Request]:
-        k, strategy = self.k, batch.strategy
+        start, rows = time.perf_counter(), len(batch.requests)
+        k = self.draft_length.choose(rows) if self.proposer is not None else 0
+        finished = self._speculate(batch, k) if k else self._plain(batch)
+        if self.proposer is not None:
+            self.draft_length.observe(rows, k, time.perf_counter() - start, *self.step_counts)
+        return finished
+
+    def _plain(self, batch: Batch) -> list[Request]:
+        """One token per row from the target alone (k = 0)."""
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
-        if self.proposer is None:
-            logits = self.target.forward(last, self.cache)  # [B, 1, V]
-            tokens = strategy.next_tokens(logits[:, 0], batch.context())[:, None]
-            return self._commit(batch, self.cache, None, tokens, logits, None, counted=True)
+        logits = self.target.forward(last, self.cache)  # [B, 1, V]
+        tokens = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]
+        return self._commit(batch, self.cache, self.proposer, tokens, logits, None, counted=True)
+
+    def _speculate(self, batch: Batch, k: int) -> list[Request]:
+        """Draft k tokens per row, verify them in one target forward, keep a prefix and one more."""
+        strategy = batch.strategy
+        last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
         proposal = self.proposer.propose(batch.tokens, batch.lengths, k, strategy)
         draft_ids = proposal.token_ids  # [B, k], -1 = nothing proposed
         query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, k + 1]
@@ -263,6 +281,7 @@ class Engine:
         num_drafted = (draft_ids >= 0).sum(dim=1) if draft_ids is not None else torch.zeros_like(kept)
         columns = [emitted, kept[:, None], stopped[:, None], (num_emitted - 1)[:, None], num_drafted[:, None]]
         host = torch.cat(columns, dim=1).tolist()  # the step's one host sync
+        self.step_counts = ([v[width + 2] for v in host], [v[width + 3] for v in host])  # accepted, drafted
         scores = [t.tolist() for t in L.token_logprobs(logits, emitted, self.num_top)] if self.want_logprobs else None
         now = time.perf_counter()
         failures = batch.strategy.take_failures()  # {row: error} from per-row processing this step

@@ -40,7 +40,12 @@ class Proposer(Protocol):
         ...
 
     def accept(self, lengths: Tensor, max_length: int) -> None:
-        """The rows' contexts now have `lengths` ([batch]; host max `max_length`) tokens."""
+        """The rows' contexts now have `lengths` ([batch]; host max `max_length`) tokens. Called
+        after every step, also after steps that drafted nothing (plain steps, k = 0)."""
+        ...
+
+    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
+        """Bring state left behind by plain steps up to the rows' contexts (before rows are added)."""
         ...
 
     def select_rows(self, rows: Tensor) -> None:

@@ -4,7 +4,8 @@ Cache invariant: before a proposal the draft cache holds every context token but
 (length = context length - 2), and the first draft forward feeds those two. This one shape covers
 both outcomes of the previous step: after a rejection only the recovered token is new (the token
 before it is fed again, recomputing identical K/V), and after full acceptance the draft has not yet
-seen x_k nor the bonus token. Rollback after verification is a length change.
+seen x_k nor the bonus token. Rollback after verification is a length change. After plain steps (k = 0: no proposal) the cache
+is left `behind` by one token per step, the same for every row; the next proposal feeds those too.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class DraftModelProposer:
     def __init__(self, model: LanguageModel) -> None:
         self.model = model
         self.drafter = Drafter(ModelInferencer(model))  # no EOS: drafting never syncs to stop early
-        self._last_two = torch.tensor([-2, -1], device=model.device)
         self.cache = None
+        self.behind = 0  # context tokens beyond the last two that the cache lacks (plain steps)
+        self._proposed = False
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         cache = self.model.new_cache(tokens.shape[0], tokens.shape[1])
@@ -35,19 +37,31 @@ class DraftModelProposer:
                            logits_indices=torch.zeros_like(lengths)[:, None])
         cache.rollback(lengths - 2, width - 1)
         if self.cache is None or self.cache.batch_size == 0:
-            self.cache = cache
+            self.cache, self.behind = cache, 0
         else:
             self.cache.append_rows(cache)
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
                 strategy: SampleStrategy) -> Proposal:
-        last_two = tokens.gather(1, lengths[:, None] + self._last_two)
-        out = self.drafter.draft(last_two, self.cache, num_tokens, strategy)
+        fed = 2 + self.behind
+        query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))
+        out = self.drafter.draft(query, self.cache, num_tokens, strategy)
+        self.behind, self._proposed = 0, True
         probs = None if strategy.all_greedy else strategy.probs(out.token_logits)
         return Proposal(out.token_ids, probs)
 
     def accept(self, lengths: Tensor, max_length: int) -> None:
-        self.cache.rollback(lengths - 2, max_length - 2)
+        if self._proposed:
+            self.cache.rollback(lengths - 2, max_length - 2)
+        else:  # a plain step: every row gained one token that the cache has not seen
+            self.behind += 1
+        self._proposed = False
+
+    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
+        if self.behind and self.cache is not None and self.cache.batch_size:
+            query = tokens.gather(1, lengths[:, None] - 2 - self.behind + torch.arange(self.behind, device=tokens.device))
+            self.model.forward(query, self.cache, logits_indices=torch.zeros_like(lengths)[:, None])
+        self.behind = 0
 
     def select_rows(self, rows: Tensor) -> None:
         if self.cache is not None:

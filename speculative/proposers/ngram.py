@@ -50,5 +50,8 @@ class NgramProposer:
     def accept(self, lengths: Tensor, max_length: int) -> None:
         pass
 
+    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
+        pass
+
     def select_rows(self, rows: Tensor) -> None:
         pass

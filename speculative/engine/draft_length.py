@@ -1,0 +1,81 @@
+"""Adaptive draft length: the k of each step, from measured acceptance and measured step times.
+
+With c_i the chance that draft i is accepted once drafts 1..i-1 were (measured per position), a step
+that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (DESIGN.md
+section 4's bound, with a per-position acceptance). It costs t_B(k), measured for the batch size B:
+the whole step's wall time (drafting, verification, acceptance, the host sync), an exponential moving
+average for each k tried, the line through them for k not tried. The step drafts
+k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculation switched off for
+batch sizes where it does not pay. Each batch size starts by measuring max_k and 0, and every few
+steps a neighbour of the best k is measured again so that the estimates follow the workload.
+"""
+
+from __future__ import annotations
+
+_WARMUP = 2      # measurements of max_k and of 0 at each batch size before choosing
+_EXPLORE = 16    # every this many steps at a batch size, a neighbour of the best k is measured
+_DECAY = 0.98    # per step, for the acceptance counts
+_SMOOTHING = 0.3  # weight of a new step time in its moving average
+
+
+class DraftLength:
+    """Chooses k for each step; `adaptive=False` always gives max_k."""
+
+    def __init__(self, max_k: int, adaptive: bool) -> None:
+        self.max_k = max_k
+        self.adaptive = adaptive
+        self.reached = [1.0] * max_k   # decayed counts: drafts at position i whose predecessors were accepted
+        self.accepted = [0.5] * max_k  # ... and of those, accepted (a prior of 1/2)
+        self.times: dict[int, dict[int, float]] = {}   # batch size -> k -> mean step seconds
+        self.counts: dict[int, dict[int, int]] = {}
+        self.history: list[int] = []  # the k of each step, for reports
+
+    def choose(self, batch_size: int) -> int:
+        """The k for the next step of a batch of `batch_size` rows."""
+        if not self.adaptive:
+            return self.max_k
+        counts = self.counts.setdefault(batch_size, {})
+        for k in (self.max_k, 0):
+            if counts.get(k, 0) < _WARMUP:
+                return k
+        best = max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self.step_time(batch_size, k))
+        if sum(counts.values()) % _EXPLORE == 0:
+            neighbours = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
+            return min(neighbours, key=lambda k: counts.get(k, 0))
+        return best
+
+    def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int], drafted: list[int]) -> None:
+        """One step's figures: its k and wall time, and per row the drafts accepted and proposed."""
+        self.history.append(k)
+        if not self.adaptive:
+            return
+        times = self.times.setdefault(batch_size, {})
+        counts = self.counts.setdefault(batch_size, {})
+        times[k] = seconds if k not in times else (1 - _SMOOTHING) * times[k] + _SMOOTHING * seconds
+        counts[k] = counts.get(k, 0) + 1
+        if k == 0:
+            return
+        self.reached = [r * _DECAY for r in self.reached]
+        self.accepted = [a * _DECAY for a in self.accepted]
+        for n_accepted, n_drafted in zip(accepted, drafted):
+            for i in range(min(n_drafted, n_accepted + 1)):  # positions reached: up to the first rejection
+                self.reached[i] += 1
+                self.accepted[i] += i < n_accepted
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens per row per step when drafting k."""
+        total, chance = 1.0, 1.0
+        for i in range(k):
+            chance *= self.accepted[i] / self.reached[i]
+            total += chance
+        return total
+
+    def step_time(self, batch_size: int, k: int) -> float:
+        """t_B(k): the measured mean, or the line through the two measured k nearest to k."""
+        times = self.times[batch_size]
+        if k in times:
+            return times[k]
+        known = sorted(times, key=lambda j: (abs(j - k), j))[:2]
+        (k0, t0), (k1, t1) = sorted((j, times[j]) for j in known)
+        estimate = t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        return max(estimate, min(times.values()) * 0.5)

@@ -1,0 +1,96 @@
+"""Adaptive draft length: k per step from measured acceptance and step times; exact for any k."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from conftest import noisy_copy, tiny_model
+from scipy.stats import chi2
+from test_distribution import LENGTH, SAMPLES, chi_square, exact_probs, pair, sample  # noqa: F401
+
+from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.engine.draft_length import DraftLength
+
+
+def _measured(max_k: int, cost, acceptance: float, steps: int = 200, batch_size: int = 1) -> DraftLength:
+    """A DraftLength fed `steps` steps of a fake workload: step time cost(k), per-draft acceptance."""
+    chooser = DraftLength(max_k, adaptive=True)
+    for step in range(steps):
+        k = chooser.choose(batch_size)
+        accepted = 0
+        while accepted < k and (step * 7919 + accepted * 104729) % 1000 < acceptance * 1000:
+            accepted += 1
+        chooser.observe(batch_size, k, cost(k), [accepted], [k])
+    return chooser
+
+
+def test_cheap_drafts_that_are_accepted_get_the_longest_k() -> None:
+    chooser = _measured(4, lambda k: 10.0 + 0.5 * k, acceptance=0.9)
+    assert chooser.choose(1) == 4
+
+
+def test_speculation_switches_off_where_it_does_not_pay() -> None:
+    chooser = _measured(4, lambda k: 10.0 + 6.0 * k, acceptance=0.3)
+    assert chooser.choose(1) == 0
+    assert chooser.history.count(0) > 150  # the exploration steps aside
+
+
+def test_a_middle_k_when_acceptance_falls_off() -> None:
+    chooser = _measured(6, lambda k: 10.0 + 2.0 * k, acceptance=0.6)
+    assert 1 <= chooser.choose(1) <= 3
+
+
+def test_batch_sizes_are_measured_apart() -> None:
+    chooser = _measured(4, lambda k: 10.0 + 0.5 * k, acceptance=0.9, batch_size=1)
+    for _ in range(100):
+        k = chooser.choose(8)
+        chooser.observe(8, k, 10.0 + 8.0 * k, [0] * 8, [k] * 8)
+    assert chooser.choose(1) == 4 and chooser.choose(8) == 0
+
+
+def test_fixed_k_is_still_available() -> None:
+    chooser = DraftLength(3, adaptive=False)
+    assert [chooser.choose(b) for b in (1, 8, 64)] == [3, 3, 3]
+
+
+def _forced(llm: LLM, schedule: list[int]) -> None:
+    """Replace the chooser's choice with a fixed cycle of k, plain steps (k = 0) included."""
+    cycle = itertools.cycle(schedule)
+    llm.engine.draft_length.choose = lambda batch_size: next(cycle)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_greedy_is_exact_whatever_k_each_step_has(method: str) -> None:
+    target = tiny_model("llama", num_layers=2)
+    config = SpeculativeConfig(method=method, num_speculative_tokens=4, adaptive=True)
+    draft = noisy_copy(target, 0.03) if method == "draft_model" else None
+    llm = LLM(target, draft_model=draft, speculative_config=config)
+    baseline = LLM(target)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 5, 6, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in baseline.generate(prompts, params)]
+    _forced(llm, [4, 0, 0, 2, 0, 3, 1, 0, 0, 0, 4])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    # Rows admitted while the draft cache is behind (after plain steps) catch up first.
+    engine = llm.engine
+    sequences = [llm.make_sequences(p, params, i) for i, p in enumerate(prompts)]
+    _forced(llm, [0, 0, 0, 3])
+    engine.add(sequences[0])
+    for _ in range(3):
+        engine.step()
+    engine.add(sequences[1] + sequences[2])
+    while engine.requests:
+        engine.step()
+    assert [g[0].output_token_ids for g in sequences] == expected
+
+
+def test_sampling_is_exact_whatever_k_each_step_has(pair) -> None:  # noqa: F811
+    target, draft = pair
+    prompt = [2, 3, 4, 5]
+    llm = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=2, adaptive=True),
+              seed=5)
+    _forced(llm, [2, 0, 1, 0, 0, 2, 1])
+    params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
+    stat, dof = chi_square(sample(llm, [prompt] * SAMPLES, [params] * SAMPLES), exact_probs(target, prompt, 1.0, -1))
+    assert chi2.sf(stat, dof) > 1e-3, f"chi-square {stat:.1f} on {dof} dof"
