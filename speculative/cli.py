@@ -1,8 +1,9 @@
-"""The `speculative` command line: `speculative generate ...` and `speculative bench ...`."""
+"""The `speculative` command line: `speculative generate ...`, `speculative bench ...` and `speculative serve ...`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from transformers.utils import logging as transformers_logging
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
     _add_bench_parser(commands)
+    _add_serve_parser(commands)
     return parser
 
 
@@ -65,6 +67,37 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
     bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep "
                        "points, well under a minute on 2 CPU cores")
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                                description="POST /v1/completions and /v1/chat/completions (streaming or not), "
+                                            "GET /v1/models, /health and /metrics, with continuous batching.")
+    serve.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
+    drafter = serve.add_mutually_exclusive_group()
+    drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
+    drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
+    serve.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
+    serve.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
+                       help="rejection is lossless; typical is not")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("SPECULATIVE_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on every route but /health "
+                            "(default: $SPECULATIVE_API_KEY; none: open)")
+    serve.add_argument("--served-model-name", help="the model's name in the API (default: --model, or "
+                                                   "'speculative-demo' for the demo pair)")
+    serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
+    serve.add_argument("--max-waiting", type=int, default=128, help="requests queued at most (then 429)")
+    serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default: the context)")
+    serve.add_argument("--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' "
+                                                         "context)")
+    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
+    serve.add_argument("--seed", type=int, default=0, help="seeds requests that have no seed of their own")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds running requests get to finish after SIGTERM or SIGINT")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -130,12 +163,57 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """Build the LLM, the scheduler and the app, and serve until SIGTERM or SIGINT: from then on new
+    requests get 503 while running ones have --shutdown-timeout seconds to finish."""
+    import uvicorn
+
+    from speculative.server.app import create_app
+    from speculative.server.scheduler import Scheduler
+
+    model, draft, name = args.model, args.draft_model, args.served_model_name or args.model
+    if model is None:
+        if not (DEMO_DIR / "target").is_dir():
+            raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model")
+        model, name = str(DEMO_DIR / "target"), name or "speculative-demo"
+        draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
+    for flag in ("max_prompt_tokens", "max_model_len"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
+    config = None
+    if args.ngram or draft:
+        config = SpeculativeConfig(method="ngram" if args.ngram else "draft_model",
+                                   num_speculative_tokens=args.num_speculative_tokens, acceptance=args.acceptance)
+    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, device=args.device,
+              seed=args.seed, model_impl=args.model_impl)
+    context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of {context}")
+    scheduler = Scheduler(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
+    app = create_app(scheduler, model_name=name, tokenizer=llm.tokenizer, api_key=args.api_key,
+                     max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len or context,
+                     shutdown_timeout=args.shutdown_timeout)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    stop = server.handle_exit
+
+    def drain(sig, frame) -> None:  # uvicorn's own handler stops accepting connections and waits
+        app.state.draining = True
+        stop(sig, frame)
+
+    server.handle_exit = drain
+    server.run()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     transformers_logging.set_verbosity_error()  # no weight-loading bars or warnings in the CLI's output
     transformers_logging.disable_progress_bar()
     try:
-        return bench(args) if args.command == "bench" else generate(args)
+        return {"bench": bench, "serve": serve}.get(args.command, generate)(args)
     except (ValueError, TypeError, OSError) as error:
         print(f"speculative: error: {error}", file=sys.stderr)
         return 2

@@ -159,6 +159,11 @@ class LLM:
         `index` is the prompt's place in its batch, used in messages and to group its sequences."""
         vocab = self.target.model.vocab_size
         p.token_ids_in_vocabulary(vocab)
+        if not ids:
+            raise ValueError(f"prompt {index} is empty: it needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): {bad[:5]}")
         limit = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
         max_tokens = p.max_tokens if p.max_tokens is not None else limit - len(ids)
         if len(ids) + max_tokens > limit or max_tokens < 1:
@@ -169,6 +174,11 @@ class LLM:
         if needs_tokenizer and self.tokenizer is None:
             raise ValueError(f"SamplingParams.{needs_tokenizer[0]} needs a tokenizer, and the model has none")
         bad_words, guide = self._sampling_aids(p)
+        if guide is not None and p.allowed_token_ids:
+            first = guide.new_state().allowed_for_block([])[0]  # [vocab] bool: the grammar's first mask
+            if not first[p.allowed_token_ids].any():
+                raise ValueError("SamplingParams.allowed_token_ids and guided_decoding leave no token allowed "
+                                 "at the first position")
         return [Request(ids, p, max_tokens, index, s, _generator(p.seed, s, self.device), bad_words,
                         guide.new_state() if guide else None) for s in range(p.sampled_sequences)]
 
@@ -177,7 +187,6 @@ class LLM:
                                                  and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         texts, token_ids = [], []
-        vocab = self.target.model.vocab_size
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 if self.tokenizer is None:
@@ -190,11 +199,6 @@ class LLM:
                     raise TypeError(f"prompt {i} must be a string, a list of token ids or "
                                     f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
                 texts.append(None)
-            if len(ids) == 0:
-                raise ValueError(f"prompt {i} is empty: it needs at least one token")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
             token_ids.append(list(ids))
         return texts, token_ids
 

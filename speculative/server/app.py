@@ -1,0 +1,431 @@
+"""The HTTP layer: an OpenAI-compatible FastAPI app in front of a Scheduler.
+
+Handlers validate, tokenize and submit; the scheduler's engine thread owns the models, so no handler
+touches a tensor. Every error is OpenAI's error JSON (`protocol.APIError`), never a bare 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from speculative.sampling_params import SamplingParams
+from speculative.server import protocol as P
+from speculative.server.scheduler import QueueFull, RequestStream, RequestUpdate, Scheduler, ShuttingDown
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+"""Labels of the requests-by-status counter; any other /v1 path counts as "other"."""
+DISCONNECT_POLL_S = 0.5
+"""How often a non-streaming request checks that its client is still there."""
+CLIENT_CLOSED = 499
+"""The status counted for a request whose client left before its answer (nginx's convention)."""
+
+
+def create_app(scheduler: Scheduler, *, model_name: str, tokenizer, api_key: str | None,
+               max_prompt_tokens: int | None, max_model_len: int, shutdown_timeout: float = 30.0) -> FastAPI:
+    """The OpenAI-compatible app serving `scheduler`'s model as `model_name`.
+
+    tokenizer: the model's (text prompts, chat templates, token texts); None accepts token ids only.
+    api_key: when set, every route but /health needs `Authorization: Bearer <api_key>` (else 401).
+    max_prompt_tokens: longest prompt taken (None: no limit but the context); max_model_len: prompt
+    plus max_tokens at most. The lifespan starts the scheduler and, on shutdown, lets running requests
+    finish within shutdown_timeout seconds. Setting `app.state.draining = True` (the CLI does on
+    SIGTERM) answers 503 to new /v1 requests and to /health.
+    """
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        yield
+        await scheduler.shutdown(shutdown_timeout)
+
+    app = FastAPI(title="speculative", summary="OpenAI-compatible speculative decoding server",
+                  lifespan=lifespan)
+    app.state.draining = False
+    limits = _Limits(tokenizer, max_prompt_tokens, max_model_len)
+    app.add_middleware(_Gate, api_key=api_key, metrics=scheduler.metrics)
+    _add_error_handlers(app)
+    created = int(time.time())
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request) -> Response:
+        _check_model(body.model, model_name)
+        prompts = [limits.encode(p) for p in body.prompts()]
+        params = [body.sampling_params(limits.budget(ids, body.max_tokens, "max_tokens")) for ids in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        decode = limits.decode_token
+
+        def render(index: int, seq, offset: int, chunk: bool) -> dict:
+            lp = None if seq.logprobs is None else P.completion_logprobs(seq.token_ids, seq.logprobs, decode, offset)
+            return P.completion_choice(index, seq.text, lp, seq.finish_reason, seq.stop_reason)
+
+        answer = _Answer(request_id, created=int(time.time()), model=model_name, object="text_completion",
+                         chunk_object="text_completion", render=render, n=params[0].n,
+                         include_usage=body.include_usage)
+        return await _respond(scheduler, request, answer, prompts, params, bool(body.stream))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
+        _check_model(body.model, model_name)
+        ids = limits.apply_chat_template([m.template_input() for m in body.messages])
+        params = body.sampling_params(limits.budget(ids, body.requested_max_tokens, "max_completion_tokens"))
+        num_top, decode = body.top_logprobs or 0, limits.decode_token
+
+        def render(index: int, seq, offset: int, chunk: bool) -> dict:
+            lp = None if seq.logprobs is None else P.chat_logprobs(seq.token_ids, seq.logprobs, num_top, decode)
+            return P.chat_choice(index, seq.text, lp, seq.finish_reason, seq.stop_reason, chunk=chunk)
+
+        answer = _Answer(f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name,
+                         object="chat.completion", chunk_object="chat.completion.chunk", render=render,
+                         n=params.n, include_usage=body.include_usage,
+                         first_choices=[P.chat_choice(i, "", None, None, None, role=True, chunk=True)
+                                        for i in range(params.n)])
+        return await _respond(scheduler, request, answer, [ids], [params], bool(body.stream))
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "speculative", "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if request.app.state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise P.APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`",
+                         param="model", code="model_not_found")
+
+
+@dataclass
+class _Limits:
+    """Tokenization and the server's length limits."""
+
+    tokenizer: object
+    max_prompt_tokens: int | None
+    max_model_len: int
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise P.APIError(400, "the model has no tokenizer: send the prompt as token ids", param="prompt")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        if not prompt:
+            raise P.APIError(400, "prompt is empty: it needs at least one token", param="prompt")
+        return prompt
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+            raise P.APIError(400, "the model's tokenizer has no chat template, so chat completions are not "
+                                  "available: use /v1/completions with a prompt", param="messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        except Exception as error:  # noqa: BLE001 - the template's own checks (roles must alternate, ...)
+            raise P.APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
+        return self.encode(list(ids))
+
+    def budget(self, ids: list[int], max_tokens: int | None, field: str) -> int:
+        """The request's max_tokens, or what the context leaves when it has none; 400 past the limits."""
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise P.APIError(400, f"the prompt has {len(ids)} tokens, more than this server's limit of "
+                                  f"{self.max_prompt_tokens} (--max-prompt-tokens)", param="prompt",
+                             code="context_length_exceeded")
+        room = self.max_model_len - len(ids)
+        if max_tokens is None:
+            if room < 1:
+                raise P.APIError(400, f"the prompt has {len(ids)} tokens, leaving no room in the model's "
+                                      f"context of {self.max_model_len} tokens (max_model_len)", param="prompt",
+                                 code="context_length_exceeded")
+            return room
+        if max_tokens > room:
+            raise P.APIError(400, f"the prompt ({len(ids)} tokens) plus {field} ({max_tokens}) is "
+                                  f"{len(ids) + max_tokens} tokens, more than the model's context of "
+                                  f"{self.max_model_len} (max_model_len)", param=field,
+                             code="context_length_exceeded")
+        return max_tokens
+
+    def decode_token(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+
+
+@dataclass
+class _Answer:
+    """How one request's updates become its endpoint's response or chunks.
+
+    render(index, sequence, text_offset, chunk) -> a choice dict, from a SequenceDelta (or the summed
+    `_Choice`): its text, token_ids, logprobs, finish_reason and stop_reason.
+    first_choices: sent in a chunk before any text (chat's role).
+    """
+
+    request_id: str
+    created: int
+    model: str
+    object: str
+    chunk_object: str
+    render: Callable[..., dict]
+    n: int
+    include_usage: bool
+    first_choices: list[dict] = field(default_factory=list)
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        body = P.response_object(self.chunk_object, self.request_id, self.created, self.model, choices, usage,
+                                 with_usage=self.include_usage)
+        return _event(body)
+
+
+async def _respond(scheduler: Scheduler, request: Request, answer: _Answer, prompts: list[list[int]],
+                   params: list[SamplingParams], stream: bool) -> Response:
+    streams = _submit(scheduler, prompts, params, answer.request_id)
+    if stream:
+        return StreamingResponse(_sse(request, answer, streams, prompts), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    collect = asyncio.ensure_future(_collect(answer, streams))
+    try:  # a client that leaves before the answer frees its rows too
+        while not collect.done():
+            await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
+            if not collect.done() and await request.is_disconnected():
+                return Response(status_code=CLIENT_CLOSED)
+        choices, num_generated = collect.result()
+    finally:
+        collect.cancel()
+    body = P.response_object(answer.object, answer.request_id, answer.created, answer.model, choices,
+                             P.usage(sum(map(len, prompts)), num_generated))
+    return JSONResponse(body)
+
+
+def _submit(scheduler: Scheduler, prompts: list[list[int]], params: list[SamplingParams],
+            request_id: str) -> list[RequestStream]:
+    """One stream per prompt, or none and the scheduler's refusal as an APIError."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            streams.append(scheduler.submit(ids, p, request_id if len(prompts) == 1 else f"{request_id}-{i}"))
+    except BaseException as error:
+        for s in streams:
+            s.abort()
+        if isinstance(error, QueueFull):
+            raise P.APIError(429, f"the server's queue is full, try again later ({error})") from None
+        if isinstance(error, ShuttingDown):
+            raise P.APIError(503, "the server is shutting down and takes no new requests") from None
+        if isinstance(error, (ValueError, TypeError)):
+            raise P.invalid_request(error) from None
+        raise
+    return streams
+
+
+@dataclass
+class _Choice:
+    """One choice's text, tokens and log-probabilities so far (a SequenceDelta's fields, summed)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+async def _collect(answer: _Answer, streams: list[RequestStream]) -> tuple[list[dict], int]:
+    """Every update of the streams -> the rendered choices, and the tokens generated."""
+    choices: dict[int, _Choice] = {}
+    generated = [0] * len(streams)
+    async with aclosing(_merge(streams)) as updates:
+        async for prompt, update in updates:
+            if update.error is not None:
+                raise P.APIError(500, f"the engine failed this request: {update.error}")
+            generated[prompt] = update.num_generated_tokens
+            for delta in update.sequences:
+                choice = choices.setdefault(prompt * answer.n + delta.index, _Choice())
+                choice.text += delta.text
+                choice.token_ids.extend(delta.token_ids)
+                if delta.logprobs is not None:
+                    choice.logprobs = choice.logprobs or []
+                    choice.logprobs.extend(delta.logprobs)
+                if delta.finish_reason is not None:
+                    choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+    return [answer.render(i, c, 0, False) for i, c in sorted(choices.items())], sum(generated)
+
+
+async def _sse(request: Request, answer: _Answer, streams: list[RequestStream],
+               prompts: list[list[int]]) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request: one chunk per update (several tokens when a step
+    accepted several), the usage chunk when asked, then [DONE]. Whatever ends it early (the client
+    leaving cancels it) aborts the request's unfinished sequences."""
+    request.state.status = CLIENT_CLOSED
+    offsets: dict[int, int] = {}
+    generated = [0] * len(streams)
+    async with aclosing(_merge(streams)) as updates:
+        if answer.first_choices:
+            yield answer.chunk(answer.first_choices)
+        async for prompt, update in updates:
+            if update.error is not None:
+                request.state.status = 500
+                yield _event(P.error_body(f"the engine failed this request: {update.error}", "server_error"))
+                break
+            generated[prompt] = update.num_generated_tokens
+            choices = []
+            for delta in update.sequences:
+                index = prompt * answer.n + delta.index
+                offset = offsets.get(index, 0)
+                offsets[index] = offset + len(delta.text)
+                choices.append(answer.render(index, delta, offset, True))
+            if choices:
+                yield answer.chunk(choices)
+        else:
+            if answer.include_usage:
+                yield answer.chunk([], P.usage(sum(map(len, prompts)), sum(generated)))
+            request.state.status = 200
+    yield "data: [DONE]\n\n"
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestUpdate]]:
+    """(stream index, update) from several streams as they come, each to its end. Closing it early
+    aborts the streams not at their end."""
+    queue: asyncio.Queue = asyncio.Queue()
+    ended = [False] * len(streams)
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for update in stream:
+                queue.put_nowait((i, update))
+        except Exception as error:  # noqa: BLE001 - raised again by the reader
+            queue.put_nowait((i, error))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        while not all(ended):
+            i, update = await queue.get()
+            if isinstance(update, Exception):
+                raise update
+            if update is None:
+                ended[i] = True
+            else:
+                yield i, update
+    finally:
+        for task, stream, done in zip(tasks, streams, ended):
+            task.cancel()
+            if not done:
+                stream.abort()
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Gate:
+    """Pure ASGI middleware: the API key, draining (503), and counting /v1 requests by status.
+
+    A streamed request is counted when its stream ends, with the status its handler leaves in
+    `request.state.status` (200, 499 when the client left, 500 when the engine failed it)."""
+
+    def __init__(self, app, *, api_key: str | None, metrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        counted = path.startswith("/v1/")
+        status = 500
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            error = self._refusal(scope, path)
+            if error is not None:
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send_and_note)
+            else:
+                await self.app(scope, receive, send_and_note)
+        finally:
+            if counted:
+                status = scope.get("state", {}).get("status", status)
+                self.metrics.request_finished(status, path if path in ENDPOINTS else "other")
+
+    def _refusal(self, scope, path: str) -> P.APIError | None:
+        if self.expected is not None and path != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return P.APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
+                                  code="invalid_api_key")
+        if path.startswith("/v1/") and scope["app"].state.draining:
+            return P.APIError(503, "the server is shutting down and takes no new requests")
+        return None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(P.APIError)
+    async def api_error(request: Request, error: P.APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error.errors())
+        return JSONResponse(P.error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            message = (f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
+                       f"POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics")
+        elif error.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(error.detail)
+        return JSONResponse(P.APIError(error.status_code, message).body(), status_code=error.status_code,
+                            headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse(P.error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
+                            status_code=500)
+
+
+def _validation_message(errors) -> tuple[str, str | None]:
+    """pydantic's errors -> one message naming the fields (at most three), and the first field's path."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+    parts, params = [], []
+    for error in errors[:3]:
+        path = _path(error["loc"][1:])
+        if not path:
+            reason = "is missing" if error["type"] == "missing" else "must be a JSON object"
+            parts.append(f"the request body {reason}")
+            continue
+        params.append(path)
+        parts.append(f"{path} is required" if error["type"] == "missing" else f"{path}: {error['msg']}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "; ".join(parts) + more, params[0] if params else None
+
+
+def _path(loc) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
