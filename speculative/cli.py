@@ -1,4 +1,4 @@
-"""The `speculative` command line: `speculative generate ...`, `speculative bench ...` and `speculative serve ...`."""
+"""The `speculative` command line: `speculative generate`, `speculative bench` and `speculative serve`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
     drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
     gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
+    gen.add_argument("--adaptive", action="store_true",
+                       help="choose k per step in [0, -k] from measured acceptance and step times")
     gen.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
                      help="rejection is lossless; typical is not")
     gen.add_argument("--prompt", action="append", help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})")
@@ -78,6 +80,8 @@ def _add_serve_parser(commands) -> None:
     drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
     drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
     serve.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
+    serve.add_argument("--adaptive", action="store_true",
+                       help="choose k per step in [0, -k] from measured acceptance and step times")
     serve.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
                        help="rejection is lossless; typical is not")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
@@ -88,7 +92,8 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--served-model-name", help="the model's name in the API (default: --model, or "
                                                    "'speculative-demo' for the demo pair)")
     serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
-    serve.add_argument("--max-waiting", type=int, default=128, help="requests queued at most (then 429)")
+    serve.add_argument("--max-waiting", type=int, default=128,
+                       help="sequences that may wait for room in the batch (then 429)")
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default: the context)")
     serve.add_argument("--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' "
                                                          "context)")
@@ -108,10 +113,7 @@ def generate(args: argparse.Namespace) -> int:
                           f"`python -m speculative.demo.train --out models/demo`)")
         model = str(DEMO_DIR / "target")
         draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
-    config = None
-    if args.ngram or draft:
-        config = SpeculativeConfig(method="ngram" if args.ngram else "draft_model",
-                                   num_speculative_tokens=args.num_speculative_tokens, acceptance=args.acceptance)
+    config = _speculative_config(args, draft)
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, device=args.device,
               model_impl=args.model_impl)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -182,10 +184,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
-    config = None
-    if args.ngram or draft:
-        config = SpeculativeConfig(method="ngram" if args.ngram else "draft_model",
-                                   num_speculative_tokens=args.num_speculative_tokens, acceptance=args.acceptance)
+    config = _speculative_config(args, draft)
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, device=args.device,
               seed=args.seed, model_impl=args.model_impl)
     context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
@@ -221,3 +220,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _speculative_config(args: argparse.Namespace, draft: str | None) -> SpeculativeConfig | None:
+    """The SpeculativeConfig the flags ask for; None (plain decoding) without a drafter."""
+    if not (args.ngram or draft):
+        return None
+    return SpeculativeConfig(method="ngram" if args.ngram else "draft_model", adaptive=args.adaptive,
+                             num_speculative_tokens=args.num_speculative_tokens, acceptance=args.acceptance)
