@@ -12,6 +12,8 @@ steps a neighbour of the best k is measured again so that the estimates follow t
 
 from __future__ import annotations
 
+from collections import deque
+
 _WARMUP = 2      # measurements of max_k and of 0 at each batch size before choosing
 _EXPLORE = 16    # every this many steps at a batch size, a neighbour of the best k is measured
 _DECAY = 0.98    # per step, for the acceptance counts
@@ -28,7 +30,7 @@ class DraftLength:
         self.accepted = [0.5] * max_k  # ... and of those, accepted (a prior of 1/2)
         self.times: dict[int, dict[int, float]] = {}   # batch size -> k -> mean step seconds
         self.counts: dict[int, dict[int, int]] = {}
-        self.history: list[int] = []  # the k of each step, for reports
+        self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
 
     def choose(self, batch_size: int) -> int:
         """The k for the next step of a batch of `batch_size` rows."""
