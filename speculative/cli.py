@@ -218,13 +218,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _speculative_config(args: argparse.Namespace, draft: str | None) -> SpeculativeConfig | None:
     """The SpeculativeConfig the flags ask for; None (plain decoding) without a drafter."""
     if not (args.ngram or draft):
         return None
     return SpeculativeConfig(method="ngram" if args.ngram else "draft_model", adaptive=args.adaptive,
                              num_speculative_tokens=args.num_speculative_tokens, acceptance=args.acceptance)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
