@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
+    gen.add_argument("--compile", action="store_true", help="run the native forward compiled (torch.compile; "
+                     "the first call of each kind compiles, a minute or more on a small CPU)")
     _add_bench_parser(commands)
     _add_serve_parser(commands)
     return parser
@@ -66,6 +68,8 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--device", help="cpu (default) or cuda")
     bench.add_argument("--model-impl", choices=["auto", "native", "transformers"])
     bench.add_argument("--seed", type=int)
+    bench.add_argument("--compile", action="store_true", default=None,
+                       help="also measure ours compiled (torch.compile): autoregressive and draft model")
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
     bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep "
                        "points, well under a minute on 2 CPU cores")
@@ -115,7 +119,7 @@ def generate(args: argparse.Namespace) -> int:
         draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
     config = _speculative_config(args, draft)
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, device=args.device,
-              model_impl=args.model_impl)
+              model_impl=args.model_impl, compile=args.compile)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     prompts = args.prompt or [DEFAULT_PROMPT]
@@ -152,7 +156,7 @@ def bench(args: argparse.Namespace) -> int:
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
     fields = ("model", "draft_model", "prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts",
-              "sweep_prompts", "repeats", "timing_repeats", "dtype", "device", "model_impl", "seed")
+              "sweep_prompts", "repeats", "timing_repeats", "dtype", "device", "model_impl", "seed", "compile")
     for name in fields:
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))

@@ -15,7 +15,9 @@ from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.engine.request import Request
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.models.base import LanguageModel
+from speculative.models.compiled import prepare_model, warm_up_pair
 from speculative.models.loading import ModelImpl, load_model
+from speculative.precompile import PreCompileConfig
 from speculative.proposers import DraftModelProposer, NgramProposer
 from speculative.sampling_params import SamplingParams
 
@@ -33,13 +35,20 @@ class LLM:
     seed: seeds the generator of requests that have no seed of their own.
     model_impl: "auto" (native forward for Llama/Mistral/Qwen2/Qwen3), "native" or "transformers".
     tokenizer: overrides the tokenizer found beside the model (a path or a tokenizer object).
+    compile: run the native forward compiled with torch.compile (models/compiled.py): inductor on
+        CPU, CUDA graphs on CUDA. Each kind of call compiles on its first use, unless `precompile`
+        warms it up here.
+    precompile: a PreCompileConfig: prompts are padded to its prefill buckets (a prompt longer than
+        every bucket is a ValueError naming the largest), and each of its standalone (batch_size,
+        prefill_length) shapes is run once here, compiled when `compile`.
     """
 
     def __init__(self, model: str | PreTrainedModel | LanguageModel,
                  draft_model: str | PreTrainedModel | LanguageModel | None = None,
                  speculative_config: SpeculativeConfig | None = None, *, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", seed: int = 0, model_impl: ModelImpl = "auto",
-                 tokenizer: PreTrainedTokenizerBase | str | None = None) -> None:
+                 tokenizer: PreTrainedTokenizerBase | str | None = None, compile: bool = False,
+                 precompile: PreCompileConfig | None = None) -> None:
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             raise TypeError("speculative_config must be a SpeculativeConfig or None")
         if speculative_config is None and draft_model is not None:
@@ -51,11 +60,13 @@ class LLM:
             raise ValueError('SpeculativeConfig(method="ngram") uses no draft model; drop draft_model')
         self.device = torch.device(device)
         self.target = load_model(model, dtype, self.device, model_impl, tokenizer)
+        self.target.model = prepare_model(self.target.model, compile, precompile)
         self.tokenizer = self.target.tokenizer
         self.draft = None
         proposer = None
         if method == "draft_model":
             self.draft = load_model(draft_model, dtype, self.device, model_impl)
+            self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
             proposer = DraftModelProposer(self.draft.model)
         elif method == "ngram":
@@ -70,6 +81,8 @@ class LLM:
         self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, typical,
                              self.detokenize if self.tokenizer is not None else None,
                              adaptive=bool(speculative_config and speculative_config.adaptive))
+        if precompile is not None:
+            warm_up_pair(self.target.model, self.draft.model if self.draft else None, precompile, k)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

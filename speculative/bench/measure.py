@@ -60,7 +60,7 @@ def speculation_stats(method: Method, generations: Sequence[Generation]) -> dict
     accepted = sum(g.num_accepted for g in generations)
     tokens_per_step = 1.0 + accepted / steps if steps else 1.0
     rate, per_position = None, None
-    if method.engine == "ours":
+    if method.engine.startswith("ours"):
         rate = accepted / max(1, sum(g.num_drafted for g in generations))
         acc = [sum(c) for c in zip(*(g.accepted_per_position for g in generations))]
         dra = [sum(c) for c in zip(*(g.drafted_per_position for g in generations))]
@@ -78,7 +78,7 @@ def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[in
     runs = interleaved(methods, prompts, config.max_tokens, config.repeats, advance, phase, warmup)
     seconds = {name: _seconds(r) for name, r in runs.items()}
     reference = [r[0].token_ids[0] for r in runs["hf_generate"]]
-    baselines = {"hf": "hf_generate", "ours": "ours_ar"}
+    baselines = {"hf": "hf_generate", "ours": "ours_ar", "ours_compiled": "ours_ar_compiled"}
     table = {}
     for method in methods:
         first = [r[0] for r in runs[method.name]]

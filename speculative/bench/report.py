@@ -58,10 +58,13 @@ def step_times_line(times: dict, k: int) -> str:
 
 def _normalized(results: dict) -> dict:
     """The results with int keys of T_v / n-gram times (JSON turns them into strings)."""
-    times = results["step_times"]
-    times = {**times, "t_v": {int(k): v for k, v in times["t_v"].items()},
-             "t_ngram": {int(k): v for k, v in times["t_ngram"].items()}}
-    return {**results, "step_times": times}
+    normalized = dict(results)
+    for key in ("step_times", "step_times_compiled"):
+        if key in results:
+            times = results[key]
+            normalized[key] = {**times, "t_v": {int(k): v for k, v in times["t_v"].items()},
+                               "t_ngram": {int(k): v for k, v in times["t_ngram"].items()}}
+    return normalized
 
 
 def _rich_table(title: str, columns: list[str], rows: list[list[str]], caption: str | None = None) -> Table:
@@ -83,6 +86,8 @@ def print_tables(results: dict, console: Console) -> None:
         console.print(_rich_table(title, METHOD_COLUMNS, method_rows(data["methods"]),
                                   "; ".join(skipped_lines(data["methods"])) or None))
     console.print(step_times_line(results["step_times"], config["k"]))
+    if "step_times_compiled" in results:
+        console.print("compiled " + step_times_line(results["step_times_compiled"], config["k"]))
     for name, sweeps in results["sweeps"]["k"].items():
         for drafter, points in sweeps.items():
             console.print(_rich_table(f"{name}: ours, {drafter}, speedup over ours AR against k", K_COLUMNS,
@@ -124,6 +129,8 @@ def markdown(results: dict, plots: list[str]) -> str:
         if skipped:
             parts.append("\n".join(f"- {line}" for line in skipped))
     parts += ["## Step times", step_times_line(results["step_times"], config["k"]) + "."]
+    if "step_times_compiled" in results:
+        parts += ["Compiled: " + step_times_line(results["step_times_compiled"], config["k"]) + "."]
     for name, sweeps in results["sweeps"]["k"].items():
         for drafter, points in sweeps.items():
             parts += [f"## k sweep: {name}, {drafter} ({config['sweep_prompts']} prompts)",

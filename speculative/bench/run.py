@@ -39,6 +39,8 @@ from speculative.config import SpeculativeConfig
 from speculative.demo import DEMO_DIR
 from speculative.demo.model_card import machine
 from speculative.llm import LLM
+from speculative.models.compiled import CompiledCausalLM, warm_up_pair
+from speculative.precompile import PreCompileConfig
 from speculative.proposers import NgramProposer
 
 
@@ -52,6 +54,8 @@ class BenchConfig:
     batch_sizes: the batch-size sweep. max_tokens: tokens generated per prompt (EOS ignored).
     num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
     repeats: timed runs per prompt and method; timing_repeats: rounds of the step-time loops.
+    compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and, with a
+        draft model, the draft model method; their graphs are compiled while the pair loads.
     """
 
     model: str = str(DEMO_DIR / "target")
@@ -69,6 +73,7 @@ class BenchConfig:
     device: str = "cpu"
     model_impl: str = "auto"
     seed: int = 0
+    compile: bool = False
 
     def quick(self) -> BenchConfig:
         """The CI smoke test's settings: 2 prompts a set, 24 tokens, k sweep [1, k] on 1 prompt, batch
@@ -98,17 +103,26 @@ class Pair:
         tok = self.tokenizer
         self.pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
         self.drafters = ["draft_model", "ngram"] if self.draft is not None else ["ngram"]
+        self.compiled_target = self.compiled_draft = None
+        if config.compile:  # sharing the eager models' weights; every shape the runs use compiled now
+            self.compiled_target = CompiledCausalLM(self.target)
+            self.compiled_draft = CompiledCausalLM(self.draft) if self.draft is not None else None
+            warm_up_pair(self.compiled_target, self.compiled_draft, PreCompileConfig(sorted({1, max(config.batch_sizes)})),
+                         config.k)
 
-    def ours(self, drafter: str | None, k: int) -> OursMethod:
-        """Our engine on the shared models: plain decoding (drafter None), draft model or n-gram."""
+    def ours(self, drafter: str | None, k: int, compiled: bool = False) -> OursMethod:
+        """Our engine on the shared models: plain decoding (drafter None), draft model or n-gram; with
+        `compiled`, on the compiled models (engine "ours_compiled")."""
+        target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
+        engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
         if drafter is None:
-            return OursMethod("ours_ar", "ours autoregressive", "ours",
-                              llm=LLM(self.target, device=self.device, tokenizer=self.tokenizer))
-        llm = LLM(self.target, draft_model=self.draft if drafter == "draft_model" else None,
+            return OursMethod(f"ours_ar{suffix}", f"ours autoregressive{label}", engine,
+                              llm=LLM(target, device=self.device, tokenizer=self.tokenizer))
+        llm = LLM(target, draft_model=draft if drafter == "draft_model" else None,
                   speculative_config=SpeculativeConfig(drafter, k), device=self.device, seed=self.config.seed,
                   tokenizer=self.tokenizer)
         short = {"draft_model": "draft", "ngram": "ngram"}[drafter]
-        return OursMethod(f"ours_{short}", f"ours {short} k={k}", "ours", drafter, k, llm=llm)
+        return OursMethod(f"ours_{short}{suffix}", f"ours {short} k={k}{label}", engine, drafter, k, llm=llm)
 
     def hf(self, drafter: str | None, k: int) -> HFMethod:
         """Hugging Face `generate`: greedy, assisted by the draft, or prompt lookup (these two: batch 1)."""
@@ -157,6 +171,9 @@ def build_methods(pair: Pair) -> tuple[list[Method], dict[str, dict]]:
     config, drafters = pair.config, pair.drafters
     methods: list[Method] = [pair.hf(None, 0)] + [pair.hf(d, config.k) for d in drafters]
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
+    if config.compile:
+        methods += [pair.ours(None, 0, compiled=True)]
+        methods += [pair.ours("draft_model", config.k, compiled=True)] if pair.draft is not None else []
     skipped = {}
     if pair.draft is None:
         for name, label in (("hf_assisted", "HF assisted"), ("ours_draft", "ours draft"), ("vllm_draft", "vLLM draft")):
@@ -190,6 +207,10 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
         notes.append("OMP_WAIT_POLICY is not PASSIVE: on a CPU shared with other processes spinning OpenMP "
                      "threads can slow small ops several-fold; export OMP_WAIT_POLICY=PASSIVE before running.")
     pair = Pair(config)
+    if config.compile:
+        notes.append("Compiled methods (torch.compile of the native forward) share the eager models' weights; "
+                     "every graph they use was compiled while the pair loaded. Their speedups are against the "
+                     "eager ours AR; their bound and efficiency use the compiled step times and ours AR, compiled.")
     ks = sorted(set(config.sweep_k) | {config.k})
     limits = [m.max_length for m in (pair.target, pair.draft) if m is not None]
     max_prompt = min(limits) - config.max_tokens - max(ks) - 2
@@ -200,8 +221,12 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
     names = list(sets)
     context = int(statistics.median(len(p) for p in sets[names[0]])) + config.max_tokens // 2
     proposer = NgramProposer(SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max)
-    timer = StepTimer(pair.target, pair.draft, proposer, sets[names[0]][0], context, ks, config.seed)
-    timer.sample(config.timing_repeats // 2)
+    timers = {"ours": StepTimer(pair.target, pair.draft, proposer, sets[names[0]][0], context, ks, config.seed)}
+    if config.compile:
+        timers["ours_compiled"] = StepTimer(pair.compiled_target, pair.compiled_draft, proposer, sets[names[0]][0],
+                                            context, ks, config.seed)
+    for timer in timers.values():
+        timer.sample(config.timing_repeats // 2)
     methods, skipped = build_methods(pair)
     results: dict = {"config": asdict(config), "machine": {**machine(), "device": str(pair.device),
                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
@@ -223,19 +248,23 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
         with stopwatch(seconds, phase):
             points = sweep_k(pair, ar, drafter, sets[name][: config.sweep_prompts], advance, phase)
         results["sweeps"]["k"].setdefault(name, {})[drafter] = points
-    batch_methods = [m for m in methods if m.engine == "ours" or m.name == "hf_generate"]
+    batch_methods = [m for m in methods if m.engine in ("ours", "ours_compiled") or m.name == "hf_generate"]
     phase = f"{names[0]}: batch sweep"
     with stopwatch(seconds, phase):
         results["sweeps"]["batch"] = sweep_batch(pair, batch_methods, sets[names[0]], references[names[0]],
                                                  runs[names[0]], advance, phase)
     results["sweeps"]["batch_set"] = names[0]
-    timer.sample(config.timing_repeats - config.timing_repeats // 2)
-    times = timer.times()
-    results["step_times"] = asdict(times)
+    for timer in timers.values():
+        timer.sample(config.timing_repeats - config.timing_repeats // 2)
+    times = {engine: timer.times() for engine, timer in timers.items()}
+    results["step_times"] = asdict(times["ours"])
+    if config.compile:
+        results["step_times_compiled"] = asdict(times["ours_compiled"])
     entries = [e for data in results["sets"].values() for e in data["methods"].values() if e["status"] == "ok"]
     entries += [p for sweeps in results["sweeps"]["k"].values() for points in sweeps.values() for p in points]
     for entry in entries:
-        entry.update(bound_figures(entry["drafter"], entry["k"], entry["alpha"], entry.pop("own_speedup"), times))
+        own = times.get(entry.get("engine"), times["ours"])  # HF's bound: our eager step times
+        entry.update(bound_figures(entry["drafter"], entry["k"], entry["alpha"], entry.pop("own_speedup"), own))
     results["seconds"]["total"] = time.perf_counter() - clock
     return results
 

@@ -13,9 +13,18 @@ follow transformers' modeling files exactly:
 Attention runs against a StaticKVCache with per-row lengths: row b's q tokens sit at positions
 `cache.lengths[b] + arange(q)`, and RoPE, the K/V writes and the causal mask all use those per-row
 positions, so rows of one batch may hold contexts of different lengths.
+
+The forward is one function of tensors (`NativeCausalLM.run`, which torch.compile can compile:
+models/compiled.py), written for few ops per layer, since a decode step on a CPU is the weights'
+streaming plus per-op overhead: q/k/v and gate/up as single matmuls (models/packed.py), residual
+adds fused into the matmuls, RoPE of queries and keys at once from tables built once, one mask per
+forward, the K/V written with one index_put per cache. The modules below only hold the parameters.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +34,14 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from speculative.kv_cache import StaticKVCache
+from speculative.models.packed import PackedLinear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Forwards of at most this many query tokens (batch * q) run on NativeCausalLM.small_call_threads
+# threads (on CPU). Measured on the project's 2-core CPU with OMP_WAIT_POLICY=PASSIVE, demo target:
+# 1 token 9.9 ms on 1 thread, 15.2 ms on 2 (waking the second thread for every matmul costs more than
+# it gives); 40 tokens 26.3 against 27.0 ms; 64 even; 256 tokens 117 against 88 ms.
+SMALL_CALL_ROWS = 64
 # RoPE types whose frequencies HF recomputes from the batch's longest sequence: not per-row safe.
 _UNSUPPORTED_ROPE_TYPES = frozenset({"longrope"})
 
@@ -63,13 +78,12 @@ def _rope_init(config: PretrainedConfig) -> tuple[Tensor, float]:
         return 1.0 / (config.rope_parameters["rope_theta"] ** exponents), 1.0
 
 
-def attention_mask(positions: Tensor, span: int, window: int | None) -> Tensor:
+def attention_mask(positions: Tensor, keys: Tensor, window: int | None) -> Tensor:
     """Boolean mask [batch, 1, q, span]: key j is visible to query i of row b iff
     j <= positions[b, i] and, with a sliding window W, positions[b, i] - j < W.
 
-    positions: [batch, q] absolute positions of the query tokens.
+    positions: [batch, q] absolute positions of the query tokens; keys: [span] those of the keys.
     """
-    keys = torch.arange(span, device=positions.device)  # [span]
     distance = positions[:, None, :, None] - keys  # [batch, 1, q, span]
     mask = distance >= 0
     if window is not None:
@@ -86,13 +100,18 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: Tensor) -> Tensor:  # [..., size]
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # x [..., size], weight [size] or [..., size]
+    """weight * x / sqrt(mean(x^2) + eps), computed in float32, in HF's order of operations."""
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)). Parameters only: NativeCausalLM runs it fused."""
 
     def __init__(self, config: PretrainedConfig, bias: bool) -> None:
         super().__init__()
@@ -102,17 +121,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, x: Tensor) -> Tensor:  # [batch, q, hidden]
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 class Attention(nn.Module):
-    """GQA self-attention with RoPE at per-row positions, reading and writing a StaticKVCache."""
+    """GQA self-attention's parameters and settings. NativeCausalLM runs it (RoPE at per-row
+    positions, a StaticKVCache written at those positions) with q/k/v as one fused projection."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
         super().__init__()
@@ -142,35 +154,6 @@ class Attention(nn.Module):
         else:
             self.sliding_window = None
 
-    def forward(
-        self,
-        x: Tensor,  # [batch, q, hidden]
-        cos: Tensor,  # [batch, 1, q, head_dim]
-        sin: Tensor,  # [batch, 1, q, head_dim]
-        positions: Tensor,  # [batch, q]
-        cache: StaticKVCache,
-        masks: dict[int | None, Tensor],  # window -> [batch, 1, q, span], shared by the layers
-    ) -> Tensor:  # [batch, q, hidden]
-        batch, q, _ = x.shape
-        query = self.q_proj(x).view(batch, q, self.num_heads, self.head_dim)
-        key = self.k_proj(x).view(batch, q, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(x).view(batch, q, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)  # [batch, heads, q, head_dim]
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
-
-        keys, values = cache.write(self.layer_idx, key, value, positions)  # [batch, kv_heads, span, head_dim]
-        mask = masks.get(self.sliding_window)
-        if mask is None:
-            mask = masks[self.sliding_window] = attention_mask(positions, keys.shape[2], self.sliding_window)
-        gqa = self.num_heads != self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=gqa
-        )  # [batch, heads, q, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q, -1))
-
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
@@ -181,18 +164,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, bias=config.model_type == "llama" and getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: Tensor,  # [batch, q, hidden]
-        cos: Tensor,  # [batch, 1, q, head_dim]
-        sin: Tensor,  # [batch, 1, q, head_dim]
-        positions: Tensor,  # [batch, q]
-        cache: StaticKVCache,
-        masks: dict[int | None, Tensor],
-    ) -> Tensor:  # [batch, q, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, masks)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
@@ -205,8 +176,28 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class _Layer(NamedTuple):
+    """One decoder layer as the forward runs it: its modules (read at every call) and fused projections."""
+
+    attn: Attention
+    input_norm: RMSNorm
+    post_norm: RMSNorm
+    act: nn.Module | None  # None: SiLU
+    qkv: PackedLinear  # q_proj, k_proj, v_proj
+    o: PackedLinear
+    gate_up: PackedLinear  # gate_proj, up_proj
+    down: PackedLinear
+
+
 class NativeCausalLM(nn.Module):
-    """A llama/mistral/qwen2/qwen3 causal LM implementing the LanguageModel protocol."""
+    """A llama/mistral/qwen2/qwen3 causal LM implementing the LanguageModel protocol.
+
+    The projections run as PackedLinears (models/packed.py): each layer's q/k/v and gate/up fused
+    into one matmul, laid out for the fastest kernel; the nn.Linear parameters are views into that
+    layout, so state_dict() and load_state_dict() see the HF names and shapes. Loading a state dict
+    or moving the model (`.to`) lays the weights out again; so does a forward after an in-place
+    change of a weight.
+    """
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -221,10 +212,17 @@ class NativeCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, self.attention_scaling = _rope_init(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2]
+        attn = self.model.layers[0].self_attn
+        self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self._inner, self._eps = config.intermediate_size, config.rms_norm_eps
+        self.small_call_threads: int | None = 1  # see SMALL_CALL_ROWS; None: torch's setting throughout
+        self.pack_weights()
+        self.register_load_state_dict_post_hook(lambda module, _: module.pack_weights())
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module) -> NativeCausalLM:
-        """Build from a HF `*ForCausalLM`, on its device and dtype, sharing (not copying) its weights."""
+        """Build from a HF `*ForCausalLM`, on its device and dtype. It shares the HF model's embeddings
+        and norms; the projections are laid out anew (a copy: see PackedLinear)."""
         with torch.device("meta"):
             native = cls(hf_model.config)
         native.load_state_dict(hf_model.state_dict(), strict=True, assign=True)
@@ -232,7 +230,27 @@ class NativeCausalLM(nn.Module):
             native.lm_head.weight = native.model.embed_tokens.weight
         weight = hf_model.get_input_embeddings().weight
         native.inv_freq = hf_model.model.rotary_emb.inv_freq.to(weight.device, torch.float32)
+        native.pack_weights()
         return native.eval()
+
+    def pack_weights(self) -> None:
+        """Lay the projection weights out for the matmul kernels (PackedLinear), from the parameters."""
+        silu = self.config.hidden_act == "silu"
+        self._layers = [
+            _Layer(a, layer.input_layernorm, layer.post_attention_layernorm, None if silu else m.act_fn,
+                   PackedLinear([a.q_proj, a.k_proj, a.v_proj]), PackedLinear([a.o_proj]),
+                   PackedLinear([m.gate_proj, m.up_proj]), PackedLinear([m.down_proj]))
+            for layer, a, m in ((layer, layer.self_attn, layer.mlp) for layer in self.model.layers)]
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        self._lm_head = PackedLinear([self.lm_head], relayout=not tied)
+        self._packed = [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self._packed.append(self._lm_head)
+        self._rope_cos = self._rope_sin = self._arange = torch.empty(0)
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the parameters got new tensors
+        super()._apply(fn, recurse)
+        self.pack_weights()
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -244,23 +262,36 @@ class NativeCausalLM(nn.Module):
 
     def new_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
         """An empty StaticKVCache of `batch_size` rows and `max_length` positions, in the model's dtype."""
-        attn = self.model.layers[0].self_attn
         return StaticKVCache(
             num_layers=len(self.model.layers),
             batch_size=batch_size,
-            num_kv_heads=attn.num_kv_heads,
+            num_kv_heads=self._num_kv_heads,
             max_length=max_length,
-            head_dim=attn.head_dim,
+            head_dim=self._head_dim,
             dtype=self.dtype,
             device=self.device,
         )
 
-    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin [batch, 1, q, head_dim] at `positions` [batch, q], computed in float32."""
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [batch, q, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    def prepare(self, span: int) -> None:
+        """Make what a forward attending over `span` positions needs, outside of any compiled code: the
+        RoPE tables and key positions up to `span`, and the packed weights after an in-place change."""
+        if span > self._rope_cos.shape[0]:
+            length = max(span, 2 * self._rope_cos.shape[0])
+            self._rope_cos, self._rope_sin = self._rope_tables(length)
+            self._arange = torch.arange(length, device=self.inv_freq.device)
+        if any(p.stale() for p in self._packed):
+            self.pack_weights()
+            self.prepare(span)
+
+    def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [length, head_dim] in the model's dtype, computed in float32 as HF does; sin's first
+        half is negated, so that rotate_half(x) * sin == x.roll(head_dim // 2, -1) * (signed sin)."""
+        positions = torch.arange(length, device=self.inv_freq.device).float()
+        freqs = positions[:, None] * self.inv_freq.float()[None]  # [length, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        sin = torch.cat((-sin[:, : freqs.shape[1]], sin[:, freqs.shape[1] :]), dim=-1)
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     @torch.no_grad()
     def forward(
@@ -277,16 +308,88 @@ class NativeCausalLM(nn.Module):
         row's new length, where attention ignores them and later writes overwrite them.
         Raises ValueError if the cache has no room for q more tokens.
         """
+        return self.forward_with(self.run, input_ids, cache, num_tokens, logits_indices)
+
+    def forward_with(self, run: Callable[..., Tensor], input_ids: Tensor, cache: StaticKVCache,
+                     num_tokens: Tensor | None = None, logits_indices: Tensor | None = None,
+                     span_multiple: int = 1) -> Tensor:
+        """`forward` with `run` (this model's, or a compiled one) computing the logits.
+
+        span_multiple: attend over the cache's first `span` positions rounded up to a multiple of
+        this (capped at the cache's length), so that a compiled `run` sees few distinct spans.
+        """
         q = input_ids.shape[1]
         cache.check_room(q)
-        positions = cache.positions(q)  # [batch, q]
-        hidden = self.model.embed_tokens(input_ids)  # [batch, q, hidden]
-        cos, sin = self._rope(positions, hidden.dtype)
-        masks: dict[int | None, Tensor] = {}
-        for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, positions, cache, masks)
+        span = cache.host_max_length + q
+        span = min(-(-span // span_multiple) * span_multiple, cache.max_length)
+        self.prepare(span)
+        threads, previous = self.small_call_threads, torch.get_num_threads()
+        limit = bool(threads) and previous > threads and input_ids.numel() <= SMALL_CALL_ROWS \
+            and input_ids.device.type == "cpu"
+        if limit:
+            torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                positions, key_positions = cache.positions(q), self._arange[:span]
+                logits = run(input_ids, positions, cache.keys, cache.values, key_positions, logits_indices)
+        finally:
+            if limit:
+                torch.set_num_threads(previous)
         cache.advance(q if num_tokens is None else num_tokens, q)
+        return logits
+
+    def run(
+        self,
+        input_ids: Tensor,  # [batch, q]
+        positions: Tensor,  # [batch, q] int64, the positions of the tokens
+        keys: list[Tensor],  # per layer [batch, kv_heads, max_length, head_dim], written in place
+        values: list[Tensor],  # per layer, the same
+        key_positions: Tensor,  # [span] = arange(span): attention reads cache positions [0, span)
+        logits_indices: Tensor | None = None,  # [batch, n] int64
+    ) -> Tensor:  # [batch, n, vocab] float32
+        """The forward as a function of tensors: what torch.compile compiles.
+
+        Writes the K/V of the tokens at `positions` and attends over keys [0, span), masking every
+        key after a query's own position (and outside the sliding window, where there is one).
+        span must exceed every row's last position; `prepare(span)` must have run.
+        """
+        batch, q = input_ids.shape
+        rows, heads, kv_heads, head_dim = batch * q, self._num_heads, self._num_kv_heads, self._head_dim
+        eps, span = self._eps, key_positions.shape[0]
+        hidden = F.embedding(input_ids.reshape(rows), self.model.embed_tokens.weight)  # [rows, hidden]
+        cos = self._rope_cos[positions][:, :, None]  # [batch, q, 1, head_dim]
+        sin = self._rope_sin[positions][:, :, None]
+        batch_index = torch.arange(batch, device=positions.device)[:, None]  # [batch, 1]
+        masks: dict[int | None, Tensor] = {}  # window -> additive mask [batch, 1, q, span]
+        for layer, key_cache, value_cache in zip(self._layers, keys, values):
+            attn = layer.attn
+            qkv = layer.qkv(rms_norm(hidden, layer.input_norm.weight, eps))
+            qkv = qkv.view(batch, q, heads + 2 * kv_heads, head_dim)  # q, k, v heads side by side
+            qk = qkv[:, :, : heads + kv_heads]
+            if attn.qk_norm:
+                norms = (attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1))
+                qk = rms_norm(qk, torch.cat(norms), eps)  # [batch, q, heads + kv_heads, head_dim]
+            qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # RoPE of queries and keys at once
+            # index_put_ (not scatter_): inductor then writes into the cache in place, not into a copy
+            key_cache[batch_index, :, positions] = qk[:, :, heads:]  # [batch, q, kv_heads, head_dim]
+            value_cache[batch_index, :, positions] = qkv[:, :, heads + kv_heads :]
+            mask = masks.get(attn.sliding_window)
+            if mask is None:
+                allowed = attention_mask(positions, key_positions, attn.sliding_window)
+                mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
+                mask = masks[attn.sliding_window] = mask.masked_fill_(~allowed, -torch.inf)
+            out = F.scaled_dot_product_attention(
+                qk[:, :, :heads].transpose(1, 2), key_cache[:, :, :span], value_cache[:, :, :span],
+                attn_mask=mask, scale=attn.scaling, enable_gqa=heads != kv_heads,
+            )  # [batch, heads, q, head_dim]
+            hidden = layer.o(out.transpose(1, 2).reshape(rows, heads * head_dim), hidden)  # + residual
+            gate_up = layer.gate_up(rms_norm(hidden, layer.post_norm.weight, eps))  # [rows, 2 * inner]
+            gate, up = gate_up[:, : self._inner], gate_up[:, self._inner :]
+            gate = F.silu(gate) if layer.act is None else layer.act(gate)
+            hidden = layer.down(gate * up, hidden)  # + residual
+        hidden = hidden.view(batch, q, -1)
         if logits_indices is not None:
             index = logits_indices[..., None].expand(-1, -1, hidden.shape[-1])  # [batch, n, hidden]
             hidden = hidden.gather(1, index)
-        return self.lm_head(self.model.norm(hidden)).float()
+        hidden = rms_norm(hidden, self.model.norm.weight, eps)
+        return self._lm_head(hidden.view(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1).float()

@@ -1,0 +1,138 @@
+"""torch.compile of the native forward, behind the LanguageModel protocol.
+
+`CompiledCausalLM(model)` shares a NativeCausalLM's weights and computes its forward with
+`torch.compile(model.run)`, the sizes that change from call to call (batch, query length, cache
+length, attention span) marked dynamic, so that one compiled graph serves them all. Dynamo still
+specializes sizes of 1, so a model compiles one graph per kind of call on its first such call: one
+query token or several (verification, a draft's first step, a short prefill), at batch 1 or more.
+The span is rounded up to a multiple of SPAN_MULTIPLE (the causal mask hides the positions past
+each row's length): free on CPU, and it bounds the shapes a CUDA graph is recorded for.
+
+CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM runs on one
+thread) are compiled; longer ones (prefills) run eagerly on every thread: they are compute-bound,
+compiling them gains little, and dynamo guards on the thread count, so they would need graphs of
+their own. Inductor (C++) fuses the norms, RoPE, the K/V writes and the gating between the matmuls;
+the matmuls stay PackedLinear's, its prepacked oneDNN kernels called as an opaque custom op.
+CUDA: every call compiled, mode "reduce-overhead" (CUDA graphs), the cache tensors marked as static
+addresses (new_cache); untested here, for want of a GPU.
+
+Process-wide settings made on first use: dynamo's limit of graphs per code object raised to
+MIN_RECOMPILE_LIMIT (every model's graphs share NativeCausalLM.run's code object), and duck sizing
+off (two sizes that happen to be equal in the first call are not assumed equal forever).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+import torch.fx.experimental._config as fx_config
+from torch import Tensor
+
+from speculative.kv_cache import StaticKVCache
+from speculative.models.base import LanguageModel
+from speculative.models.bucketed import BucketedModel, warm_up
+from speculative.models.llama import SMALL_CALL_ROWS, NativeCausalLM
+from speculative.precompile import PreCompileConfig
+
+SPAN_MULTIPLE = 64
+# Graphs of every model share the one code object of NativeCausalLM.run, and dynamo's default limit
+# on graphs per code object (8) is below a target's and a draft's together.
+MIN_RECOMPILE_LIMIT = 64
+
+
+def _standard_strides(tensor: Tensor) -> Tensor:
+    """The tensor with a row-major layout's strides (strides are guarded too, and the same shapes come
+    as slices of wider tensors or not): a copy unless it has them already."""
+    stride, expected = tensor.stride(), 1
+    for size, have in zip(reversed(tensor.shape), reversed(stride)):
+        if have != expected:
+            return tensor.clone(memory_format=torch.contiguous_format)
+        expected *= size
+    return tensor
+
+
+def default_mode(device: torch.device) -> str | None:
+    """torch.compile's mode for a device: CUDA graphs ("reduce-overhead") on CUDA, inductor's default
+    elsewhere."""
+    return "reduce-overhead" if device.type == "cuda" else None
+
+
+class CompiledCausalLM:
+    """A NativeCausalLM whose forward runs compiled (see the module docstring); it shares the model's
+    weights, so the same model can also run eagerly elsewhere.
+
+    mode: torch.compile's mode; None picks `default_mode(model.device)`.
+    """
+
+    def __init__(self, model: NativeCausalLM, mode: str | None = None) -> None:
+        if not isinstance(model, NativeCausalLM):
+            raise TypeError(f"CompiledCausalLM compiles a NativeCausalLM; got {type(model).__name__}")
+        self.model = model
+        self.mode = mode if mode is not None else default_mode(model.device)
+        # CPU: longer calls (prefills) run eagerly, on every thread, where compiling gains little and
+        # each thread count would need graphs of its own (dynamo guards on it)
+        self.max_compiled_rows = SMALL_CALL_ROWS if model.device.type == "cpu" else None
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, MIN_RECOMPILE_LIMIT)
+        fx_config.use_duck_shape = False
+        self._compiled = torch.compile(model.run, mode=self.mode)
+
+    vocab_size = property(lambda self: self.model.vocab_size)
+    max_length = property(lambda self: self.model.max_length)
+    device = property(lambda self: self.model.device)
+    dtype = property(lambda self: self.model.dtype)
+
+    def new_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
+        """The model's cache, one position longer than a multiple of SPAN_MULTIPLE: a span then never
+        covers the whole buffer (a case dynamo would compile apart)."""
+        cache = self.model.new_cache(batch_size, -(-max_length // SPAN_MULTIPLE) * SPAN_MULTIPLE + 1)
+        for tensor in (*cache.keys, *cache.values):  # [batch, kv_heads, max_length, head_dim]
+            torch._dynamo.maybe_mark_dynamic(tensor, (0, 2))
+            if self.mode == "reduce-overhead":  # CUDA graphs replay on the same buffers
+                torch._dynamo.mark_static_address(tensor)
+        return cache
+
+    def _run(self, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
+             key_positions: Tensor, logits_indices: Tensor | None) -> Tensor:
+        if logits_indices is None:  # one graph for both: all positions' logits are a gather of all
+            batch, q = input_ids.shape
+            logits_indices = torch.arange(q, device=input_ids.device).repeat(batch, 1)
+        input_ids, positions, logits_indices = map(_standard_strides, (input_ids, positions, logits_indices))
+        for tensor in (input_ids, positions, logits_indices):
+            torch._dynamo.maybe_mark_dynamic(tensor, (0, 1))
+        torch._dynamo.maybe_mark_dynamic(key_positions, 0)
+        for table in (self.model._rope_cos, self.model._rope_sin):  # they grow with the longest span
+            torch._dynamo.maybe_mark_dynamic(table, 0)
+        return self._compiled(input_ids, positions, keys, values, key_positions, logits_indices)
+
+    def forward(self, input_ids: Tensor, cache: StaticKVCache, num_tokens: Tensor | None = None,
+                logits_indices: Tensor | None = None) -> Tensor:
+        """NativeCausalLM.forward, compiled; on CPU, eager for more than SMALL_CALL_ROWS tokens."""
+        if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
+            return self.model.forward(input_ids, cache, num_tokens, logits_indices)
+        return self.model.forward_with(self._run, input_ids, cache, num_tokens, logits_indices, SPAN_MULTIPLE)
+
+    __call__ = forward
+
+
+def prepare_model(model: LanguageModel, compile: bool = False,
+                  precompile: PreCompileConfig | None = None) -> LanguageModel:
+    """`model` compiled (CompiledCausalLM) when `compile`, and then bucketed (BucketedModel) when
+    `precompile` is given. ValueError when compiling a model that does not run the native forward."""
+    if compile and not isinstance(model, CompiledCausalLM):
+        if not isinstance(model, NativeCausalLM):
+            raise ValueError(f"compile=True needs the native forward (model types llama, mistral, qwen2, "
+                             f"qwen3 with model_impl 'auto' or 'native'); got {type(model).__name__}")
+        model = CompiledCausalLM(model)
+    return BucketedModel(model, precompile) if precompile is not None else model
+
+
+def warm_up_pair(target: LanguageModel, draft: LanguageModel | None, precompile: PreCompileConfig,
+                 num_speculative_tokens: int) -> None:
+    """Warm up (compiling where compiled) every standalone shape of `precompile` on the calls the engine
+    makes: the target's prefill, plain step (q = 1) and verification (q = k + 1); the draft's prefill,
+    first draft step (2 tokens, last logits) and further draft steps (q = 1)."""
+    k = num_speculative_tokens
+    warm_up(target, precompile, [(1, False)] + ([(k + 1, False)] if k else []))
+    if draft is not None:
+        warm_up(draft, precompile, [(2, True), (1, False)])

@@ -1,0 +1,81 @@
+"""torch.compile of the native forward: the same tokens as eager, and no recompiles once warmed up.
+
+Compiling is slow on a small CPU (seconds per graph), so these tests use one tiny model pair.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_model
+from torch._dynamo.utils import counters
+
+from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.models.compiled import SPAN_MULTIPLE, CompiledCausalLM
+from speculative.models.llama import NativeCausalLM
+from speculative.precompile import PreCompileConfig
+
+# lengths 3 .. 70: spans of these prompts plus 24 tokens cross multiples of SPAN_MULTIPLE
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 5, [3, 4, 5] * 20 + [8] * 10]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", hidden_size=32, num_layers=2)
+    return target, noisy_copy(target, 0.02)
+
+
+def test_compiled_greedy_equals_eager_without_recompiles(pair) -> None:
+    target, draft = pair
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    config = SpeculativeConfig(num_speculative_tokens=3)
+    eager = LLM(target, draft_model=draft, speculative_config=config)
+    compiled = LLM(target, draft_model=draft, speculative_config=config, compile=True,
+                   precompile=PreCompileConfig(batch_size=[1, 3]))
+    assert isinstance(compiled.target.model.model, CompiledCausalLM)
+    graphs = counters["stats"]["unique_graphs"]  # every graph the runs below need, compiled by the warm-up
+    for batch in ([PROMPTS[0]], [PROMPTS[1]], [PROMPTS[2]], PROMPTS):
+        want = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+        got = [o.outputs[0].token_ids for o in compiled.generate(batch, params)]
+        assert got == want
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_logits_match_eager_across_spans(pair) -> None:
+    target, _ = pair
+    native = NativeCausalLM.from_hf(target)
+    compiled = CompiledCausalLM(native)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, native.vocab_size, (2, 2 * SPAN_MULTIPLE + 8), generator=generator)
+    eager_cache, compiled_cache = native.new_cache(2, ids.shape[1]), compiled.new_cache(2, ids.shape[1])
+    assert compiled_cache.max_length % SPAN_MULTIPLE == 1  # a span never covers the whole buffer
+    start = SPAN_MULTIPLE - 3
+    num_tokens = torch.tensor([start, start - 5])  # rows of different lengths
+    for cache, model in ((eager_cache, native), (compiled_cache, compiled)):
+        model.forward(ids[:, :start], cache, num_tokens=num_tokens)
+    steps = [1, 4, 1, 1, 5, 1] * 3  # decode and verify steps across two span multiples
+    for q in steps:
+        query = ids[:, start : start + q]
+        want = native.forward(query, eager_cache)
+        got = compiled.forward(query, compiled_cache)
+        assert (got - want).abs().max() < 1e-5
+        start += q
+    assert torch.equal(eager_cache.lengths, compiled_cache.lengths)
+
+
+def test_compile_needs_the_native_forward() -> None:
+    with pytest.raises(ValueError, match="compile=True needs the native forward"):
+        LLM(tiny_model("llama"), model_impl="transformers", compile=True)
+    with pytest.raises(TypeError, match="compiles a NativeCausalLM"):
+        CompiledCausalLM(tiny_model("llama"))
+
+
+def test_cli_compile_flags() -> None:
+    from speculative.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--compile"]).compile is True
+    assert parser.parse_args(["generate"]).compile is False
+    assert parser.parse_args(["bench", "--compile"]).compile is True
+    assert parser.parse_args(["bench"]).compile is None  # None: BenchConfig's default (False)
