@@ -101,6 +101,49 @@ def test_ngram_proposer() -> None:
     proposal = proposer.propose(tokens, lengths, 3, strategy)
     assert proposal.probs is None
     assert proposal.token_ids.tolist() == [[7, 8, 1], [-1, -1, -1], [2, 5, -1]]
+    # only as wide as the longest row's proposal, empty when no row has one
+    assert proposer.propose(tokens[1:], lengths[1:], 3, strategy).token_ids.tolist() == [[-1, -1], [2, 5]]
+    assert proposer.propose(tokens[1:2], lengths[1:2], 3, strategy).token_ids.shape == (1, 0)
+
+
+class WidthModel:
+    """Wraps a model and records the query width (tokens per row) of every forward after the prefill."""
+
+    def __init__(self, model) -> None:
+        self.model, self.widths = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, input_ids, cache, num_tokens=None, logits_indices=None):
+        self.widths.append(input_ids.shape[1])
+        return self.model.forward(input_ids, cache, num_tokens, logits_indices)
+
+
+def test_ngram_verifies_only_what_was_proposed() -> None:
+    """Greedy: a step verifies 1 + the longest row's proposal, a plain step when there is none, and the
+    text stays the target's. Sampled: always k + 1 (random draws are made per position of k)."""
+    hf = tiny_model("llama")
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]  # "5 6 7" matches: 8 9 10 11 12 proposed first
+    spec = SpeculativeConfig("ngram", num_speculative_tokens=8)
+    counting = WidthModel(NativeCausalLM.from_hf(hf))
+    out = LLM(counting, speculative_config=spec).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0].token_ids
+    assert_greedy_equal(hf, prompt, out, hf_greedy(hf, prompt, 24, None))
+    expected, done, proposer = [], 1, NgramProposer(1, 3)  # the prefill gave the first token
+    while done < 24:  # replay the proposals on the final text
+        context = torch.tensor([prompt + out[:done]])
+        drafts = proposer.propose(context, torch.tensor([context.shape[1]]), 8, SampleStrategy.greedy(1, 96))
+        drafts = drafts.token_ids[0].tolist()
+        expected.append(1 + len(drafts))
+        accepted = next((i for i, t in enumerate(drafts) if done + i >= 24 or t != out[done + i]), len(drafts))
+        done += accepted + 1
+    assert counting.widths[1:len(expected) + 1] == expected
+    assert 1 in expected and any(1 < w < 9 for w in expected)  # plain steps and narrowed ones
+    counting.widths.clear()
+    LLM(counting, speculative_config=spec, seed=0).generate(
+        [prompt], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+    assert set(counting.widths[1:]) == {9}
 
 
 class CountingModel:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from speculative.acceptance import TypicalAcceptanceSampler, greedy_accept, rejection_sample
@@ -224,7 +225,7 @@ class Engine:
     def _step(self, batch: Batch) -> list[Request]:
         start, rows = time.perf_counter(), len(batch.requests)
         k = self.draft_length.choose(rows) if self.proposer is not None else 0
-        finished = self._speculate(batch, k) if k else self._plain(batch)
+        finished, k = self._speculate(batch, k) if k else (self._plain(batch), 0)
         if self.proposer is not None:
             self.draft_length.observe(rows, k, time.perf_counter() - start, *self.step_counts)
         return finished
@@ -236,16 +237,31 @@ class Engine:
         tokens = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]
         return self._commit(batch, self.cache, self.proposer, tokens, logits, None, counted=True)
 
-    def _speculate(self, batch: Batch, k: int) -> list[Request]:
-        """Draft k tokens per row, verify them in one target forward, keep a prefix and one more."""
+    def _speculate(self, batch: Batch, k: int) -> tuple[list[Request], int]:
+        """Draft k tokens per row, verify them in one target forward, keep a prefix and one more.
+        Returns the finished sequences and the number of drafts verified per row.
+
+        A proposal narrower than k (no row had more) is verified as it is when the batch is greedy,
+        and a plain step is taken when it is empty. A sampled batch pads it back to k: its random
+        draws are made per position of k, so a seeded row's output does not depend on its neighbours.
+        """
         strategy = batch.strategy
+        greedy = self.typical is None and strategy.all_greedy
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
         proposal = self.proposer.propose(batch.tokens, batch.lengths, k, strategy)
-        draft_ids = proposal.token_ids  # [B, k], -1 = nothing proposed
+        draft_ids = proposal.token_ids  # [B, j], j <= k, -1 = nothing proposed
+        if greedy:
+            if draft_ids.shape[1] == 0:
+                return self._plain(batch), 0
+            k = draft_ids.shape[1]
+        elif draft_ids.shape[1] < k:
+            draft_ids = F.pad(draft_ids, (0, k - draft_ids.shape[1]), value=-1)
+            if proposal.probs is not None:
+                proposal = proposal._replace(probs=F.pad(proposal.probs, (0, 0, 0, k - proposal.probs.shape[1])))
         query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, k + 1]
         logits = self.target.forward(query, self.cache)  # [B, k + 1, V]
         context = batch.context(draft_ids)
-        if self.typical is None and strategy.all_greedy:
+        if greedy:
             out = greedy_accept(strategy.argmax(logits, context), draft_ids)
         else:
             target_probs = strategy.probs(logits, context)  # [B, k + 1, V]
@@ -255,7 +271,7 @@ class Engine:
             else:
                 out = rejection_sample(target_probs[:, :k], bonus, proposal.probs, draft_ids,
                                        strategy.random.uniform(k), strategy.random.exponential(logits.shape[-1]))
-        return self._commit(batch, self.cache, self.proposer, out, logits, draft_ids, counted=True)
+        return self._commit(batch, self.cache, self.proposer, out, logits, draft_ids, counted=True), k
 
     def _commit(self, batch: Batch, cache: KVCache, proposer: Proposer | None, emitted: Tensor, logits: Tensor,
                 draft_ids: Tensor | None, counted: bool = False) -> list[Request]:

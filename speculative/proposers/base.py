@@ -12,8 +12,10 @@ from speculative.sampling import SampleStrategy
 class Proposal(NamedTuple):
     """Draft tokens for one speculative step.
 
-    token_ids: [batch, k] int64, -1 where the proposer has nothing (never accepted).
-    probs: [batch, k, vocab] float32, the distribution each token was actually drawn from, or None
+    token_ids: [batch, j] int64, j <= k, -1 where the proposer has nothing (never accepted). A
+        proposer whose rows can come up short may return fewer than the k columns asked for, as
+        many as its longest row has (0 when no row has any).
+    probs: [batch, j, vocab] float32, the distribution each token was actually drawn from, or None
         when the proposer is deterministic (a one-hot distribution at each token).
     """
 

@@ -3,7 +3,9 @@
 No model: the last n tokens of the context are looked up earlier in the same context, longest n
 first (prompt_lookup_max down to prompt_lookup_min), the most recent match winning, and the tokens
 that followed the match are proposed. The proposer is deterministic, so its draft distribution is
-one-hot and the rejection rule accepts a token x with probability q(x).
+one-hot and the rejection rule accepts a token x with probability q(x). A proposal is only as wide
+as its longest row's (none at all when no row has a match), so that no position is verified for
+nothing (see Engine._speculate).
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ class NgramProposer:
             last = torch.where(match, starts, -1).max(dim=1).values  # [batch], -1 if none
             found = torch.where((found < 0) & (last >= 0), last + n, found)
         positions = found[:, None] + torch.arange(num_tokens, device=device)  # [batch, k]
-        usable = (found[:, None] >= 0) & (positions < lengths[:, None])
-        token_ids = tokens.gather(1, positions.clamp(0, capacity - 1))
-        return Proposal(torch.where(usable, token_ids, -1), None)
+        usable = (found[:, None] >= 0) & (positions < lengths[:, None])  # a prefix of each row
+        token_ids = torch.where(usable, tokens.gather(1, positions.clamp(0, capacity - 1)), -1)
+        width = int(usable.sum(dim=1).max())  # the longest row's proposal: no wider verification
+        return Proposal(token_ids[:, :width], None)
 
     def accept(self, lengths: Tensor, max_length: int) -> None:
         pass
