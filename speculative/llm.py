@@ -76,6 +76,7 @@ class LLM:
             typical = TypicalAcceptanceSampler(speculative_config.posterior_threshold,
                                                speculative_config.posterior_alpha)
         self.speculative_config = speculative_config
+        self.precompile = precompile
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
         self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, typical,
@@ -182,6 +183,11 @@ class LLM:
         if len(ids) + max_tokens > limit or max_tokens < 1:
             raise ValueError(f"prompt {index} has {len(ids)} tokens and max_tokens={p.max_tokens}: "
                              f"together more than the model's context of {limit} tokens")
+        if self.precompile is not None:
+            try:
+                self.precompile.bucket(len(ids))
+            except ValueError as error:
+                raise ValueError(f"prompt {index}: {error}") from None
         needs_tokenizer = [name for name, used in (("stop", p.stop), ("bad_words", p.bad_words),
                                                    ("guided_decoding", p.guided_decoding)) if used]
         if needs_tokenizer and self.tokenizer is None:
