@@ -57,9 +57,11 @@ class Method:
 
 @dataclass
 class OursMethod(Method):
-    """Our engine through the public API: `LLM.generate` with greedy SamplingParams."""
+    """Our engine through the public API: `LLM.generate` with greedy SamplingParams. adaptive: the LLM
+    chooses k per step (up to `k`)."""
 
     llm: LLM | None = None
+    adaptive: bool = False
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
