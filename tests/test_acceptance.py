@@ -108,7 +108,7 @@ def test_rejection_zero_target_mass_at_every_draft():
 
 
 def test_rejection_deterministic_drafter_certain_target_accepts():
-    b, k, v = 4, 2, 7
+    b, v = 4, 7
     draft = torch.tensor([[1, 2], [3, 4], [5, 6], [0, 0]])
     target = _one_hot_probs(torch.cat([draft, torch.zeros(b, 1, dtype=I64)], 1), v)
     bonus = torch.tensor([[6], [5], [4], [3]])

@@ -23,6 +23,7 @@ forward, the K/V written with one index_put per cache. The modules below only ho
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -38,9 +39,7 @@ from speculative.models.packed import PackedLinear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # Forwards of at most this many query tokens (batch * q) run on NativeCausalLM.small_call_threads
-# threads (on CPU). Measured on the project's 2-core CPU with OMP_WAIT_POLICY=PASSIVE, demo target:
-# 1 token 9.9 ms on 1 thread, 15.2 ms on 2 (waking the second thread for every matmul costs more than
-# it gives); 40 tokens 26.3 against 27.0 ms; 64 even; 256 tokens 117 against 88 ms.
+# threads (on CPU), see small_call_threads().
 SMALL_CALL_ROWS = 64
 # RoPE types whose frequencies HF recomputes from the batch's longest sequence: not per-row safe.
 _UNSUPPORTED_ROPE_TYPES = frozenset({"longrope"})
@@ -76,6 +75,18 @@ def _rope_init(config: PretrainedConfig) -> tuple[Tensor, float]:
         dim = _head_dim(config)
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (config.rope_parameters["rope_theta"] ** exponents), 1.0
+
+
+def small_call_threads() -> int | None:
+    """The threads a small forward (at most SMALL_CALL_ROWS tokens) runs on: 1 when OpenMP's threads
+    sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE), None (torch's setting) otherwise.
+
+    Asleep, a thread is woken for each of a forward's ~100 matmuls, which costs more than it gives.
+    Measured on the project's 2-core CPU, demo target, fp32, ms per forward of 1 / 5 tokens: PASSIVE,
+    1 thread 10.7 / 15.2, 2 threads 16.0 / 16.1 (40 tokens: 26.3 against 27.0; 256: 117 against 88);
+    default policy (threads spin a while), 2 threads 6.5 / 9.4.
+    """
+    return 1 if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE" else None
 
 
 def attention_mask(positions: Tensor, keys: Tensor, window: int | None) -> Tensor:
@@ -215,7 +226,7 @@ class NativeCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._inner, self._eps = config.intermediate_size, config.rms_norm_eps
-        self.small_call_threads: int | None = 1  # see SMALL_CALL_ROWS; None: torch's setting throughout
+        self.small_call_threads = small_call_threads()  # None: torch's setting throughout
         self.pack_weights()
         self.register_load_state_dict_post_hook(lambda module, _: module.pack_weights())
 

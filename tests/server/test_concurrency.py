@@ -73,14 +73,14 @@ def burst(served) -> None:
     """32 clients at once, each checked against what it asked for."""
     requests = [client_request(i) for i in range(NUM_CLIENTS)]
     expected = {}
-    for i, (path, body, params) in enumerate(requests):
+    for i, (_path, body, params) in enumerate(requests):
         if params is not None:
             prompt = body.get("prompt") or served.tokenizer.apply_chat_template(
                 body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
             expected[i] = served.reference.generate(prompt, params)[0].outputs[0]
     with ThreadPoolExecutor(NUM_CLIENTS) as pool:
         results = list(pool.map(lambda r: stream(served.url, r[0], r[1]), requests, timeout=120))
-    for i, ((path, body, params), (texts, finish, usage)) in enumerate(zip(requests, results)):
+    for i, ((_path, body, _params), (texts, finish, usage)) in enumerate(zip(requests, results)):
         n = body.get("n", 1)
         assert sorted(texts) == sorted(finish) == list(range(n)), (i, texts, finish)
         if i in expected:
