@@ -88,7 +88,8 @@ def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[in
         baseline = baselines.get(method.engine)
         table[method.name] = {
             "label": method.label, "engine": method.engine, "drafter": method.drafter, "k": method.k,
-            "adaptive": getattr(method, "adaptive", False), "status": "ok", "tokens": sum(tokens), "seconds_median": statistics.median(seconds[method.name]),
+            "adaptive": getattr(method, "adaptive", False), "status": "ok", "tokens": sum(tokens),
+            "seconds_median": statistics.median(seconds[method.name]),
             "tokens_per_s": statistics.median(n / s for n, s in zip(tokens, seconds[method.name])),
             "speedup_vs_hf": _median_ratio(seconds["hf_generate"], seconds[method.name]),
             "speedup_vs_ours_ar": _median_ratio(seconds["ours_ar"], seconds[method.name]),

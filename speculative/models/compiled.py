@@ -11,8 +11,9 @@ each row's length): free on CPU, and it bounds the shapes a CUDA graph is record
 CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM may run on
 one thread: llama.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
 thread: they are compute-bound, compiling them gains little, and dynamo guards on the thread count,
-so they could need graphs of their own. Inductor (C++) fuses the norms, RoPE, the K/V writes and the gating between the matmuls;
-the matmuls stay PackedLinear's, its prepacked oneDNN kernels called as an opaque custom op.
+so they could need graphs of their own. Inductor (C++) fuses the norms, RoPE, the K/V writes and the
+gating between the matmuls; the matmuls stay PackedLinear's, its prepacked oneDNN kernels called as
+an opaque custom op.
 CUDA: every call compiled, mode "reduce-overhead" (CUDA graphs), the cache tensors marked as static
 addresses (new_cache); untested here, for want of a GPU.
 
