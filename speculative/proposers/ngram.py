@@ -3,9 +3,10 @@
 No model: the last n tokens of the context are looked up earlier in the same context, longest n
 first (prompt_lookup_max down to prompt_lookup_min), the most recent match winning, and the tokens
 that followed the match are proposed. The proposer is deterministic, so its draft distribution is
-one-hot and the rejection rule accepts a token x with probability q(x). A proposal is only as wide
-as its longest row's (none at all when no row has a match), so that no position is verified for
-nothing (see Engine._speculate).
+one-hot and the rejection rule accepts a token x with probability q(x). On CPU a proposal is only as
+wide as its longest row's (none at all when no row has a match), so that no position is verified for
+nothing (see Engine._speculate); on an accelerator it keeps all k columns, since reading the width
+back would add a host sync to the step.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class NgramProposer:
         positions = found[:, None] + torch.arange(num_tokens, device=device)  # [batch, k]
         usable = (found[:, None] >= 0) & (positions < lengths[:, None])  # a prefix of each row
         token_ids = torch.where(usable, tokens.gather(1, positions.clamp(0, capacity - 1)), -1)
+        if device.type != "cpu":  # reading the width would be a second host sync in the step
+            return Proposal(token_ids, None)
         width = int(usable.sum(dim=1).max())  # the longest row's proposal: no wider verification
         return Proposal(token_ids[:, :width], None)
 
