@@ -13,9 +13,11 @@ from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.engine.draft_length import DraftLength
 
 
-def _measured(max_k: int, cost, acceptance: float, steps: int = 200, batch_size: int = 1) -> DraftLength:
-    """A DraftLength fed `steps` steps of a fake workload: step time cost(k), per-draft acceptance."""
-    chooser = DraftLength(max_k, adaptive=True)
+def _measured(max_k: int, cost, acceptance: float, steps: int = 200, batch_size: int = 1,
+              chooser: DraftLength | None = None) -> DraftLength:
+    """A DraftLength (new, or `chooser`) fed `steps` steps of a fake workload at `batch_size` (one row's
+    figures): step time cost(k), per-draft acceptance."""
+    chooser = chooser or DraftLength(max_k, adaptive=True)
     for step in range(steps):
         k = chooser.choose(batch_size)
         accepted = 0
@@ -42,11 +44,24 @@ def test_a_middle_k_when_acceptance_falls_off() -> None:
 
 
 def test_batch_sizes_are_measured_apart() -> None:
+    """Same acceptance, costlier drafts at batch 8: speculation pays at batch 1 and not at batch 8."""
     chooser = _measured(4, lambda k: 10.0 + 0.5 * k, acceptance=0.9, batch_size=1)
-    for _ in range(100):
-        k = chooser.choose(8)
-        chooser.observe(8, k, 10.0 + 8.0 * k, [0] * 8, [k] * 8)
+    _measured(4, lambda k: 10.0 + 20.0 * k, acceptance=0.9, steps=100, batch_size=8, chooser=chooser)
     assert chooser.choose(1) == 4 and chooser.choose(8) == 0
+
+
+def test_a_new_batch_size_starts_from_the_nearest_measured_one() -> None:
+    """No probing of max_k and 0 at each new batch size: it borrows the nearest size's step times,
+    rescaled at its first step, and goes on from the best k."""
+    chooser = _measured(6, lambda k: 10.0 + 1.0 * k, acceptance=0.8, batch_size=4)
+    best = chooser.choose(4)
+    assert 0 < best < 6
+    first = chooser.choose(3)
+    assert first == best  # not max_k, not 0
+    chooser.observe(3, first, 0.75 * (10.0 + 1.0 * first), [1], [first])  # the same curve, 3/4 as long
+    assert chooser.step_time(3, 0) == pytest.approx(0.75 * 10.0)
+    _measured(6, lambda k: 0.75 * (10.0 + 1.0 * k), acceptance=0.8, steps=40, batch_size=3, chooser=chooser)
+    assert chooser.counts[3].get(6, 0) + chooser.counts[3].get(0, 0) <= 2  # at most exploration steps
 
 
 def test_fixed_k_is_still_available() -> None:

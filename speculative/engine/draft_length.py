@@ -6,8 +6,11 @@ section 4's bound, with a per-position acceptance). It costs t_B(k), measured fo
 the whole step's wall time (drafting, verification, acceptance, the host sync), an exponential moving
 average for each k tried, the line through them for k not tried. The step drafts
 k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculation switched off for
-batch sizes where it does not pay. Each batch size starts by measuring max_k and 0, and every few
-steps a neighbour of the best k is measured again so that the estimates follow the workload.
+batch sizes where it does not pay. The first batch size starts by measuring max_k and 0; a batch
+size met later starts from the step times of the nearest one measured, rescaled at its own first
+step and replaced k by k as it measures them: batches shrink a row at a time as rows finish, and
+probing max_k and 0 at each size costs more than it teaches. Every few steps a neighbour of the best
+k is measured again so that the estimates follow the workload.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class DraftLength:
         self.reached = [1.0] * max_k   # decayed counts: drafts at position i whose predecessors were accepted
         self.accepted = [0.5] * max_k  # ... and of those, accepted (a prior of 1/2)
         self.times: dict[int, dict[int, float]] = {}   # batch size -> k -> mean step seconds
+        self.borrowed: dict[int, set[int]] = {}  # batch size -> the k whose times are another size's
         self.counts: dict[int, dict[int, int]] = {}
         self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
 
@@ -37,14 +41,27 @@ class DraftLength:
         if not self.adaptive:
             return self.max_k
         counts = self.counts.setdefault(batch_size, {})
-        for k in (self.max_k, 0):
-            if counts.get(k, 0) < _WARMUP:
-                return k
+        if not counts and batch_size not in self.times:
+            self._borrow(batch_size)
+        if batch_size not in self.borrowed:  # measured from scratch: max_k and 0 first
+            for k in (self.max_k, 0):
+                if counts.get(k, 0) < _WARMUP:
+                    return k
         best = max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self.step_time(batch_size, k))
-        if sum(counts.values()) % _EXPLORE == 0:
+        steps = sum(counts.values())
+        if steps and steps % _EXPLORE == 0:
             neighbours = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
             return min(neighbours, key=lambda k: counts.get(k, 0))
         return best
+
+    def _borrow(self, batch_size: int) -> None:
+        """Start a new batch size from the step times of the nearest batch size that has measured at
+        least two k of its own (nothing when none has)."""
+        sources = [b for b, times in self.times.items() if len(set(times) - self.borrowed.get(b, set())) >= 2]
+        if sources:
+            nearest = min(sources, key=lambda b: (abs(b - batch_size), b))
+            self.times[batch_size] = dict(self.times[nearest])
+            self.borrowed[batch_size] = set(self.times[batch_size])
 
     def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int], drafted: list[int]) -> None:
         """One step's figures: its k and wall time, and per row the drafts accepted and proposed."""
@@ -53,7 +70,16 @@ class DraftLength:
             return
         times = self.times.setdefault(batch_size, {})
         counts = self.counts.setdefault(batch_size, {})
-        times[k] = seconds if k not in times else (1 - _SMOOTHING) * times[k] + _SMOOTHING * seconds
+        borrowed = self.borrowed.get(batch_size, set())
+        if borrowed and not counts:  # the first step of a borrowed curve: scale it to this size
+            scale = seconds / self.step_time(batch_size, k)
+            for j in borrowed:
+                times[j] *= scale
+        if k in borrowed or k not in times:
+            borrowed.discard(k)
+            times[k] = seconds
+        else:
+            times[k] = (1 - _SMOOTHING) * times[k] + _SMOOTHING * seconds
         counts[k] = counts.get(k, 0) + 1
         if k == 0:
             return
