@@ -10,16 +10,22 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import byte_tokenizer
 
 from speculative.bench.prompts import BUNDLED_DIR, PromptRecord, encode, load_jsonl
 from speculative.bench.timing import (
+    PLAIN_RUN,
+    SPECULATIVE_RUN,
+    StepTimer,
     acceptance_for_tokens_per_step,
     efficiency,
     expected_tokens_per_step,
     speedup_bound,
 )
 from speculative.demo import corpus
+from speculative.kv_cache import StaticKVCache
+from speculative.proposers import NgramProposer
 
 METHODS = {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_ar", "ours_draft", "ours_ngram",
            "ours_draft_adaptive", "ours_ngram_adaptive", "vllm_draft"}
@@ -50,6 +56,48 @@ def test_bound_and_efficiency() -> None:
     assert efficiency(1.0, 1.25) == pytest.approx(0.8)
     # no acceptance, free drafts, verification as cheap as one token: no speedup at all
     assert speedup_bound(0.0, 4, t_1=2.0, t_v=2.0, t_d=0.0) == pytest.approx(1.0)
+
+
+class _LoggedModel:
+    """A LanguageModel stand-in that logs (name, query length, cached tokens before the call) of every forward."""
+
+    vocab_size, max_length, device = 32, 1024, torch.device("cpu")
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def new_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
+        return StaticKVCache(1, batch_size, 1, max_length, 2, torch.float32, "cpu")
+
+    def forward(self, input_ids, cache, num_tokens=None, logits_indices=None):
+        self.log.append((self.name, input_ids.shape[1], int(cache.lengths[0])))
+        cache.advance(input_ids.shape[1], input_ids.shape[1])
+        return torch.zeros(1, input_ids.shape[1], self.vocab_size)
+
+
+def test_step_timer_times_steps_as_the_engine_runs_them() -> None:
+    """T_1 from runs of consecutive one-token steps, T_d and T_v(k) from runs of speculative steps (k
+    drafts, then k + 1 verified), each run's first call discarded: not single calls of alternating kinds."""
+    log: list = []
+    ks, context = [1, 3], 20
+    timer = StepTimer(_LoggedModel("target", log), _LoggedModel("draft", log), NgramProposer(2, 3),
+                      list(range(10)), context, ks)
+    log.clear()
+    timer.sample(1)  # a discarded round, then one kept
+    kept_round = log[len(log) // 2:]
+    plain, rest = kept_round[:PLAIN_RUN], kept_round[PLAIN_RUN:]
+    assert plain == [("target", 1, context + i) for i in range(PLAIN_RUN)]  # decoding: the cache grows
+    expected = []
+    for k in ks:
+        step = [("draft", 1, context + i) for i in range(k)] + [("target", k + 1, context)]
+        expected += step * SPECULATIVE_RUN
+    assert rest == expected
+    samples = timer.samples
+    assert len(samples["t_1"]) == PLAIN_RUN - 1
+    assert all(len(samples[f"t_v{k}"]) == SPECULATIVE_RUN - 1 for k in ks)
+    assert len(samples["t_d"]) == sum(k * (SPECULATIVE_RUN - 1) for k in ks)
+    times = timer.times()
+    assert times.t_1 > 0 and times.t_d > 0 and set(times.t_v) == set(ks)
 
 
 def test_jsonl_plain_and_spec_bench(tmp_path: Path) -> None:

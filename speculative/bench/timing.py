@@ -80,20 +80,32 @@ class StepTimes:
     t_ngram: dict[int, float]
 
 
-def _forward_timer(model: LanguageModel, context: int, max_query: int, seed: int) -> Callable[[int], float]:
-    """A function timing one forward of q tokens on a cache that holds `context` tokens (then rolled back)."""
+# Consecutive one-token target forwards per timed run of plain decoding, and speculative steps per k
+# and round; the first of each is discarded (it follows a call of another kind).
+PLAIN_RUN = 8
+SPECULATIVE_RUN = 3
+
+
+def _forward_timer(model: LanguageModel, context: int, capacity: int,
+                   seed: int) -> Callable[[Sequence[int]], list[float]]:
+    """A function timing consecutive forwards of the given query lengths, each appended after the one
+    before on a cache that holds `context` tokens, which is rolled back to `context` afterwards.
+    `capacity`: the most tokens one call of it appends in all."""
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.vocab_size, (1, context + max_query), generator=generator).to(model.device)
-    cache = model.new_cache(1, context + max_query)
+    ids = torch.randint(0, model.vocab_size, (1, context + capacity), generator=generator).to(model.device)
+    cache = model.new_cache(1, context + capacity)
     lengths = torch.tensor([context], device=model.device)
     model.forward(ids[:, :context], cache)
 
-    def timed(q: int) -> float:
-        synchronize(model.device)
-        start = time.perf_counter()
-        model.forward(ids[:, context : context + q], cache)
-        synchronize(model.device)
-        seconds = time.perf_counter() - start
+    def timed(queries: Sequence[int]) -> list[float]:
+        seconds, position = [], context
+        for q in queries:
+            synchronize(model.device)
+            start = time.perf_counter()
+            model.forward(ids[:, position : position + q], cache)
+            synchronize(model.device)
+            seconds.append(time.perf_counter() - start)
+            position += q
         cache.rollback(lengths, context)
         return seconds
 
@@ -120,20 +132,30 @@ def _ngram_timer(prompt: Sequence[int], context: int, vocab_size: int, device: t
 
 
 class StepTimer:
-    """Samples every step time in interleaved rounds; `times()` gives the medians of all rounds so far.
+    """Times each step the way the engine runs it, in interleaved rounds; `times()` gives the medians of
+    all rounds so far.
 
-    Sampling at several moments of a long benchmark (before and after the runs) keeps a passing load on
-    a shared machine from skewing the ratios the bound depends on.
+    A round times, on the same models the methods run:
+    - plain decoding: PLAIN_RUN consecutive one-token target forwards (T_1);
+    - for each k, SPECULATIVE_RUN speculative steps in a row: k one-token draft forwards (T_d) and then
+      the target on k + 1 tokens (T_v(k));
+    - an n-gram proposal of each k.
+    The first call of each run is discarded: it follows a call of another kind, which a decoding loop
+    never does. That matters on a CPU, where a model whose wide weights have two layouts (models/
+    packed.py: one for one row, one for several) streams one of them in plain decoding and the other
+    in verification: timed as single calls of alternating kinds, T_1 read about 15% slower and T_d 40%
+    slower than in a decoding loop. Sampling at several moments of a long benchmark (before and after
+    the runs) keeps a passing load on a shared machine from skewing the ratios the bound depends on.
     """
 
     def __init__(self, target: LanguageModel, draft: LanguageModel | None, proposer: NgramProposer,
                  prompt: Sequence[int], context: int, ks: Sequence[int], seed: int = 0) -> None:
         self.ks = list(ks)
-        self.context = min(context, target.max_length - max(ks) - 1,
-                           draft.max_length - 1 if draft is not None else context)
+        self.context = min(context, target.max_length - max(max(ks) + 1, PLAIN_RUN),
+                           draft.max_length - max(ks) if draft is not None else context)
         with torch.inference_mode():
-            self.target_step = _forward_timer(target, self.context, max(ks) + 1, seed)
-            self.draft_step = _forward_timer(draft, self.context, 1, seed) if draft is not None else None
+            self.target_steps = _forward_timer(target, self.context, max(max(ks) + 1, PLAIN_RUN), seed)
+            self.draft_steps = _forward_timer(draft, self.context, max(ks), seed) if draft is not None else None
             self.ngram_step = _ngram_timer(prompt, self.context, target.vocab_size, target.device, proposer)
         self.samples: dict[str, list[float]] = {}
         self.warm = False
@@ -142,18 +164,24 @@ class StepTimer:
     def sample(self, rounds: int) -> None:
         """Time `rounds` rounds of every step (after one discarded round the first time)."""
         for _ in range(rounds + (not self.warm)):
-            times = {"t_1": self.target_step(1), **{f"t_v{k}": self.target_step(k + 1) for k in self.ks},
-                     **{f"ngram{k}": self.ngram_step(k) for k in self.ks}}
-            if self.draft_step is not None:
-                times["t_d"] = self.draft_step(1)
+            times: dict[str, list[float]] = {"t_1": self.target_steps([1] * PLAIN_RUN)[1:], "t_d": []}
+            for k in self.ks:
+                verify = []
+                for _ in range(SPECULATIVE_RUN):
+                    drafts = self.draft_steps([1] * k) if self.draft_steps is not None else []
+                    verify += self.target_steps([k + 1])
+                    if verify[1:]:  # the first step of the run is discarded
+                        times["t_d"] += drafts
+                times[f"t_v{k}"] = verify[1:]
+                times[f"ngram{k}"] = [self.ngram_step(k)]
             if self.warm:
                 for name, seconds in times.items():
-                    self.samples.setdefault(name, []).append(seconds)
+                    self.samples.setdefault(name, []).extend(seconds)
             self.warm = True
 
     def times(self) -> StepTimes:
         """Medians of the rounds sampled so far."""
-        median = {name: statistics.median(values) for name, values in self.samples.items()}
+        median = {name: statistics.median(values) for name, values in self.samples.items() if values}
         return StepTimes(self.context, median["t_1"], {k: median[f"t_v{k}"] for k in self.ks}, median.get("t_d"),
                          {k: median[f"ngram{k}"] for k in self.ks})
 
