@@ -95,22 +95,24 @@ class ModelInferencer:
                sample_strategy: SampleStrategy) -> DecodeOutput:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0; got {max_new_tokens}")
-        stops = self.eos_token_ids.numel() > 0
-        start = kv_cache.lengths.clone()
-        finished = torch.zeros(query_token_ids.shape[0], dtype=torch.bool, device=query_token_ids.device)
+        stops = self.eos_token_ids.numel() > 0  # without EOS: no per-token work beyond the forward
         if stops:
+            start = kv_cache.lengths.clone()
+            finished = torch.zeros(query_token_ids.shape[0], dtype=torch.bool, device=query_token_ids.device)
             ignore_eos = torch.tensor([p.ignore_eos for p in sample_strategy.params], device=finished.device)
         tokens, all_logits = [], []
         current = query_token_ids
         for _ in range(max_new_tokens):
             logits = self.model.forward(current, kv_cache)[:, -1]  # [batch, vocab]
             new = sample_strategy.next_tokens(logits)  # [batch]
-            tokens.append(torch.where(finished, -1, new))
             all_logits.append(logits)
             if stops:
+                tokens.append(torch.where(finished, -1, new))
                 finished = finished | (torch.isin(new, self.eos_token_ids) & ~ignore_eos)
                 if bool(finished.all()):
                     break
+            else:
+                tokens.append(new)
             current = new[:, None]
         token_ids = torch.stack(tokens, dim=1)  # [batch, n]
         if stops:  # a finished row's cache keeps the query and its tokens before its EOS

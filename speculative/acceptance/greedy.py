@@ -44,5 +44,6 @@ def greedy_accept(
     """
     k = draft_token_ids.shape[1]
     num_accepted = count_accepted(draft_token_ids == target_token_ids[:, :k])  # [B, 1]
-    next_ids = target_token_ids.gather(1, num_accepted)  # [B, 1]
-    return assemble_output(draft_token_ids, num_accepted, next_ids)
+    # the accepted drafts are the target's own tokens there: the output is its tokens up to the next one
+    positions = torch.arange(k + 1, device=target_token_ids.device)
+    return torch.where(positions <= num_accepted, target_token_ids, -1)

@@ -77,6 +77,7 @@ class CompiledCausalLM:
         config.recompile_limit = max(config.recompile_limit, MIN_RECOMPILE_LIMIT)
         fx_config.use_duck_shape = False
         self._compiled = torch.compile(model.run, mode=self.mode)
+        self._positions: dict[tuple[int, int], Tensor] = {}  # (batch, q) -> _every_position
 
     vocab_size = property(lambda self: self.model.vocab_size)
     max_length = property(lambda self: self.model.max_length)
@@ -96,8 +97,7 @@ class CompiledCausalLM:
     def _run(self, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
              key_positions: Tensor, logits_indices: Tensor | None) -> Tensor:
         if logits_indices is None:  # one graph for both: all positions' logits are a gather of all
-            batch, q = input_ids.shape
-            logits_indices = torch.arange(q, device=input_ids.device).repeat(batch, 1)
+            logits_indices = self._every_position(*input_ids.shape)
         input_ids, positions, logits_indices = map(_standard_strides, (input_ids, positions, logits_indices))
         for tensor in (input_ids, positions, logits_indices):
             torch._dynamo.maybe_mark_dynamic(tensor, (0, 1))
@@ -105,6 +105,16 @@ class CompiledCausalLM:
         for table in (self.model._rope_cos, self.model._rope_sin):  # they grow with the longest span
             torch._dynamo.maybe_mark_dynamic(table, 0)
         return self._compiled(input_ids, positions, keys, values, key_positions, logits_indices)
+
+    def _every_position(self, batch: int, q: int) -> Tensor:
+        """[batch, q] int64 = arange(q) in every row; kept for decode-sized shapes (repeat() costs ~30 us
+        a call, a draft forward ~500)."""
+        indices = self._positions.get((batch, q))
+        if indices is None:
+            indices = torch.arange(q, device=self.device).repeat(batch, 1)
+            if batch * q <= SMALL_CALL_ROWS:
+                self._positions[batch, q] = indices
+        return indices
 
     def forward(self, input_ids: Tensor, cache: StaticKVCache, num_tokens: Tensor | None = None,
                 logits_indices: Tensor | None = None) -> Tensor:
