@@ -77,7 +77,7 @@ def rejection_sample(
     residual = (q_rej - p_rej).clamp_min(0)  # [B, V]
     empty = (residual.sum(dim=-1, keepdim=True) <= 0)  # [B, 1]
     residual = torch.where(empty, q_rej, residual)
-    recovered = (residual / recovery_noise).argmax(dim=-1, keepdim=True)  # [B, 1]
+    recovered = (residual / recovery_noise).max(dim=-1, keepdim=True).indices  # [B, 1], the first argmax
 
     next_ids = torch.where(num_accepted >= k, bonus_token_ids.to(torch.int64), recovered)
     return assemble_output(draft_token_ids, num_accepted, next_ids)

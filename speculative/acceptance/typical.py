@@ -66,7 +66,7 @@ class TypicalAcceptanceSampler(torch.nn.Module):
         )  # [B, k]
         num_accepted = count_accepted(valid & (q_x > threshold))  # [B, 1]
 
-        recovered = target_probs.argmax(dim=-1)  # [B, k]
+        recovered = target_probs.max(dim=-1).indices  # [B, k], the first argmax
         candidates = torch.cat([recovered, bonus_token_ids.to(torch.int64)], dim=1)  # [B, k+1]
         next_ids = candidates.gather(1, num_accepted)  # [B, 1]
         return assemble_output(draft_token_ids, num_accepted, next_ids)
