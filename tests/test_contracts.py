@@ -146,6 +146,27 @@ def test_ngram_verifies_only_what_was_proposed() -> None:
     assert set(counting.widths[1:]) == {9}
 
 
+def test_the_draft_re_encodes_nothing_after_a_rejection() -> None:
+    """A step's first draft forward feeds only the last token, unless some row kept its whole block
+    (all k drafts and the bonus: the draft has not seen x_k); its first forward after the prefill too."""
+    hf = tiny_model("llama")
+    prompt, k = [5, 6, 7, 8], 3
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for draft, scale in ((hf, 0.0), (noisy_copy(hf, 0.05), 0.05)):
+        counting = WidthModel(NativeCausalLM.from_hf(draft))
+        out = LLM(hf, draft_model=counting, speculative_config=SpeculativeConfig(num_speculative_tokens=k)).generate(
+            [prompt], params)[0]
+        assert_greedy_equal(hf, prompt, out.outputs[0].token_ids, hf_greedy(hf, prompt, 40, None))
+        steps, whole = out.metrics.num_steps, out.metrics.accepted_per_position[k - 1]  # all k accepted
+        firsts = counting.widths[1::k][:steps]  # each step's first draft forward, after the prefill
+        assert len(counting.widths) == 1 + steps * k and set(counting.widths[1:]) <= {1, 2}
+        assert firsts[0] == 1 and firsts.count(2) in (whole - 1, whole)  # the last step has no successor
+        if scale == 0.0:
+            assert firsts == [1] + [2] * (steps - 1)
+        else:
+            assert firsts.count(1) > steps // 2
+
+
 class CountingModel:
     """Wraps a model and records the batch size of every forward."""
 

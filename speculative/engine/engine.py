@@ -321,8 +321,8 @@ class Engine:
         if batch.requests:
             max_length = max(batch.host_lengths)
             cache.rollback(batch.lengths - 1, max_length - 1)
-            if proposer is not None:
-                proposer.accept(batch.lengths, max_length)
+            if proposer is not None:  # whether some row kept its whole block
+                proposer.accept(batch.lengths, max_length, any(values[width] == width for values in host))
         return finished
 
     def _record(self, request: Request, values: list[int], width: int, eos_token_ids: list[int],

@@ -142,7 +142,7 @@ def warm_up_pair(target: LanguageModel, draft: LanguageModel | None, precompile:
                  num_speculative_tokens: int) -> None:
     """Warm up (compiling where compiled) every standalone shape of `precompile` on the calls the engine
     makes: the target's prefill, plain step (q = 1) and verification (q = k + 1); the draft's prefill,
-    first draft step (2 tokens, last logits) and further draft steps (q = 1)."""
+    first draft step (2 tokens, or 1, last logits) and further draft steps (q = 1)."""
     k = num_speculative_tokens
     warm_up(target, precompile, [(1, False)] + ([(k + 1, False)] if k else []))
     if draft is not None:

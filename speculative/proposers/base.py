@@ -41,9 +41,11 @@ class Proposer(Protocol):
         """Propose `num_tokens` tokens after each row's context."""
         ...
 
-    def accept(self, lengths: Tensor, max_length: int) -> None:
+    def accept(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
         """The rows' contexts now have `lengths` ([batch]; host max `max_length`) tokens. Called
-        after every step, also after steps that drafted nothing (plain steps, k = 0)."""
+        after every step, also after steps that drafted nothing (plain steps, k = 0).
+        whole_block_kept: whether some row (finished ones included) kept every token of the step;
+        False means every row rejected one of its drafts or was cut short."""
         ...
 
     def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:

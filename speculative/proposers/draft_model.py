@@ -1,11 +1,13 @@
 """A draft model as proposer: k autoregressive steps of a small model sharing the target's vocabulary.
 
-Cache invariant: before a proposal the draft cache holds every context token but the last two
-(length = context length - 2), and the first draft forward feeds those two. This one shape covers
-both outcomes of the previous step: after a rejection only the recovered token is new (the token
-before it is fed again, recomputing identical K/V), and after full acceptance the draft has not yet
-seen x_k nor the bonus token. Rollback after verification is a length change. After plain steps (k = 0: no proposal) the cache
-is left `behind` by one token per step, the same for every row; the next proposal feeds those too.
+Cache invariant: before a proposal the draft cache holds every context token but the last `missing`
+(1 or 2), and the first draft forward feeds those. After a step in which every row rejected a draft
+(or was cut short), the draft has already computed the K/V of every kept token but the recovered
+one, so the cache is rolled back to all but the last token and the next step feeds that one alone.
+When some row kept its whole block (all k drafts and the bonus), the draft has not seen x_k: every
+row then feeds its last two tokens (for the others the first of them is recomputed, identically).
+Rollback is a length change. After plain steps (k = 0: no proposal) the cache is left `behind` by one
+token per step, the same for every row; the next proposal feeds those too.
 """
 
 from __future__ import annotations
@@ -27,39 +29,42 @@ class DraftModelProposer:
         self.model = model
         self.drafter = Drafter(ModelInferencer(model))  # no EOS: drafting never syncs to stop early
         self.cache = None
-        self.behind = 0  # context tokens beyond the last two that the cache lacks (plain steps)
+        self.missing = 1  # the context's last tokens that the next proposal feeds (1 or 2) ...
+        self.behind = 0  # ... and before them, tokens the cache lacks after plain steps
         self._proposed = False
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         cache = self.model.new_cache(tokens.shape[0], tokens.shape[1])
-        width = int(lengths.max()) - 1  # the prefill feeds all but the last token, then forgets one more
+        width = int(lengths.max()) - 1  # the prefill feeds all but the last token
         self.model.forward(tokens[:, :width], cache, num_tokens=lengths - 1,
                            logits_indices=torch.zeros_like(lengths)[:, None])
-        cache.rollback(lengths - 2, width - 1)
         if self.cache is None or self.cache.batch_size == 0:
-            self.cache, self.behind = cache, 0
-        else:
+            self.cache, self.behind, self.missing = cache, 0, 1
+        else:  # the running rows lack their last `missing` tokens: so will these
+            cache.rollback(lengths - self.missing, width + 1 - self.missing)
             self.cache.append_rows(cache)
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
                 strategy: SampleStrategy) -> Proposal:
-        fed = 2 + self.behind
+        fed = self.missing + self.behind
         query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))
         out = self.drafter.draft(query, self.cache, num_tokens, strategy)
         self.behind, self._proposed = 0, True
         probs = None if strategy.all_greedy else strategy.probs(out.token_logits)
         return Proposal(out.token_ids, probs)
 
-    def accept(self, lengths: Tensor, max_length: int) -> None:
-        if self._proposed:
-            self.cache.rollback(lengths - 2, max_length - 2)
+    def accept(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
+        if self._proposed:  # the cache holds the context before the step and the drafts but the last
+            self.missing = 2 if whole_block_kept else 1
+            self.cache.rollback(lengths - self.missing, max_length - self.missing)
         else:  # a plain step: every row gained one token that the cache has not seen
             self.behind += 1
         self._proposed = False
 
     def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
         if self.behind and self.cache is not None and self.cache.batch_size:
-            query = tokens.gather(1, lengths[:, None] - 2 - self.behind + torch.arange(self.behind, device=tokens.device))
+            start = lengths[:, None] - self.missing - self.behind
+            query = tokens.gather(1, start + torch.arange(self.behind, device=tokens.device))
             self.model.forward(query, self.cache, logits_indices=torch.zeros_like(lengths)[:, None])
         self.behind = 0
 
