@@ -16,6 +16,7 @@ from conftest import byte_tokenizer
 from speculative.bench.prompts import BUNDLED_DIR, PromptRecord, encode, load_jsonl
 from speculative.bench.timing import (
     PLAIN_RUN,
+    PLAIN_WARMUP,
     SPECULATIVE_RUN,
     StepTimer,
     acceptance_for_tokens_per_step,
@@ -77,7 +78,7 @@ class _LoggedModel:
 
 def test_step_timer_times_steps_as_the_engine_runs_them() -> None:
     """T_1 from runs of consecutive one-token steps, T_d and T_v(k) from runs of speculative steps (k
-    drafts, then k + 1 verified), each run's first call discarded: not single calls of alternating kinds."""
+    drafts, then k + 1 verified), each run's first calls discarded: not single calls of alternating kinds."""
     log: list = []
     ks, context = [1, 3], 20
     timer = StepTimer(_LoggedModel("target", log), _LoggedModel("draft", log), NgramProposer(2, 3),
@@ -93,7 +94,7 @@ def test_step_timer_times_steps_as_the_engine_runs_them() -> None:
         expected += step * SPECULATIVE_RUN
     assert rest == expected
     samples = timer.samples
-    assert len(samples["t_1"]) == PLAIN_RUN - 1
+    assert len(samples["t_1"]) == PLAIN_RUN - PLAIN_WARMUP
     assert all(len(samples[f"t_v{k}"]) == SPECULATIVE_RUN - 1 for k in ks)
     assert len(samples["t_d"]) == sum(k * (SPECULATIVE_RUN - 1) for k in ks)
     times = timer.times()

@@ -80,9 +80,13 @@ class StepTimes:
     t_ngram: dict[int, float]
 
 
-# Consecutive one-token target forwards per timed run of plain decoding, and speculative steps per k
-# and round; the first of each is discarded (it follows a call of another kind).
-PLAIN_RUN = 8
+# Consecutive one-token target forwards per timed run of plain decoding, of which the first
+# PLAIN_WARMUP are discarded, and speculative steps per k and round, of which the first is discarded.
+# On the project's CPU the one-token forwards that follow a verification take about 8 calls to reach
+# the pace of a decoding loop (the first 8 are 3-7% slower, the rest level), while verification and
+# draft steps run at their loop's pace from the second step.
+PLAIN_RUN = 24
+PLAIN_WARMUP = 8
 SPECULATIVE_RUN = 3
 
 
@@ -136,15 +140,17 @@ class StepTimer:
     all rounds so far.
 
     A round times, on the same models the methods run:
-    - plain decoding: PLAIN_RUN consecutive one-token target forwards (T_1);
+    - plain decoding: PLAIN_RUN consecutive one-token target forwards (T_1), the first PLAIN_WARMUP
+      discarded;
     - for each k, SPECULATIVE_RUN speculative steps in a row: k one-token draft forwards (T_d) and then
-      the target on k + 1 tokens (T_v(k));
+      the target on k + 1 tokens (T_v(k)), the first step discarded;
     - an n-gram proposal of each k.
-    The first call of each run is discarded: it follows a call of another kind, which a decoding loop
-    never does. That matters on a CPU, where a model whose wide weights have two layouts (models/
-    packed.py: one for one row, one for several) streams one of them in plain decoding and the other
-    in verification: timed as single calls of alternating kinds, T_1 read about 15% slower and T_d 40%
-    slower than in a decoding loop. Sampling at several moments of a long benchmark (before and after
+    The first calls of a run follow calls of another kind, which a decoding loop's calls (128 a prompt
+    in the benchmark) almost never do. That matters on a CPU, where a model whose wide weights have two
+    layouts (models/packed.py: one for one row, one for several) streams one of them in plain decoding
+    and the other in verification, and the caches take a few calls to hold the new one: timed as single
+    calls of alternating kinds, T_1 read about 15% slower and T_d 40% slower than in a decoding loop,
+    and with only the first call of a run discarded, T_1 still read about 5% slower. Sampling at several moments of a long benchmark (before and after
     the runs) keeps a passing load on a shared machine from skewing the ratios the bound depends on.
     """
 
@@ -164,7 +170,7 @@ class StepTimer:
     def sample(self, rounds: int) -> None:
         """Time `rounds` rounds of every step (after one discarded round the first time)."""
         for _ in range(rounds + (not self.warm)):
-            times: dict[str, list[float]] = {"t_1": self.target_steps([1] * PLAIN_RUN)[1:], "t_d": []}
+            times: dict[str, list[float]] = {"t_1": self.target_steps([1] * PLAIN_RUN)[PLAIN_WARMUP:], "t_d": []}
             for k in self.ks:
                 verify = []
                 for _ in range(SPECULATIVE_RUN):
