@@ -254,8 +254,9 @@ class NativeCausalLM(nn.Module):
             for layer, a, m in ((layer, layer.self_attn, layer.mlp) for layer in self.model.layers)]
         tied = self.lm_head.weight is self.model.embed_tokens.weight
         self._lm_head = PackedLinear([self.lm_head], relayout=not tied)
-        self._packed = [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self._packed.append(self._lm_head)
+        packed = [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        # only a prepacked copy can go stale: every other layout is the parameters' own storage
+        self._prepacked = [p for p in (*packed, self._lm_head) if p.prepacked is not None]
         self._rope_cos = self._rope_sin = self._arange = torch.empty(0)
 
     def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the parameters got new tensors
@@ -290,7 +291,7 @@ class NativeCausalLM(nn.Module):
             length = max(span, 2 * self._rope_cos.shape[0])
             self._rope_cos, self._rope_sin = self._rope_tables(length)
             self._arange = torch.arange(length, device=self.inv_freq.device)
-        if any(p.stale() for p in self._packed):
+        if any(p.stale() for p in self._prepacked):
             self.pack_weights()
             self.prepare(span)
 

@@ -101,7 +101,8 @@ class PackedLinear:
         return sum(t._version for t in tensors if t is not None and not t.is_inference())
 
     def stale(self) -> bool:
-        """Whether a weight changed in place since `pack()` (the prepacked copy would be out of date)."""
+        """Whether a weight changed in place since `pack()`: the prepacked copy, if any, is out of date
+        (the other layouts are the parameters' own storage and follow the change)."""
         return self._version != self._weights_version()
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:  # x [rows, in] -> [rows, out]
