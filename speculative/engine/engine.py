@@ -31,7 +31,7 @@ from torch import Tensor
 
 from speculative.acceptance import TypicalAcceptanceSampler, greedy_accept, rejection_sample
 from speculative.engine import logprobs as L
-from speculative.engine.batch import Batch
+from speculative.engine.batch import Batch, prefill_groups
 from speculative.engine.draft_length import DraftLength
 from speculative.engine.request import Request, StopStrings
 from speculative.kv_cache import KVCache
@@ -191,23 +191,39 @@ class Engine:
         return cache
 
     def _prefill(self, batch: Batch) -> tuple[KVCache, list[Request]]:
-        """One target forward per prompt; its sequences copy the cache; each samples a first token.
-        Returns the new cache and the sequences that finished with that token."""
+        """The target's prefill of each prompt; its sequences copy the cache; each samples a first
+        token. Returns the new cache and the sequences that finished with that token.
+
+        On a CPU, prompts of different lengths are prefilled in a few forwards of similar lengths
+        (`prefill_groups`), not all padded to the longest; elsewhere, and when prompt log-probabilities
+        are wanted, in one forward."""
         requests = batch.requests
         heads, expand = [], []  # the first row of each prompt; row -> its prompt's index in heads
         for row, r in enumerate(requests):
             if row == 0 or r.prompt_index != requests[row - 1].prompt_index:
                 heads.append(row)
             expand.append(len(heads) - 1)
-        index = torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)
-        lengths = batch.lengths[index]
-        width = max(batch.host_lengths[h] for h in heads)
-        cache = self.target.new_cache(len(heads), batch.capacity)
         all_logits = any(r.params.prompt_logprobs is not None for r in requests)
-        last = (lengths - 1)[:, None]
-        logits = self.target.forward(batch.tokens[index, :width], cache, num_tokens=lengths,
-                                     logits_indices=None if all_logits else last)
+        prompt_lengths = [batch.host_lengths[h] for h in heads]
+        groups = (prefill_groups(prompt_lengths) if self.target.device.type == "cpu" and not all_logits
+                  else [list(range(len(heads)))])
+        cache, parts = None, []
+        for group in groups:  # the cache's rows: the groups' rows one after the other
+            index = torch.tensor([heads[i] for i in group], dtype=torch.long, device=batch.tokens.device)
+            lengths = batch.lengths[index]
+            part = self.target.new_cache(len(group), batch.capacity)
+            parts.append(self.target.forward(batch.tokens[index, : max(prompt_lengths[i] for i in group)], part,
+                                             num_tokens=lengths,
+                                             logits_indices=None if all_logits else (lengths - 1)[:, None]))
+            if cache is None:
+                cache = part
+            else:
+                cache.append_rows(part)
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        cache_row = {prompt: row for row, prompt in enumerate(i for group in groups for i in group)}
+        expand = [cache_row[i] for i in expand]  # row -> its prompt's row in the cache
         if all_logits:
+            last = (batch.lengths[torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)] - 1)[:, None]
             for row, head in enumerate(heads):
                 r = requests[head]
                 if r.params.prompt_logprobs is not None:
@@ -216,9 +232,10 @@ class Engine:
                     for other in requests[head: head + expand.count(row)]:
                         other.prompt_logprobs = found
             logits = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))
-        if len(heads) != len(requests):
-            cache.select_rows(torch.tensor(expand, dtype=torch.long, device=index.device))
-            logits = logits[torch.tensor(expand, dtype=torch.long, device=index.device)]
+        if expand != list(range(len(expand))):
+            rows = torch.tensor(expand, dtype=torch.long, device=batch.tokens.device)
+            cache.select_rows(rows)
+            logits = logits[rows]
         first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
         return cache, self._commit(batch, cache, None, first, logits, None)
 
