@@ -69,7 +69,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--model-impl", choices=["auto", "native", "transformers"])
     bench.add_argument("--seed", type=int)
     bench.add_argument("--compile", action="store_true", default=None,
-                       help="also measure ours compiled (torch.compile): autoregressive and draft model")
+                       help="also measure ours compiled (torch.compile): autoregressive and each drafter at k")
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
     bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep "
                        "points, well under a minute on 2 CPU cores")

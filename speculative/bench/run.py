@@ -54,8 +54,8 @@ class BenchConfig:
     batch_sizes: the batch-size sweep. max_tokens: tokens generated per prompt (EOS ignored).
     num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
     repeats: timed runs per prompt and method; timing_repeats: rounds of the step-time loops.
-    compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and, with a
-        draft model, the draft model method; their graphs are compiled while the pair loads.
+    compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and every
+        drafter's method at k; their graphs are compiled while the pair loads.
     """
 
     model: str = str(DEMO_DIR / "target")
@@ -182,7 +182,7 @@ def build_methods(pair: Pair) -> tuple[list[Method], dict[str, dict]]:
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in drafters]
     if config.compile:
         methods += [pair.ours(None, 0, compiled=True)]
-        methods += [pair.ours("draft_model", config.k, compiled=True)] if pair.draft is not None else []
+        methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
     skipped = {}
     if pair.draft is None:
         for name, label in (("hf_assisted", "HF assisted"), ("ours_draft", "ours draft"), ("vllm_draft", "vLLM draft")):
