@@ -61,7 +61,9 @@ class ModelInferencer:
     """Inferencer over a `LanguageModel`.
 
     eos_token_ids: the tokens that end a row in `decode` (rows whose strategy ignores EOS go on).
-    Passing none lets decode run the full max_new_tokens without a host sync per token.
+    Passing none lets decode run the full max_new_tokens without a host sync per token, and a greedy
+    decode of a model with a `greedy_decode(query_token_ids, kv_cache, steps) -> (token_ids, logits)`
+    (CompiledCausalLM) in one call of it.
     """
 
     def __init__(self, model: LanguageModel, eos_token_ids: Sequence[int] = ()) -> None:
@@ -96,6 +98,9 @@ class ModelInferencer:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0; got {max_new_tokens}")
         stops = self.eos_token_ids.numel() > 0  # without EOS: no per-token work beyond the forward
+        greedy_decode = getattr(self.model, "greedy_decode", None)  # all steps in one call (compiled)
+        if greedy_decode is not None and not stops and sample_strategy.all_greedy:
+            return DecodeOutput(*greedy_decode(query_token_ids, kv_cache, max_new_tokens))
         if stops:
             start = kv_cache.lengths.clone()
             finished = torch.zeros(query_token_ids.shape[0], dtype=torch.bool, device=query_token_ids.device)

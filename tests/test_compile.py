@@ -12,8 +12,10 @@ from torch._dynamo.utils import counters
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.models.compiled import SPAN_MULTIPLE, CompiledCausalLM
+from speculative.inference import ModelInferencer
 from speculative.models.llama import NativeCausalLM
 from speculative.precompile import PreCompileConfig
+from speculative.sampling import SampleStrategy
 
 # lengths 3 .. 70: spans of these prompts plus 24 tokens cross multiples of SPAN_MULTIPLE
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 5, [3, 4, 5] * 20 + [8] * 10]
@@ -62,6 +64,29 @@ def test_compiled_logits_match_eager_across_spans(pair) -> None:
         assert (got - want).abs().max() < 1e-5
         start += q
     assert torch.equal(eager_cache.lengths, compiled_cache.lengths)
+
+
+def test_greedy_decode_is_one_call_and_equals_stepping(pair) -> None:
+    """A draft's greedy steps after its first: one compiled call, the tokens and logits of stepping."""
+    target, _ = pair
+    native = NativeCausalLM.from_hf(target)
+    compiled = CompiledCausalLM(native)
+    ids = torch.randint(0, native.vocab_size, (2, SPAN_MULTIPLE - 2), generator=torch.Generator().manual_seed(1))
+    eager_cache, compiled_cache = native.new_cache(2, 2 * SPAN_MULTIPLE), compiled.new_cache(2, 2 * SPAN_MULTIPLE)
+    lengths = torch.tensor([ids.shape[1], ids.shape[1] - 7])  # rows of different lengths
+    for cache in (eager_cache, compiled_cache):  # all but each row's last token, which decode feeds
+        native.forward(ids[:, :-1], cache, num_tokens=lengths - 1)
+    query = ids.gather(1, lengths[:, None] - 1)
+    strategy = SampleStrategy.greedy(2, native.vocab_size)
+    want = ModelInferencer(native).decode(query, eager_cache, 6, strategy)  # crosses a span multiple
+    calls = []
+    greedy_decode = compiled.greedy_decode
+    compiled.greedy_decode = lambda *args: calls.append(args[2]) or greedy_decode(*args)
+    got = ModelInferencer(compiled).decode(query, compiled_cache, 6, strategy)
+    assert calls == [6]
+    assert torch.equal(got.token_ids, want.token_ids)
+    assert (got.token_logits - want.token_logits).abs().max() < 1e-5
+    assert torch.equal(compiled_cache.lengths, eager_cache.lengths) and compiled_cache.lengths.tolist() == (lengths + 5).tolist()
 
 
 def test_compile_needs_the_native_forward() -> None:

@@ -7,6 +7,8 @@ specializes sizes of 1, so a model compiles one graph per kind of call on its fi
 query token or several (verification, a draft's first step, a short prefill), at batch 1 or more.
 The span is rounded up to a multiple of SPAN_MULTIPLE (the causal mask hides the positions past
 each row's length): free on CPU, and it bounds the shapes a CUDA graph is recorded for.
+`greedy_decode` runs several greedy decoding steps (a draft model's k - 1 after its first) as one
+compiled graph, one graph per number of steps.
 
 CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM may run on
 one thread: llama.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
@@ -23,6 +25,8 @@ off (two sizes that happen to be equal in the first call are not assumed equal f
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch._dynamo
@@ -78,6 +82,7 @@ class CompiledCausalLM:
         fx_config.use_duck_shape = False
         self._compiled = torch.compile(model.run, mode=self.mode)
         self._positions: dict[tuple[int, int], Tensor] = {}  # (batch, q) -> _every_position
+        self._greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # steps -> compiled greedy_decode
 
     vocab_size = property(lambda self: self.model.vocab_size)
     max_length = property(lambda self: self.model.max_length)
@@ -98,13 +103,20 @@ class CompiledCausalLM:
              key_positions: Tensor, logits_indices: Tensor | None) -> Tensor:
         if logits_indices is None:  # one graph for both: all positions' logits are a gather of all
             logits_indices = self._every_position(*input_ids.shape)
-        input_ids, positions, logits_indices = map(_standard_strides, (input_ids, positions, logits_indices))
-        for tensor in (input_ids, positions, logits_indices):
+        input_ids, positions, logits_indices = self._dynamic(input_ids, positions, logits_indices,
+                                                             key_positions=key_positions)
+        return self._compiled(input_ids, positions, keys, values, key_positions, logits_indices)
+
+    def _dynamic(self, *tensors: Tensor, key_positions: Tensor) -> list[Tensor]:
+        """`tensors` ([batch, q] each) with standard strides, their sizes and those of key_positions and
+        the RoPE tables marked dynamic."""
+        tensors = [_standard_strides(tensor) for tensor in tensors]
+        for tensor in tensors:
             torch._dynamo.maybe_mark_dynamic(tensor, (0, 1))
         torch._dynamo.maybe_mark_dynamic(key_positions, 0)
         for table in (self.model._rope_cos, self.model._rope_sin):  # they grow with the longest span
             torch._dynamo.maybe_mark_dynamic(table, 0)
-        return self._compiled(input_ids, positions, keys, values, key_positions, logits_indices)
+        return tensors
 
     def _every_position(self, batch: int, q: int) -> Tensor:
         """[batch, q] int64 = arange(q) in every row; kept for decode-sized shapes (repeat() costs ~30 us
@@ -125,6 +137,51 @@ class CompiledCausalLM:
 
     __call__ = forward
 
+    def greedy_decode(self, input_ids: Tensor, cache: StaticKVCache, steps: int) -> tuple[Tensor, Tensor]:
+        """`steps` greedy decoding steps in one compiled call: input_ids [batch, 1] fed first, then each
+        step's argmax. Returns the tokens [batch, steps] and the float32 logits [batch, steps, vocab]
+        they are the first maximal index of; the cache gains input_ids and every token but the last.
+
+        A draft model's k - 1 steps after its first, in one call instead of k - 1 (a call costs dynamo's
+        guards and the graph's wrapper, about 0.15 ms on CPU). One graph per `steps`, compiled on its
+        first use (warm_up_pair compiles the engine's). On CPU, batches of more than SMALL_CALL_ROWS
+        rows step through `forward`, which runs them eagerly.
+        """
+        if self.max_compiled_rows is not None and input_ids.shape[0] > self.max_compiled_rows:
+            return _greedy_steps(lambda ids, _: self.forward(ids, cache), steps, input_ids)
+        compiled = self._greedy.get(steps)
+        if compiled is None:
+            compiled = self._greedy[steps] = torch.compile(_greedy_run(self.model.run, steps), mode=self.mode)
+
+        def run(input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
+                key_positions: Tensor, logits_indices: None) -> tuple[Tensor, Tensor]:
+            input_ids, positions = self._dynamic(input_ids, positions, key_positions=key_positions)
+            return compiled(input_ids, positions, keys, values, key_positions)
+
+        return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=steps)
+
+
+def _greedy_steps(step: Callable[[Tensor, int], Tensor], steps: int, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy decoding for `steps` steps from input_ids [batch, 1], `step(tokens, i)` giving the logits
+    [batch, 1, vocab] of step i: the tokens [batch, steps] and their logits [batch, steps, vocab]."""
+    tokens, logits, current = [], [], input_ids
+    for i in range(steps):
+        out = step(current, i)[:, -1]
+        current = out.max(dim=-1).indices[:, None]
+        tokens.append(current)
+        logits.append(out)
+    return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
+
+
+def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[Tensor, Tensor]]:
+    """`steps` greedy steps of NativeCausalLM.run as one function of tensors (what is compiled): step i
+    writes at positions + i."""
+    def greedy(input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
+               key_positions: Tensor) -> tuple[Tensor, Tensor]:
+        return _greedy_steps(lambda ids, i: run(ids, positions + i, keys, values, key_positions, None),
+                             steps, input_ids)
+    return greedy
+
 
 def prepare_model(model: LanguageModel, compile: bool = False,
                   precompile: PreCompileConfig | None = None) -> LanguageModel:
@@ -142,8 +199,9 @@ def warm_up_pair(target: LanguageModel, draft: LanguageModel | None, precompile:
                  num_speculative_tokens: int) -> None:
     """Warm up (compiling where compiled) every standalone shape of `precompile` on the calls the engine
     makes: the target's prefill, plain step (q = 1) and verification (q = k + 1); the draft's prefill,
-    first draft step (2 tokens, or 1, last logits) and further draft steps (q = 1)."""
+    first draft step (2 tokens, or 1, last logits) and its k - 1 further steps (one greedy_decode
+    where compiled; sampled drafts and other k step through q = 1 forwards)."""
     k = num_speculative_tokens
     warm_up(target, precompile, [(1, False)] + ([(k + 1, False)] if k else []))
     if draft is not None:
-        warm_up(draft, precompile, [(2, True), (1, False)])
+        warm_up(draft, precompile, [(2, True), (1, False)], greedy_steps=max(k - 1, 0))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -322,17 +322,21 @@ class NativeCausalLM(nn.Module):
         """
         return self.forward_with(self.run, input_ids, cache, num_tokens, logits_indices)
 
-    def forward_with(self, run: Callable[..., Tensor], input_ids: Tensor, cache: StaticKVCache,
+    def forward_with(self, run: Callable[..., Any], input_ids: Tensor, cache: StaticKVCache,
                      num_tokens: Tensor | None = None, logits_indices: Tensor | None = None,
-                     span_multiple: int = 1) -> Tensor:
-        """`forward` with `run` (this model's, or a compiled one) computing the logits.
+                     span_multiple: int = 1, written: int | None = None) -> Any:
+        """`forward` with `run` (this model's, or a compiled one) computing the logits; returns what
+        `run` returns.
 
         span_multiple: attend over the cache's first `span` positions rounded up to a multiple of
         this (capped at the cache's length), so that a compiled `run` sees few distinct spans.
+        written: the positions `run` writes per row (default q); a `run` of several decoding steps
+        writes one per step, at positions + step.
         """
         q = input_ids.shape[1]
-        cache.check_room(q)
-        span = cache.host_max_length + q
+        written = q if written is None else written
+        cache.check_room(written)
+        span = cache.host_max_length + written
         span = min(-(-span // span_multiple) * span_multiple, cache.max_length)
         self.prepare(span)
         threads, previous = self.small_call_threads, torch.get_num_threads()
@@ -347,7 +351,7 @@ class NativeCausalLM(nn.Module):
         finally:
             if limit:
                 torch.set_num_threads(previous)
-        cache.advance(q if num_tokens is None else num_tokens, q)
+        cache.advance(written if num_tokens is None else num_tokens, written)
         return logits
 
     def run(
