@@ -95,6 +95,9 @@ class ModelInferencer:
 
     def decode(self, query_token_ids: Tensor, kv_cache: KVCache, max_new_tokens: int,
                sample_strategy: SampleStrategy) -> DecodeOutput:
+        """`Inferencer.decode`, extended to a query of several tokens: query_token_ids [batch, q >= 1]
+        are fed in the first forward, whose logits are taken at the last of them (a prefill and the
+        decode after it in one call; kv_cache gains the query and every generated token but the last)."""
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0; got {max_new_tokens}")
         stops = self.eos_token_ids.numel() > 0  # without EOS: no per-token work beyond the forward
@@ -106,9 +109,12 @@ class ModelInferencer:
             finished = torch.zeros(query_token_ids.shape[0], dtype=torch.bool, device=query_token_ids.device)
             ignore_eos = torch.tensor([p.ignore_eos for p in sample_strategy.params], device=finished.device)
         tokens, all_logits = [], []
+        batch, q = query_token_ids.shape
         current = query_token_ids
+        last = torch.full((batch, 1), q - 1, device=current.device) if q > 1 else None  # first step's logits
         for _ in range(max_new_tokens):
-            logits = self.model.forward(current, kv_cache)[:, -1]  # [batch, vocab]
+            logits = self.model.forward(current, kv_cache, logits_indices=last)[:, -1]  # [batch, vocab]
+            last = None
             new = sample_strategy.next_tokens(logits)  # [batch]
             all_logits.append(logits)
             if stops:
@@ -121,5 +127,5 @@ class ModelInferencer:
             current = new[:, None]
         token_ids = torch.stack(tokens, dim=1)  # [batch, n]
         if stops:  # a finished row's cache keeps the query and its tokens before its EOS
-            kv_cache.rollback(start + (token_ids >= 0).sum(dim=1))
+            kv_cache.rollback(start + q - 1 + (token_ids >= 0).sum(dim=1))
         return DecodeOutput(token_ids, torch.stack(all_logits, dim=1))

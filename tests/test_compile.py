@@ -66,27 +66,31 @@ def test_compiled_logits_match_eager_across_spans(pair) -> None:
     assert torch.equal(eager_cache.lengths, compiled_cache.lengths)
 
 
-def test_greedy_decode_is_one_call_and_equals_stepping(pair) -> None:
-    """A draft's greedy steps after its first: one compiled call, the tokens and logits of stepping."""
+@pytest.mark.parametrize("query_tokens", [1, 2])
+def test_greedy_decode_is_one_call_and_equals_stepping(pair, query_tokens) -> None:
+    """A draft's greedy steps from its query (1 token, or 2 after a whole block was kept): one compiled
+    call, the tokens and logits of a prefill of the query and one-token steps."""
     target, _ = pair
     native = NativeCausalLM.from_hf(target)
     compiled = CompiledCausalLM(native)
     ids = torch.randint(0, native.vocab_size, (2, SPAN_MULTIPLE - 2), generator=torch.Generator().manual_seed(1))
     eager_cache, compiled_cache = native.new_cache(2, 2 * SPAN_MULTIPLE), compiled.new_cache(2, 2 * SPAN_MULTIPLE)
     lengths = torch.tensor([ids.shape[1], ids.shape[1] - 7])  # rows of different lengths
-    for cache in (eager_cache, compiled_cache):  # all but each row's last token, which decode feeds
-        native.forward(ids[:, :-1], cache, num_tokens=lengths - 1)
-    query = ids.gather(1, lengths[:, None] - 1)
+    for cache in (eager_cache, compiled_cache):  # all but each row's last tokens, which the query feeds
+        native.forward(ids, cache, num_tokens=lengths - query_tokens)
+    query = ids.gather(1, lengths[:, None] - query_tokens + torch.arange(query_tokens))
     strategy = SampleStrategy.greedy(2, native.vocab_size)
-    want = ModelInferencer(native).decode(query, eager_cache, 6, strategy)  # crosses a span multiple
+    first = ModelInferencer(native).prefill(query, eager_cache, strategy, all_logits=False)
+    rest = ModelInferencer(native).decode(first.token_ids, eager_cache, 5, strategy)  # crosses a span multiple
     calls = []
     greedy_decode = compiled.greedy_decode
     compiled.greedy_decode = lambda *args: calls.append(args[2]) or greedy_decode(*args)
     got = ModelInferencer(compiled).decode(query, compiled_cache, 6, strategy)
     assert calls == [6]
-    assert torch.equal(got.token_ids, want.token_ids)
-    assert (got.token_logits - want.token_logits).abs().max() < 1e-5
-    assert torch.equal(compiled_cache.lengths, eager_cache.lengths) and compiled_cache.lengths.tolist() == (lengths + 5).tolist()
+    assert torch.equal(got.token_ids, torch.cat([first.token_ids, rest.token_ids], dim=1))
+    assert (got.token_logits - torch.cat([first.token_logits, rest.token_logits], dim=1)).abs().max() < 1e-5
+    assert torch.equal(compiled_cache.lengths, eager_cache.lengths)
+    assert compiled_cache.lengths.tolist() == (lengths + 5).tolist()
 
 
 def test_compile_needs_the_native_forward() -> None:

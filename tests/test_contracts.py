@@ -59,18 +59,39 @@ def test_decode_stops_each_row_at_its_eos() -> None:
     assert cache.lengths[0].item() == 3 + 1 + stop  # query and tokens before the EOS
     if eos not in free[1][1:]:
         assert dec.token_ids.shape[1] == 11 and -1 not in dec.token_ids[1].tolist()
+    cache = model.new_cache(2, 64)
+    inferencer.prefill(torch.tensor(prompt)[:, :1], cache, strategy)
+    again = inferencer.decode(torch.tensor(prompt)[:, 1:], cache, 12, strategy)  # a query of 2 tokens
+    assert again.token_ids[0].tolist()[: stop + 2] == free[0][: stop + 2]
+    assert cache.lengths[0].item() == 3 + 1 + stop
+
+
+class OnlyInferencer:
+    """An Inferencer that is not a ModelInferencer: its decode takes one-token queries only."""
+
+    def __init__(self, inner: ModelInferencer) -> None:
+        self.inner = inner
+
+    def prefill(self, query_token_ids, kv_cache, sample_strategy):
+        return self.inner.prefill(query_token_ids, kv_cache, sample_strategy)
+
+    def decode(self, query_token_ids, kv_cache, max_new_tokens, sample_strategy):
+        assert query_token_ids.shape[1] == 1
+        return self.inner.decode(query_token_ids, kv_cache, max_new_tokens, sample_strategy)
 
 
 def test_drafter_delegates_to_its_inferencer() -> None:
     hf, model, _ = _models()
-    drafter = Drafter(ModelInferencer(model))
-    cache = model.new_cache(1, 64)
-    strategy = SampleStrategy.greedy(1, model.vocab_size)
-    out = drafter.draft(torch.tensor([[5, 6, 7]]), cache, 4, strategy)
-    assert isinstance(out, DraftOut) and out.token_ids.shape == (1, 4)
-    assert out.token_logits.shape == (1, 4, model.vocab_size)
-    assert out.token_ids[0].tolist() == hf_greedy(hf, [5, 6, 7], 4, None)
-    assert cache.lengths.item() == 3 + 3  # query + every draft but the last
+    for inferencer in (ModelInferencer(model), OnlyInferencer(ModelInferencer(model))):
+        drafter = Drafter(inferencer)
+        cache = model.new_cache(1, 64)
+        strategy = SampleStrategy.greedy(1, model.vocab_size)
+        out = drafter.draft(torch.tensor([[5, 6, 7]]), cache, 4, strategy)
+        assert isinstance(out, DraftOut) and out.token_ids.shape == (1, 4)
+        assert out.token_logits.shape == (1, 4, model.vocab_size)
+        assert out.token_ids[0].tolist() == hf_greedy(hf, [5, 6, 7], 4, None)
+        assert torch.equal(out.token_logits[0].argmax(-1), out.token_ids[0])
+        assert cache.lengths.item() == 3 + 3  # query + every draft but the last
 
 
 def test_hf_cache_rollback_per_row_equals_fresh_forward() -> None:

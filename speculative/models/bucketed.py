@@ -77,23 +77,24 @@ class BucketedModel:
 
 @torch.inference_mode()
 def warm_up(model: LanguageModel, config: PreCompileConfig, steps: Sequence[tuple[int, bool]],
-            greedy_steps: int = 0) -> list[tuple[int, int]]:
+            greedy: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
     """Run every standalone shape of `config` once: a prefill of batch_size rows of prefill_length tokens
     (WARM_UP_PROMPT without buckets; fewer where the model's context leaves no room for the steps, the
     padding of a BucketedModel still making it the bucket's width), then one forward per
-    (q, wants_last_logits) of `steps`, then, if `greedy_steps` and the model has a `greedy_decode`
-    (CompiledCausalLM), a greedy decode of that many steps. Returns the (batch_size, prompt length)
+    (q, wants_last_logits) of `steps`, then, if the model has a `greedy_decode` (CompiledCausalLM),
+    one greedy decode per (query tokens, steps) of `greedy`. Returns the (batch_size, prompt length)
     pairs run."""
     done = []
     greedy_decode = getattr(model, "greedy_decode", None)
-    greedy_steps = greedy_steps if greedy_decode is not None else 0
-    room = model.max_length - sum(q for q, _ in steps) - greedy_steps
+    greedy = [(q, n) for q, n in greedy if n > 0] if greedy_decode is not None else []
+    written = sum(q for q, _ in steps) + sum(q + n - 1 for q, n in greedy)
+    room = model.max_length - written
     for standalone in config.get_standalones():
         batch = standalone.batch_size
         length = min(standalone.prefill_length or WARM_UP_PROMPT, room)
         if length < 1:
             raise ValueError(f"the model's context of {model.max_length} tokens has no room for a warm-up")
-        capacity = length + sum(q for q, _ in steps) + greedy_steps
+        capacity = length + written
         ids = (torch.arange(capacity, device=model.device) % model.vocab_size).expand(batch, capacity)
         cache = model.new_cache(batch, capacity)
         last = torch.full((batch, 1), length - 1, dtype=torch.long, device=model.device)
@@ -103,7 +104,8 @@ def warm_up(model: LanguageModel, config: PreCompileConfig, steps: Sequence[tupl
             indices = torch.full((batch, 1), q - 1, device=model.device) if wants_last else None
             model.forward(ids[:, start : start + q], cache, logits_indices=indices)
             start += q
-        if greedy_steps:
-            greedy_decode(ids[:, start : start + 1], cache, greedy_steps)
+        for q, n in greedy:
+            greedy_decode(ids[:, start : start + q], cache, n)
+            start += q + n - 1
         done.append((batch, length))
     return done

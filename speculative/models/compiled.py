@@ -7,8 +7,8 @@ specializes sizes of 1, so a model compiles one graph per kind of call on its fi
 query token or several (verification, a draft's first step, a short prefill), at batch 1 or more.
 The span is rounded up to a multiple of SPAN_MULTIPLE (the causal mask hides the positions past
 each row's length): free on CPU, and it bounds the shapes a CUDA graph is recorded for.
-`greedy_decode` runs several greedy decoding steps (a draft model's k - 1 after its first) as one
-compiled graph, one graph per number of steps.
+`greedy_decode` runs several greedy decoding steps (a draft model's k) as one compiled graph, one
+graph per number of steps and kind of query.
 
 CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM may run on
 one thread: llama.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
@@ -138,14 +138,16 @@ class CompiledCausalLM:
     __call__ = forward
 
     def greedy_decode(self, input_ids: Tensor, cache: StaticKVCache, steps: int) -> tuple[Tensor, Tensor]:
-        """`steps` greedy decoding steps in one compiled call: input_ids [batch, 1] fed first, then each
-        step's argmax. Returns the tokens [batch, steps] and the float32 logits [batch, steps, vocab]
-        they are the first maximal index of; the cache gains input_ids and every token but the last.
+        """`steps` greedy decoding steps in one compiled call: input_ids [batch, q >= 1] fed first, then
+        each step's argmax. Returns the tokens [batch, steps] and the float32 logits [batch, steps,
+        vocab] they are the first maximal index of; the cache gains input_ids and every token but the
+        last.
 
-        A draft model's k - 1 steps after its first, in one call instead of k - 1 (a call costs dynamo's
-        guards and the graph's wrapper, about 0.15 ms on CPU). One graph per `steps`, compiled on its
-        first use (warm_up_pair compiles the engine's). On CPU, batches of more than SMALL_CALL_ROWS
-        rows step through `forward`, which runs them eagerly.
+        A draft model's k steps (its query: the tokens it has not seen) in one call instead of k (a call
+        costs dynamo's guards and the graph's wrapper, about 0.15 ms on CPU, more with its Python
+        around). One graph per `steps` and per query kind (one token or several), compiled on its first
+        use (warm_up_pair compiles the engine's). On CPU, batches of more than SMALL_CALL_ROWS rows
+        step through `forward`, which runs them eagerly.
         """
         if self.max_compiled_rows is not None and input_ids.shape[0] > self.max_compiled_rows:
             return _greedy_steps(lambda ids, _: self.forward(ids, cache), steps, input_ids)
@@ -158,12 +160,14 @@ class CompiledCausalLM:
             input_ids, positions = self._dynamic(input_ids, positions, key_positions=key_positions)
             return compiled(input_ids, positions, keys, values, key_positions)
 
-        return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=steps)
+        written = input_ids.shape[1] + steps - 1
+        return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=written)
 
 
 def _greedy_steps(step: Callable[[Tensor, int], Tensor], steps: int, input_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy decoding for `steps` steps from input_ids [batch, 1], `step(tokens, i)` giving the logits
-    [batch, 1, vocab] of step i: the tokens [batch, steps] and their logits [batch, steps, vocab]."""
+    """Greedy decoding for `steps` steps from input_ids [batch, q], `step(tokens, i)` giving logits
+    [batch, n, vocab] of step i whose last position's argmax is the next token: the tokens [batch,
+    steps] and their logits [batch, steps, vocab]."""
     tokens, logits, current = [], [], input_ids
     for i in range(steps):
         out = step(current, i)[:, -1]
@@ -174,12 +178,19 @@ def _greedy_steps(step: Callable[[Tensor, int], Tensor], steps: int, input_ids: 
 
 
 def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[Tensor, Tensor]]:
-    """`steps` greedy steps of NativeCausalLM.run as one function of tensors (what is compiled): step i
-    writes at positions + i."""
+    """`steps` greedy steps of NativeCausalLM.run as one function of tensors (what is compiled): step 0
+    feeds the query at `positions` [batch, q] (logits at its last token), step i > 0 one token at the
+    last position + i."""
     def greedy(input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
                key_positions: Tensor) -> tuple[Tensor, Tensor]:
-        return _greedy_steps(lambda ids, i: run(ids, positions + i, keys, values, key_positions, None),
-                             steps, input_ids)
+        last = positions[:, -1:]  # [batch, 1]
+
+        def step(ids: Tensor, i: int) -> Tensor:
+            if i == 0:
+                return run(ids, positions, keys, values, key_positions, torch.full_like(last, positions.shape[1] - 1))
+            return run(ids, last + i, keys, values, key_positions, None)
+
+        return _greedy_steps(step, steps, input_ids)
     return greedy
 
 
@@ -198,10 +209,10 @@ def prepare_model(model: LanguageModel, compile: bool = False,
 def warm_up_pair(target: LanguageModel, draft: LanguageModel | None, precompile: PreCompileConfig,
                  num_speculative_tokens: int) -> None:
     """Warm up (compiling where compiled) every standalone shape of `precompile` on the calls the engine
-    makes: the target's prefill, plain step (q = 1) and verification (q = k + 1); the draft's prefill,
-    first draft step (2 tokens, or 1, last logits) and its k - 1 further steps (one greedy_decode
-    where compiled; sampled drafts and other k step through q = 1 forwards)."""
+    makes: the target's prefill, plain step (q = 1) and verification (q = k + 1); the draft's prefill
+    and its drafting: k steps from a query of 1 token or of 2 (2 tokens, last logits, and one-token
+    steps; compiled, a greedy drafting is one greedy_decode)."""
     k = num_speculative_tokens
     warm_up(target, precompile, [(1, False)] + ([(k + 1, False)] if k else []))
     if draft is not None:
-        warm_up(draft, precompile, [(2, True), (1, False)], greedy_steps=max(k - 1, 0))
+        warm_up(draft, precompile, [(2, True), (1, False)], greedy=[(1, k), (2, k)])

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from speculative.inference import Inferencer
+from speculative.inference import Inferencer, ModelInferencer
 from speculative.kv_cache import KVCache
 from speculative.sampling import SampleStrategy
 
@@ -34,15 +34,21 @@ class Drafter:
         """Feed query_token_ids [batch, q >= 1] and draft up to num_draft_tokens (> 0) tokens.
 
         kv_cache gains the query and every drafted token but the last. Drafting stops early only
-        where the inferencer stops at EOS.
+        where the inferencer stops at EOS. A ModelInferencer decodes from the whole query in one call
+        (on a compiled model, greedy: one graph for all k steps); another Inferencer gets a prefill of
+        the query, then a decode of the rest.
         """
         if query_token_ids.shape[1] < 1:
             raise ValueError("query_token_ids must hold at least one token per row")
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1; got {num_draft_tokens}")
-        first = self.inferencer.prefill(query_token_ids, kv_cache, sample_strategy, all_logits=False)
+        if isinstance(self.inferencer, ModelInferencer):  # its decode takes the query too: one call
+            out = self.inferencer.decode(query_token_ids, kv_cache, num_draft_tokens, sample_strategy)
+            return DraftOut(out.token_ids, out.token_logits)
+        first = self.inferencer.prefill(query_token_ids, kv_cache, sample_strategy)
+        last = first.token_logits[:, -1:]
         if num_draft_tokens == 1:
-            return DraftOut(first.token_ids, first.token_logits)
+            return DraftOut(first.token_ids, last)
         rest = self.inferencer.decode(first.token_ids, kv_cache, num_draft_tokens - 1, sample_strategy)
         return DraftOut(torch.cat([first.token_ids, rest.token_ids], dim=1),
-                        torch.cat([first.token_logits, rest.token_logits], dim=1))
+                        torch.cat([last, rest.token_logits], dim=1))
