@@ -101,6 +101,27 @@ def test_step_timer_times_steps_as_the_engine_runs_them() -> None:
     assert times.t_1 > 0 and times.t_d > 0 and set(times.t_v) == set(ks)
 
 
+class _GreedyLoggedModel(_LoggedModel):
+    """A compiled draft's stand-in: greedy drafting is one greedy_decode call."""
+
+    def greedy_decode(self, input_ids, cache, steps):
+        self.log.append((self.name + " greedy_decode", steps, int(cache.lengths[0])))
+        cache.advance(input_ids.shape[1] + steps - 1, input_ids.shape[1] + steps - 1)
+        return torch.zeros(1, steps, dtype=torch.long), torch.zeros(1, steps, self.vocab_size)
+
+
+def test_step_timer_times_a_compiled_drafting_as_one_call() -> None:
+    log: list = []
+    ks, context = [1, 3], 20
+    timer = StepTimer(_LoggedModel("target", log), _GreedyLoggedModel("draft", log), NgramProposer(2, 3),
+                      list(range(10)), context, ks)
+    log.clear()
+    timer.sample(1)
+    drafting = [entry for entry in log[len(log) // 2:] if entry[0].startswith("draft")]
+    assert drafting == [("draft greedy_decode", k, context) for k in ks for _ in range(SPECULATIVE_RUN)]
+    assert len(timer.samples["t_d"]) == sum(k * (SPECULATIVE_RUN - 1) for k in ks)  # per drafted token
+
+
 def test_jsonl_plain_and_spec_bench(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     lines = [{"prompt": "def f(x):"}, {"id": "b", "prompt": "class A:"},

@@ -69,8 +69,9 @@ def synchronize(device: torch.device) -> None:
 class StepTimes:
     """Median seconds of the steps the bound needs, on a cache of `context` tokens (batch 1).
 
-    t_1: target on 1 token; t_v[k]: target on k + 1 tokens; t_d: draft model on 1 token (None without
-    a draft); t_ngram[k]: one n-gram proposal of k tokens (its per-token T_d is t_ngram[k] / k).
+    t_1: target on 1 token; t_v[k]: target on k + 1 tokens; t_d: draft model, per drafted token, drafting
+    as the engine does (None without a draft); t_ngram[k]: one n-gram proposal of k tokens (its
+    per-token T_d is t_ngram[k] / k).
     """
 
     context: int
@@ -116,6 +117,33 @@ def _forward_timer(model: LanguageModel, context: int, capacity: int,
     return timed
 
 
+def _drafting_timer(model: LanguageModel, context: int, capacity: int,
+                    seed: int) -> Callable[[int], list[float]]:
+    """A function timing a greedy drafting of k tokens from one, as the engine drafts: one
+    `greedy_decode` call where the model has one (CompiledCausalLM), else k one-token forwards.
+    Returns seconds per drafted token: each forward's, or the call's / k."""
+    greedy_decode = getattr(model, "greedy_decode", None)
+    if greedy_decode is None:
+        forwards = _forward_timer(model, context, capacity, seed)
+        return lambda k: forwards([1] * k)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.vocab_size, (1, context + 1), generator=generator).to(model.device)
+    cache = model.new_cache(1, context + capacity)
+    lengths = torch.tensor([context], device=model.device)
+    model.forward(ids[:, :context], cache)
+
+    def timed(k: int) -> list[float]:
+        synchronize(model.device)
+        start = time.perf_counter()
+        greedy_decode(ids[:, context:], cache, k)
+        synchronize(model.device)
+        seconds = time.perf_counter() - start
+        cache.rollback(lengths, context)
+        return [seconds / k] * k
+
+    return timed
+
+
 def _ngram_timer(prompt: Sequence[int], context: int, vocab_size: int, device: torch.device,
                  proposer: NgramProposer) -> Callable[[int], float]:
     """A function timing one n-gram proposal of k tokens after a context of `context` tokens."""
@@ -142,8 +170,9 @@ class StepTimer:
     A round times, on the same models the methods run:
     - plain decoding: PLAIN_RUN consecutive one-token target forwards (T_1), the first PLAIN_WARMUP
       discarded;
-    - for each k, SPECULATIVE_RUN speculative steps in a row: k one-token draft forwards (T_d) and then
-      the target on k + 1 tokens (T_v(k)), the first step discarded;
+    - for each k, SPECULATIVE_RUN speculative steps in a row: a greedy drafting of k tokens (T_d per
+      token: k one-token forwards, or one greedy_decode call of a compiled draft, as the engine drafts)
+      and then the target on k + 1 tokens (T_v(k)), the first step discarded;
     - an n-gram proposal of each k.
     The first calls of a run follow calls of another kind, which a decoding loop's calls (128 a prompt
     in the benchmark) almost never do. That matters on a CPU, where a model whose wide weights have two
@@ -161,7 +190,7 @@ class StepTimer:
                            draft.max_length - max(ks) if draft is not None else context)
         with torch.inference_mode():
             self.target_steps = _forward_timer(target, self.context, max(max(ks) + 1, PLAIN_RUN), seed)
-            self.draft_steps = _forward_timer(draft, self.context, max(ks), seed) if draft is not None else None
+            self.drafting = _drafting_timer(draft, self.context, max(ks), seed) if draft is not None else None
             self.ngram_step = _ngram_timer(prompt, self.context, target.vocab_size, target.device, proposer)
         self.samples: dict[str, list[float]] = {}
         self.warm = False
@@ -174,7 +203,7 @@ class StepTimer:
             for k in self.ks:
                 verify = []
                 for _ in range(SPECULATIVE_RUN):
-                    drafts = self.draft_steps([1] * k) if self.draft_steps is not None else []
+                    drafts = self.drafting(k) if self.drafting is not None else []
                     verify += self.target_steps([k + 1])
                     if verify[1:]:  # the first step of the run is discarded
                         times["t_d"] += drafts
