@@ -63,13 +63,15 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--num-prompts", type=int, help="prompts per set, the first ones (12)")
     bench.add_argument("--sweep-prompts", type=int, help="prompts per k-sweep point (4)")
     bench.add_argument("--repeats", type=int, help="timed runs per prompt and method (1)")
-    bench.add_argument("--timing-repeats", type=int, help="rounds of the step-time loops (20)")
+    bench.add_argument("--timing-repeats", type=int,
+                       help="rounds of the step-time loops before and after the runs (20); one more follows "
+                            "each prompt of the side-by-side runs")
     bench.add_argument("--dtype", help="float32 (default), bfloat16, float16 or auto")
     bench.add_argument("--device", help="cpu (default) or cuda")
     bench.add_argument("--model-impl", choices=["auto", "native", "transformers"])
     bench.add_argument("--seed", type=int)
     bench.add_argument("--compile", action="store_true", default=None,
-                       help="also measure ours compiled (torch.compile): autoregressive and each drafter at k")
+                       help="also measure ours compiled (torch.compile): autoregressive, each drafter at k")
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
     bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep "
                        "points, well under a minute on 2 CPU cores")

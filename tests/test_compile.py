@@ -73,15 +73,17 @@ def test_greedy_decode_is_one_call_and_equals_stepping(pair, query_tokens) -> No
     target, _ = pair
     native = NativeCausalLM.from_hf(target)
     compiled = CompiledCausalLM(native)
-    ids = torch.randint(0, native.vocab_size, (2, SPAN_MULTIPLE - 2), generator=torch.Generator().manual_seed(1))
-    eager_cache, compiled_cache = native.new_cache(2, 2 * SPAN_MULTIPLE), compiled.new_cache(2, 2 * SPAN_MULTIPLE)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, native.vocab_size, (2, SPAN_MULTIPLE - 2), generator=generator)
+    eager_cache = native.new_cache(2, 2 * SPAN_MULTIPLE)
+    compiled_cache = compiled.new_cache(2, 2 * SPAN_MULTIPLE)
     lengths = torch.tensor([ids.shape[1], ids.shape[1] - 7])  # rows of different lengths
     for cache in (eager_cache, compiled_cache):  # all but each row's last tokens, which the query feeds
         native.forward(ids, cache, num_tokens=lengths - query_tokens)
     query = ids.gather(1, lengths[:, None] - query_tokens + torch.arange(query_tokens))
     strategy = SampleStrategy.greedy(2, native.vocab_size)
     first = ModelInferencer(native).prefill(query, eager_cache, strategy, all_logits=False)
-    rest = ModelInferencer(native).decode(first.token_ids, eager_cache, 5, strategy)  # crosses a span multiple
+    rest = ModelInferencer(native).decode(first.token_ids, eager_cache, 5, strategy)  # crosses a multiple
     calls = []
     greedy_decode = compiled.greedy_decode
     compiled.greedy_decode = lambda *args: calls.append(args[2]) or greedy_decode(*args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -53,7 +54,8 @@ class BenchConfig:
     k: drafts per step of the side-by-side comparison; sweep_k: the k of the k sweep.
     batch_sizes: the batch-size sweep. max_tokens: tokens generated per prompt (EOS ignored).
     num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
-    repeats: timed runs per prompt and method; timing_repeats: rounds of the step-time loops.
+    repeats: timed runs per prompt and method; timing_repeats: rounds of the step-time loops, half before
+        and half after the runs, plus one after each prompt of the side-by-side runs.
     compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and every
         drafter's method at k; their graphs are compiled while the pair loads.
     """
@@ -246,11 +248,20 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
                      "seconds": {"loading and first step times": time.perf_counter() - clock}}
     seconds = results["seconds"]
     references, runs = {}, {}
+    done = Counter()
+
+    def advance_and_time(phase: str, total: int) -> None:  # a round of step times after each prompt
+        advance(phase, total)
+        done[phase] += 1
+        if done[phase] % len(methods) == 0:
+            for timer in timers.values():
+                timer.sample(1)
+
     for name, prompts in sets.items():  # one warm-up per method, before its first timed run
         phase = f"{name}: methods side by side"
         with stopwatch(seconds, phase):
-            table, references[name], runs[name] = compare_methods(pair, methods, prompts, advance, phase,
-                                                                  warmup=name == names[0])
+            table, references[name], runs[name] = compare_methods(pair, methods, prompts, advance_and_time,
+                                                                  phase, warmup=name == names[0])
         table.update({m: {**entry, "status": "skipped"} for m, entry in skipped.items()})
         results["sets"][name] = {"num_prompts": len(prompts), "methods": table}
     ar = next(m for m in methods if m.name == "ours_ar")

@@ -179,8 +179,9 @@ class StepTimer:
     layouts (models/packed.py: one for one row, one for several) streams one of them in plain decoding
     and the other in verification, and the caches take a few calls to hold the new one: timed as single
     calls of alternating kinds, T_1 read about 15% slower and T_d 40% slower than in a decoding loop,
-    and with only the first call of a run discarded, T_1 still read about 5% slower. Sampling at several moments of a long benchmark (before and after
-    the runs) keeps a passing load on a shared machine from skewing the ratios the bound depends on.
+    and with only the first call of a run discarded, T_1 still read about 5% slower. Sampling at many
+    moments of a long benchmark (before and after the runs, and between them) keeps a passing load on
+    a shared machine from skewing the ratios the bound depends on.
     """
 
     def __init__(self, target: LanguageModel, draft: LanguageModel | None, proposer: NgramProposer,
@@ -199,7 +200,8 @@ class StepTimer:
     def sample(self, rounds: int) -> None:
         """Time `rounds` rounds of every step (after one discarded round the first time)."""
         for _ in range(rounds + (not self.warm)):
-            times: dict[str, list[float]] = {"t_1": self.target_steps([1] * PLAIN_RUN)[PLAIN_WARMUP:], "t_d": []}
+            plain = self.target_steps([1] * PLAIN_RUN)[PLAIN_WARMUP:]
+            times: dict[str, list[float]] = {"t_1": plain, "t_d": []}
             for k in self.ks:
                 verify = []
                 for _ in range(SPECULATIVE_RUN):

@@ -212,8 +212,8 @@ class Engine:
             index = torch.tensor([heads[i] for i in group], dtype=torch.long, device=batch.tokens.device)
             lengths = batch.lengths[index]
             part = self.target.new_cache(len(group), batch.capacity)
-            parts.append(self.target.forward(batch.tokens[index, : max(prompt_lengths[i] for i in group)], part,
-                                             num_tokens=lengths,
+            width = max(prompt_lengths[i] for i in group)
+            parts.append(self.target.forward(batch.tokens[index, :width], part, num_tokens=lengths,
                                              logits_indices=None if all_logits else (lengths - 1)[:, None]))
             if cache is None:
                 cache = part
@@ -223,7 +223,8 @@ class Engine:
         cache_row = {prompt: row for row, prompt in enumerate(i for group in groups for i in group)}
         expand = [cache_row[i] for i in expand]  # row -> its prompt's row in the cache
         if all_logits:
-            last = (batch.lengths[torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)] - 1)[:, None]
+            index = torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)
+            last = (batch.lengths[index] - 1)[:, None]
             for row, head in enumerate(heads):
                 r = requests[head]
                 if r.params.prompt_logprobs is not None:

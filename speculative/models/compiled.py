@@ -164,7 +164,8 @@ class CompiledCausalLM:
         return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=written)
 
 
-def _greedy_steps(step: Callable[[Tensor, int], Tensor], steps: int, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+def _greedy_steps(step: Callable[[Tensor, int], Tensor], steps: int,
+                  input_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Greedy decoding for `steps` steps from input_ids [batch, q], `step(tokens, i)` giving logits
     [batch, n, vocab] of step i whose last position's argmax is the next token: the tokens [batch,
     steps] and their logits [batch, steps, vocab]."""
@@ -186,8 +187,9 @@ def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[T
         last = positions[:, -1:]  # [batch, 1]
 
         def step(ids: Tensor, i: int) -> Tensor:
-            if i == 0:
-                return run(ids, positions, keys, values, key_positions, torch.full_like(last, positions.shape[1] - 1))
+            if i == 0:  # logits at the query's last token only
+                return run(ids, positions, keys, values, key_positions,
+                           torch.full_like(last, positions.shape[1] - 1))
             return run(ids, last + i, keys, values, key_positions, None)
 
         return _greedy_steps(step, steps, input_ids)
