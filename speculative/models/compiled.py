@@ -146,10 +146,10 @@ class CompiledCausalLM:
         A draft model's k steps (its query: the tokens it has not seen) in one call instead of k (a call
         costs dynamo's guards and the graph's wrapper, about 0.15 ms on CPU, more with its Python
         around). One graph per `steps` and per query kind (one token or several), compiled on its first
-        use (warm_up_pair compiles the engine's). On CPU, batches of more than SMALL_CALL_ROWS rows
-        step through `forward`, which runs them eagerly.
+        use (warm_up_pair compiles the engine's). On CPU, a query of more than SMALL_CALL_ROWS tokens
+        steps through `forward`, as `forward` would run it.
         """
-        if self.max_compiled_rows is not None and input_ids.shape[0] > self.max_compiled_rows:
+        if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
             return _greedy_steps(lambda ids, _: self.forward(ids, cache), steps, input_ids)
         compiled = self._greedy.get(steps)
         if compiled is None:
