@@ -175,9 +175,11 @@ def run_quick(out: Path, *model_args: str) -> dict:
                 continue
             assert entry["status"] == "ok"
             figures = ("tokens_per_s", "speedup_vs_hf", "speedup_vs_ours_ar")
-            figures += ("bound", "efficiency") if not entry["adaptive"] else ()  # no single k, no bound
+            # no single k, no bound; the bound's step times are the runs' own (CPU), the timer's beside them
+            figures += ("bound", "efficiency", "efficiency_timer") if not entry["adaptive"] else ()
             for key in figures:
                 assert math.isfinite(entry[key]) and entry[key] > 0, (name, key, entry[key])
+            assert entry["adaptive"] or entry["step_times"] == "runs", (name, entry)
             if name.startswith("ours"):
                 assert entry["identical_fraction"] == 1.0, (name, entry)
         assert len(methods["ours_draft"]["acceptance_per_position"]) == 4
@@ -185,11 +187,12 @@ def run_quick(out: Path, *model_args: str) -> dict:
         for points in sweeps.values():
             assert [p["k"] for p in points] == [1, 4]
             assert all(math.isfinite(p["speedup_vs_ours_ar"]) and math.isfinite(p["bound"]) for p in points)
+            assert all(p["step_times"] == "runs" for p in points)
     batch = results["sweeps"]["batch"]
     assert {r["batch_size"] for r in batch} == {1, 2}
     assert all(r["identical_fraction"] == 1.0 for r in batch if r["method"].startswith("ours"))
     report = (out / "report.md").read_text()
-    assert "## code" in report and "## edit" in report and "vLLM" in report
+    assert "## code" in report and "## edit" in report and "vLLM" in report and "(runs)" in report
     for plot in PLOTS:
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return results

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from speculative.bench import exactness
+from speculative.bench.clock import run_step_times
 from speculative.bench.methods import Generation, Method, OursMethod
 from speculative.bench.timing import acceptance_for_tokens_per_step
 
@@ -69,11 +70,20 @@ def speculation_stats(method: Method, generations: Sequence[Generation]) -> dict
             "mean_accepted_length": tokens_per_step, "acceptance_per_position": per_position}
 
 
+def run_times(method: Method, runs: list[list[Generation]], baseline_runs: list[list[Generation]]) -> dict:
+    """The step times of the bound as a method's runs paid them (clock.py): T_v and T_d from its own
+    runs, T_1 from its engine's plain decoding's runs."""
+    own = run_step_times([g.calls for repeats in runs for g in repeats], method.k)
+    plain = run_step_times([g.calls for repeats in baseline_runs for g in repeats], 0)
+    return {**own, "T_1": plain["T_1"]}
+
+
 def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[int]], advance: Advance,
                     phase: str, warmup: bool) -> tuple[dict, list[list[int]], dict]:
     """The side-by-side table of one prompt set (one entry per method, bounds to come: `own_speedup` is
-    the speedup over the method's own engine's plain decoding), the reference outputs (HF `generate`'s
-    greedy tokens of each prompt) and the runs themselves (see `interleaved`)."""
+    the speedup over the method's own engine's plain decoding, `run_times` the step times its runs
+    paid), the reference outputs (HF `generate`'s greedy tokens of each prompt) and the runs
+    themselves (see `interleaved`)."""
     config = pair.config
     runs = interleaved(methods, prompts, config.max_tokens, config.repeats, advance, phase, warmup)
     seconds = {name: _seconds(r) for name, r in runs.items()}
@@ -94,6 +104,7 @@ def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[in
             "speedup_vs_hf": _median_ratio(seconds["hf_generate"], seconds[method.name]),
             "speedup_vs_ours_ar": _median_ratio(seconds["ours_ar"], seconds[method.name]),
             "own_speedup": _median_ratio(seconds[baseline], seconds[method.name]) if baseline else None,
+            "run_times": run_times(method, runs[method.name], runs[baseline]) if baseline else None,
             **speculation_stats(method, first), **exactness.summarize(verdicts)}
     return table, reference, runs
 
@@ -101,7 +112,7 @@ def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[in
 def sweep_k(pair: Pair, ar: OursMethod, drafter: str, prompts: list[list[int]], advance: Advance,
             phase: str) -> list[dict]:
     """Ours with `drafter` at every k of the sweep against our baseline, interleaved, on `prompts`
-    (bounds to come, as in `compare_methods`)."""
+    (bounds to come, as in `compare_methods`; T_1 from this sweep's runs of the baseline)."""
     config = pair.config
     methods = [ar] + [pair.ours(drafter, k) for k in config.sweep_k]
     for method in methods[1:]:
@@ -113,6 +124,7 @@ def sweep_k(pair: Pair, ar: OursMethod, drafter: str, prompts: list[list[int]], 
         speedup = _median_ratio(base, _seconds(runs[method.name]))
         stats = speculation_stats(method, [r[0] for r in runs[method.name]])
         points.append({"k": method.k, "drafter": drafter, "speedup_vs_ours_ar": speedup, "own_speedup": speedup,
+                       "run_times": run_times(method, runs[method.name], runs[ar.name]),
                        **{key: stats[key] for key in ("acceptance_rate", "alpha", "mean_accepted_length")}})
     return points
 

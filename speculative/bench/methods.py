@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speculative.bench.clock import CallTimes, hf_recording, recording
 from speculative.bench.timing import synchronize
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ class Generation:
     num_steps: target forward passes: after the prefill (ours, vLLM v1's meaning), every call (HF).
     num_accepted: draft tokens kept; num_drafted: draft tokens proposed (None where unknown: HF).
     accepted_per_position / drafted_per_position: the same at draft positions 1..k (ours only).
+    calls: the wall times of the call's decoding forwards and draftings (clock.py; None off CPU).
     """
 
     token_ids: list[list[int]]
@@ -36,6 +38,7 @@ class Generation:
     num_drafted: int | None = None
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    calls: CallTimes | None = None
 
 
 @dataclass
@@ -65,17 +68,18 @@ class OursMethod(Method):
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        synchronize(self.llm.device)
-        start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
-        synchronize(self.llm.device)
-        seconds = time.perf_counter() - start
+        with recording(self.llm) as calls:
+            synchronize(self.llm.device)
+            start = time.perf_counter()
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
+            synchronize(self.llm.device)
+            seconds = time.perf_counter() - start
         metrics = [o.metrics for o in outputs]
         return Generation(
             [o.outputs[0].token_ids for o in outputs], seconds, sum(m.num_steps for m in metrics),
             sum(m.num_accepted for m in metrics), sum(m.num_drafted for m in metrics),
             [sum(c) for c in zip(*(m.accepted_per_position for m in metrics))] if self.k else [],
-            [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [])
+            [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [], calls)
 
 
 @dataclass
@@ -99,18 +103,19 @@ class HFMethod(Method):
         calls = []
         hook = self.model.register_forward_hook(lambda *_: calls.append(1))
         try:
-            synchronize(self.model.device)
-            start = time.perf_counter()
-            out = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-                                      max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                                      pad_token_id=self.pad_token_id, **self.options)
-            synchronize(self.model.device)
-            seconds = time.perf_counter() - start
+            with hf_recording(self.model, self.options.get("assistant_model")) as times:
+                synchronize(self.model.device)
+                start = time.perf_counter()
+                out = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                                          max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                          pad_token_id=self.pad_token_id, **self.options)
+                synchronize(self.model.device)
+                seconds = time.perf_counter() - start
         finally:
             hook.remove()
         tokens = out[:, width:].tolist()
         accepted = len(tokens[0]) - len(calls) if self.k else 0  # speculative HF methods take batch 1
-        return Generation(tokens, seconds, len(calls), accepted)
+        return Generation(tokens, seconds, len(calls), accepted, calls=times)
 
 
 def hf_assistant(draft: torch.nn.Module, k: int) -> torch.nn.Module:

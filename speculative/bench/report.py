@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 METHOD_COLUMNS = ["method", "tok/s", "vs HF", "vs ours AR", "accept", "alpha", "mean len", "bound", "effic.",
-                  "identical (ties)"]
-K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "accept", "alpha", "mean len"]
+                  "effic. (timer)", "identical (ties)"]
+K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "effic. (timer)", "accept", "alpha", "mean len"]
 BATCH_COLUMNS = ["batch", "method", "tok/s", "identical (ties)"]
 
 
@@ -29,7 +29,8 @@ def method_rows(methods: dict) -> list[list[str]]:
     """One row per method of a prompt set's table that ran."""
     return [[e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"]),
              _num(e["acceptance_rate"]), _num(e["alpha"]), _num(e["mean_accepted_length"]), _num(e["bound"]),
-             _num(e["efficiency"]), _identical(e)] for e in methods.values() if e["status"] == "ok"]
+             _num(e["efficiency"]), _num(e.get("efficiency_timer")), _identical(e)]
+            for e in methods.values() if e["status"] == "ok"]
 
 
 def skipped_lines(methods: dict) -> list[str]:
@@ -40,12 +41,23 @@ def skipped_lines(methods: dict) -> list[str]:
 def k_rows(points: list[dict]) -> list[list[str]]:
     """One row per k of a k sweep."""
     return [[str(p["k"]), _num(p["speedup_vs_ours_ar"]), _num(p["bound"]), _num(p["efficiency"]),
-             _num(p["acceptance_rate"]), _num(p["alpha"]), _num(p["mean_accepted_length"])] for p in points]
+             _num(p.get("efficiency_timer")), _num(p["acceptance_rate"]), _num(p["alpha"]), _num(p["mean_accepted_length"])] for p in points]
 
 
 def batch_rows(rows: list[dict]) -> list[list[str]]:
     """One row per (batch size, method) of the batch sweep."""
     return [[str(r["batch_size"]), r["label"], _num(r["tokens_per_s"], ".1f"), _identical(r)] for r in rows]
+
+
+def run_times_line(methods: dict) -> str:
+    """The step times each method's bound used, in milliseconds, and where they come from."""
+    def ms(value) -> str:
+        return "n/a" if value is None else f"{value * 1e3:.2f}"
+
+    parts = [f"{e['label']}: T_1 {ms(e['T_1'])}"
+             + (f", T_v {ms(e['T_v'])}, T_d {ms(e['T_d'])}" if e["drafter"] else "") + f" ({e['step_times']})"
+             for e in methods.values() if e["status"] == "ok" and e.get("step_times") and not e.get("adaptive")]
+    return "bound's step times, ms (runs: means of the runs' own calls; timer: StepTimer): " + "; ".join(parts)
 
 
 def step_times_line(times: dict, k: int) -> str:
@@ -85,6 +97,7 @@ def print_tables(results: dict, console: Console) -> None:
                  f"{config['dtype']}, {results['machine']['device']}")
         console.print(_rich_table(title, METHOD_COLUMNS, method_rows(data["methods"]),
                                   "; ".join(skipped_lines(data["methods"])) or None))
+        console.print(run_times_line(data["methods"]))
     console.print(step_times_line(results["step_times"], config["k"]))
     if "step_times_compiled" in results:
         console.print("compiled " + step_times_line(results["step_times_compiled"], config["k"]))
@@ -117,18 +130,21 @@ def markdown(results: dict, plots: list[str]) -> str:
         "Columns: tokens/s (median over prompts); speedup against HF generate and against our autoregressive "
         "baseline (medians of per-prompt time ratios); acceptance rate (accepted / drafted); alpha, the "
         "per-token acceptance whose E = (1 - a^(k+1)) / (1 - a) equals the measured mean accepted length "
-        "(tokens per target step); bound = E * T_1 / (k * T_d + T_v), DESIGN.md section 4, with a = alpha; "
-        "efficiency = speedup over the engine's own plain decoding (ours: ours AR; HF: HF generate) / bound; "
+        "(tokens per target step); bound = E * T_1 / (k * T_d + T_v), DESIGN.md section 4, with a = alpha and "
+        "the step times that the runs paid (means of the runs' own target forwards and draftings, T_1 from the "
+        "engine's plain decoding; the line under each table gives them); efficiency = speedup over the engine's "
+        "own plain decoding (ours: ours AR; HF: HF generate) / bound; efficiency (timer): the same with "
+        "StepTimer's step times (section Step times) as a cross-check; "
         "identical: fraction of outputs token-identical to HF generate's greedy output, proven near-ties (top-2 "
         "logits within 1e-4 at the first difference) counted as identical, their number in brackets.",
     ]
     for name, data in results["sets"].items():
         parts += [f"## {name} ({data['num_prompts']} prompts)",
-                  _markdown_table(METHOD_COLUMNS, method_rows(data["methods"]))]
+                  _markdown_table(METHOD_COLUMNS, method_rows(data["methods"])), run_times_line(data["methods"])]
         skipped = skipped_lines(data["methods"])
         if skipped:
             parts.append("\n".join(f"- {line}" for line in skipped))
-    parts += ["## Step times", step_times_line(results["step_times"], config["k"]) + "."]
+    parts += ["## Step times (StepTimer)", step_times_line(results["step_times"], config["k"]) + "."]
     if "step_times_compiled" in results:
         parts += ["Compiled: " + step_times_line(results["step_times_compiled"], config["k"]) + "."]
     for name, sweeps in results["sweeps"]["k"].items():

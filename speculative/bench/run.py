@@ -1,9 +1,9 @@
 """The benchmark run: configuration, the loaded pair, the methods, and the order of the measurements.
 
 DESIGN.md section 7: one process, same prompts and pair, warm-up discarded, runs interleaved, medians
-(measure.py). A speculative method's speed bound uses its measured tokens per step and the step times of
-timing.py; its efficiency divides its speedup over its own engine's plain decoding (ours: our baseline;
-HF: HF `generate`) by that bound.
+(measure.py). A speculative method's speed bound uses its measured tokens per step and the step times
+its runs paid (clock.py; StepTimer's, timing.py, off CPU and as a cross-check); its efficiency divides
+its speedup over its own engine's plain decoding (ours: our baseline; HF: HF `generate`) by that bound.
 """
 
 from __future__ import annotations
@@ -168,6 +168,11 @@ NOTES = [
     "The bound's a is alpha, the per-token acceptance whose E = (1 - a^(k+1)) / (1 - a) equals the measured "
     "tokens per step; accepted / drafted (the acceptance rate column) counts drafts after a rejection as "
     "rejected and would understate E and the bound.",
+    "The bound's T_1, T_v and T_d are means over the runs' own calls (bench/clock.py): T_1 over the one-token "
+    "forwards of the engine's plain decoding, T_v over the method's verifications of k + 1 tokens, T_d its "
+    "drafting time per drafted token (HF prompt lookup's proposals are not clocked: StepTimer's). What keeps "
+    "an efficiency below 1 is then the engine's own work around those calls, and the prefill. Efficiency "
+    "(timer) is the same with StepTimer's step times, taken in loops of their own at one context length.",
     "HF assisted generation and prompt lookup take batch 1 only: the batch sweep leaves them out.",
     "Ours n-gram verifies only what it proposed (a plain step where no row has a match) in greedy batches, "
     "which the bound, at T_v(k) for every step, does not count: its efficiency can exceed 1.",
@@ -224,7 +229,7 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
     if config.compile:
         notes.append("Compiled methods (torch.compile of the native forward) share the eager models' weights; "
                      "every graph they use was compiled while the pair loaded. Their speedups are against the "
-                     "eager ours AR; their bound and efficiency use the compiled step times and ours AR, compiled.")
+                     "eager ours AR; their bound and efficiency use ours AR, compiled, and the compiled step times.")
     ks = sorted(set(config.sweep_k) | {config.k})
     limits = [m.max_length for m in (pair.target, pair.draft) if m is not None]
     max_prompt = min(limits) - config.max_tokens - max(ks) - 2
@@ -287,11 +292,11 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
     entries += [p for sweeps in results["sweeps"]["k"].values() for points in sweeps.values() for p in points]
     for entry in entries:
         own = times.get(entry.get("engine"), times["ours"])  # HF's bound: our eager step times
-        own_speedup = entry.pop("own_speedup")
+        own_speedup, run_times = entry.pop("own_speedup"), entry.pop("run_times")
         if entry.get("adaptive"):  # no single k: no bound, and alpha is not a per-token acceptance at k
             entry.update(T_1=own.t_1, T_v=None, T_d=None, bound=None, efficiency=None, alpha=None)
             continue
-        entry.update(bound_figures(entry["drafter"], entry["k"], entry["alpha"], own_speedup, own))
+        entry.update(bound_figures(entry["drafter"], entry["k"], entry["alpha"], own_speedup, own, run_times))
     results["seconds"]["total"] = time.perf_counter() - clock
     return results
 

@@ -224,17 +224,29 @@ class StepTimer:
 
 
 def bound_figures(drafter: str | None, k: int, alpha: float | None, own_speedup: float | None,
-                  times: StepTimes) -> dict:
+                  times: StepTimes, run: dict | None = None) -> dict:
     """T_1, T_v, T_d, the bound and the efficiency of a method (plain decoding: bound 1).
 
     drafter: "draft_model", "ngram" or None; alpha: its per-token acceptance; own_speedup: its speedup
-    over its own engine's plain decoding (None: no efficiency). T_d of n-gram: one proposal of k / k.
+    over its own engine's plain decoding (None: no efficiency); times: StepTimer's; run: the step times
+    its runs paid (clock.py: "T_1", "T_v", "T_d", None where not recorded). The figures come from `run`
+    where it has them all, else from `times` ("step_times": "runs" or "timer"); an n-gram proposal that
+    was not clocked (HF prompt lookup's) costs StepTimer's proposal of k / k. bound_timer and
+    efficiency_timer are the same from StepTimer's times alone, as a cross-check.
     """
-    if drafter is None:
-        t_v, t_d, bound = times.t_1, 0.0, 1.0
-    else:
-        t_v = times.t_v[k]
-        t_d = times.t_d if drafter == "draft_model" else times.t_ngram[k] / k
-        bound = speedup_bound(alpha, k, times.t_1, t_v, t_d)
-    return {"T_1": times.t_1, "T_v": t_v, "T_d": t_d, "bound": bound,
-            "efficiency": efficiency(own_speedup, bound) if own_speedup is not None else None}
+    def figures(t_1: float, t_v: float | None, t_d: float | None) -> tuple[float, float | None]:
+        bound = 1.0 if drafter is None else speedup_bound(alpha, k, t_1, t_v, t_d)
+        return bound, efficiency(own_speedup, bound) if own_speedup is not None else None
+
+    timer_t_d = None if drafter is None else times.t_d if drafter == "draft_model" else times.t_ngram[k] / k
+    timer = (times.t_1, times.t_1 if drafter is None else times.t_v[k], 0.0 if drafter is None else timer_t_d)
+    chosen, source = timer, "timer"
+    if run is not None and run.get("T_1") is not None:
+        t_d = run.get("T_d") if run.get("T_d") is not None or drafter != "ngram" else timer_t_d
+        measured = (run["T_1"], run["T_1"] if drafter is None else run.get("T_v"), 0.0 if drafter is None else t_d)
+        if None not in measured:
+            chosen, source = measured, "runs"
+    bound, eff = figures(*chosen)
+    bound_timer, eff_timer = figures(*timer)
+    return {"T_1": chosen[0], "T_v": chosen[1], "T_d": chosen[2], "step_times": source, "bound": bound,
+            "efficiency": eff, "bound_timer": bound_timer, "efficiency_timer": eff_timer}
