@@ -41,8 +41,8 @@ class Batch:
     """The active rows: one per sequence.
 
     tokens: [B, width] contexts (prompt + output) with room for a block of k + 1 beyond the longest;
-    lengths / prompt_lengths: [B]; stop_ids: [B, s] tokens that finish each row (-1 padded);
-    max_tokens / num_generated: [B]. host_lengths mirrors lengths on the host.
+    lengths / prompt_lengths: [B]; stop_ids: [B, s] tokens that finish each row (-1 padded).
+    host_lengths mirrors lengths on the host, host_stop_ids stop_ids (a set per row).
     """
 
     def __init__(self, requests: list[Request], eos_token_ids: list[int], k: int, vocab_size: int,
@@ -66,8 +66,7 @@ class Batch:
                  for r in requests]
         width = max(1, max(len(s) for s in stops))
         self.stop_ids = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=device)
-        self.max_tokens = torch.tensor([r.max_tokens for r in requests], dtype=torch.long, device=device)
-        self.num_generated = self.lengths - self.prompt_lengths
+        self.host_stop_ids = [frozenset(s) for s in stops]
         self.strategy = SampleStrategy([r.params for r in requests], vocab_size, device, generator,
                                        generators=[r.generator for r in requests], stop_ids=self.stop_ids,
                                        bad_words=[r.bad_words_token_ids for r in requests],
@@ -86,11 +85,12 @@ class Batch:
         """Add `other`'s rows (same k, vocabulary and device) after these; caches are the caller's."""
         self.requests += other.requests
         self.host_lengths += other.host_lengths
+        self.host_stop_ids += other.host_stop_ids
         self.eos_token_ids += [t for t in other.eos_token_ids if t not in self.eos_token_ids]
         self.capacity = max(self.capacity, other.capacity)
         width = max(self.tokens.shape[1], other.tokens.shape[1])
         self.tokens = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (self.tokens, other.tokens)])
-        for name in ("lengths", "prompt_lengths", "max_tokens", "num_generated"):
+        for name in ("lengths", "prompt_lengths"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.strategy.append(other.strategy)
         self.stop_ids = self.strategy.stop_ids
@@ -99,9 +99,10 @@ class Batch:
         """Keep only `rows` (host indices, repeats allowed: a repeated row is copied) everywhere."""
         self.requests = [self.requests[i] for i in rows]
         self.host_lengths = [self.host_lengths[i] for i in rows]
+        self.host_stop_ids = [self.host_stop_ids[i] for i in rows]
         self.strategy.select_rows(rows)
         index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
-        for name in ("tokens", "lengths", "prompt_lengths", "stop_ids", "max_tokens", "num_generated"):
+        for name in ("tokens", "lengths", "prompt_lengths", "stop_ids"):
             setattr(self, name, getattr(self, name).index_select(0, index))
         for cache in caches:
             cache.select_rows(index)

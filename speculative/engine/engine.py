@@ -9,8 +9,9 @@ One step, for all active rows at once (B rows, k draft tokens, V vocabulary):
   4. EOS, stop tokens and max_tokens cut each row's block; the blocks are appended to the context;
   5. both KV caches are rolled back to the kept context (a length change), and finished rows leave
      the batch so that they stop costing compute.
-The one host-device synchronisation of a step is the read of the kept tokens and counts in (4)
-(rows with a grammar or user logits processors add one to read the drafts).
+The one host-device synchronisation of a step is the read of the blocks (and drafts) in (4), where
+the cut is then worked out on the host (rows with a grammar or user logits processors add one to
+read the drafts).
 Cache invariant between steps: the target's cache holds the context minus its last token.
 With no proposer the same loop is plain autoregressive decoding (k = 0): the baseline.
 The prefill runs once per prompt; a prompt's n / best_of sequences then copy its cache rows.
@@ -300,33 +301,30 @@ class Engine:
         they were chosen from; draft_ids: [B, k], or None for a step without drafts; counted: a
         step of the metrics (the prefill's first token is not one). A row whose own host-side work
         (stop strings, grammar, log-probability tokens) raises fails alone: finish_reason "error".
+        The blocks (and drafts) come to the host in the step's one sync; the cut is worked out there,
+        row by row, where a handful of tokens costs less than the tensor ops that would do it.
         """
         width = emitted.shape[1]
+        host = (emitted if draft_ids is None else torch.cat([emitted, draft_ids], dim=1)).tolist()  # the sync
+        cuts = [self._cut(batch, row, values[:width]) for row, values in enumerate(host)]
+        kept = torch.tensor([n for n, _ in cuts], dtype=torch.long, device=emitted.device)  # [B]
         positions = torch.arange(width, device=emitted.device)
-        num_emitted = (emitted >= 0).sum(dim=1)  # [B]
-        is_stop = (emitted[:, :, None] == batch.stop_ids[:, None, :]).any(dim=-1) & (emitted >= 0)
-        first_stop = torch.where(is_stop, positions, width).min(dim=1).values  # [B], width = none
-        remaining = batch.max_tokens - batch.num_generated  # [B]
-        kept = torch.minimum(torch.minimum(num_emitted, first_stop + 1), remaining)  # [B]
-        stopped = first_stop < kept
         batch.tokens.scatter_(1, batch.lengths[:, None] + positions, emitted.clamp(min=0))
         batch.lengths += kept
-        batch.num_generated += kept
-        num_drafted = (draft_ids >= 0).sum(dim=1) if draft_ids is not None else torch.zeros_like(kept)
-        columns = [emitted, kept[:, None], stopped[:, None], (num_emitted - 1)[:, None], num_drafted[:, None]]
-        host = torch.cat(columns, dim=1).tolist()  # the step's one host sync
-        self.step_counts = ([v[width + 2] for v in host], [v[width + 3] for v in host])  # accepted, drafted
+        accepted = [sum(t >= 0 for t in values[:width]) - 1 for values in host]
+        drafted = [sum(t >= 0 for t in values[width:]) for values in host]
+        self.step_counts = (accepted, drafted)
         scores = [t.tolist() for t in L.token_logprobs(logits, emitted, self.num_top)] if self.want_logprobs else None
         now = time.perf_counter()
         failures = batch.strategy.take_failures()  # {row: error} from per-row processing this step
         finished = []
-        for row, (request, values) in enumerate(zip(batch.requests, host)):
-            batch.host_lengths[row] += values[width]
+        for row, (request, values, (n, stop)) in enumerate(zip(batch.requests, host, cuts)):
+            batch.host_lengths[row] += n
             try:
                 if row in failures:
                     raise failures[row]
-                self._record(request, values, width, batch.eos_token_ids,
-                             [s[row] for s in scores] if scores is not None else None, counted)
+                self._record(request, values[:n], stop, accepted[row], drafted[row], batch.eos_token_ids,
+                             [s[row][:n] for s in scores] if scores is not None else None, counted)
             except Exception as error:  # noqa: BLE001 - the row's own work failed: it fails alone
                 request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
             if request.finished:
@@ -340,17 +338,27 @@ class Engine:
             max_length = max(batch.host_lengths)
             cache.rollback(batch.lengths - 1, max_length - 1)
             if proposer is not None:  # whether some row kept its whole block
-                proposer.accept(batch.lengths, max_length, any(values[width] == width for values in host))
+                proposer.accept(batch.lengths, max_length, any(n == width for n, _ in cuts))
         return finished
 
-    def _record(self, request: Request, values: list[int], width: int, eos_token_ids: list[int],
-                scores: list[list] | None, counted: bool) -> None:
+    @staticmethod
+    def _cut(batch: Batch, row: int, block: list[int]) -> tuple[int, bool]:
+        """How many tokens of a row's block (-1 padded) it keeps: up to and including its first stop
+        token, and no more than its max_tokens leaves; and whether a stop token ended it."""
+        request, stops = batch.requests[row], batch.host_stop_ids[row]
+        room = request.max_tokens - (batch.host_lengths[row] - len(request.prompt_token_ids))
+        emitted = sum(t >= 0 for t in block)
+        first_stop = next((i for i, t in enumerate(block[:emitted]) if t in stops), emitted)
+        kept = min(emitted, first_stop + 1, room)
+        return kept, first_stop < kept
+
+    def _record(self, request: Request, new: list[int], stop: bool, accepted: int, drafted: int,
+                eos_token_ids: list[int], scores: list[list] | None, counted: bool) -> None:
         """One row's share of a commit, on the host: its new tokens, figures and finish."""
-        n, stop, accepted, drafted = values[width:]
-        new = values[:n]
+        n = len(new)
         request.output_token_ids.extend(new)
         if scores is not None:
-            self._add_logprobs(request, new, [s[:n] for s in scores])
+            self._add_logprobs(request, new, scores)
         if request.guide is not None:
             request.guide.accept(new)
         m = request.metrics
