@@ -16,7 +16,7 @@ from speculative.engine.request import Request
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.models.base import LanguageModel
 from speculative.models.compiled import prepare_model, warm_up_pair
-from speculative.models.loading import ModelImpl, load_model
+from speculative.models.loading import ModelImpl, check_dtype, load_model
 from speculative.precompile import PreCompileConfig
 from speculative.proposers import DraftModelProposer, NgramProposer
 from speculative.sampling_params import SamplingParams
@@ -32,6 +32,9 @@ class LLM:
     speculative_config: how to speculate; None decodes plainly with the target (the baseline),
         except that giving a draft_model alone speculates with SpeculativeConfig()'s defaults.
     dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype; device: "cpu", "cuda", ...
+    draft_dtype: the draft model's dtype (None: `dtype`). What the lossless rule generates does not
+        depend on it (only how often drafts are accepted); on a CPU a float32 draft beside a
+        bfloat16 target can draft faster, its one-row matmuls being quicker in float32.
     seed: seeds the generator of requests that have no seed of their own.
     model_impl: "auto" (native forward for Llama/Mistral/Qwen2/Qwen3), "native" or "transformers".
     tokenizer: overrides the tokenizer found beside the model (a path or a tokenizer object).
@@ -46,6 +49,7 @@ class LLM:
     def __init__(self, model: str | PreTrainedModel | LanguageModel,
                  draft_model: str | PreTrainedModel | LanguageModel | None = None,
                  speculative_config: SpeculativeConfig | None = None, *, dtype: str | torch.dtype = "auto",
+                 draft_dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", seed: int = 0, model_impl: ModelImpl = "auto",
                  tokenizer: PreTrainedTokenizerBase | str | None = None, compile: bool = False,
                  precompile: PreCompileConfig | None = None) -> None:
@@ -58,6 +62,10 @@ class LLM:
             raise ValueError('SpeculativeConfig(method="draft_model") needs LLM(draft_model=...)')
         if method == "ngram" and draft_model is not None:
             raise ValueError('SpeculativeConfig(method="ngram") uses no draft model; drop draft_model')
+        if draft_dtype is not None:
+            check_dtype(draft_dtype, "draft_dtype")
+            if method != "draft_model":
+                raise ValueError("draft_dtype is the draft model's dtype: give it with a draft_model")
         self.device = torch.device(device)
         self.target = load_model(model, dtype, self.device, model_impl, tokenizer)
         self.target.model = prepare_model(self.target.model, compile, precompile)
@@ -65,7 +73,8 @@ class LLM:
         self.draft = None
         proposer = None
         if method == "draft_model":
-            self.draft = load_model(draft_model, dtype, self.device, model_impl)
+            draft_dtype = dtype if draft_dtype is None else draft_dtype
+            self.draft = load_model(draft_model, draft_dtype, self.device, model_impl)
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
             proposer = DraftModelProposer(self.draft.model)

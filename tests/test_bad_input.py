@@ -74,6 +74,14 @@ def test_method_and_draft_mismatch() -> None:
             speculative_config=SpeculativeConfig(method="ngram"))
 
 
+def test_bad_draft_dtype() -> None:
+    target = tiny_model()
+    with pytest.raises(ValueError, match="draft_dtype must be 'auto', 'float32'.*got 'int8'"):
+        LLM(target, draft_model=target, draft_dtype="int8")
+    with pytest.raises(ValueError, match="draft_dtype is the draft model's dtype: give it with a draft_model"):
+        LLM(target, speculative_config=SpeculativeConfig("ngram"), draft_dtype="float32")
+
+
 def test_mismatched_params_list(no_work) -> None:
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
         LLM(tiny_model("llama")).generate([[1], [2]], [SamplingParams()])

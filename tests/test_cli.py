@@ -56,3 +56,13 @@ def test_bad_flag_is_a_clear_error(model_dirs) -> None:
     result = run(["speculative", "generate", "--model", model_dirs["target"], "--prompt", "x", "--top-p", "2"])
     assert result.returncode == 2
     assert "top_p must be in (0, 1]" in result.stderr
+
+
+def test_draft_dtype_flag(model_dirs) -> None:
+    base = ["speculative", "generate", "--model", model_dirs["target"], "--draft-model", model_dirs["draft"],
+            "--prompt", "ab ab ab", "--max-tokens", "8"]
+    result = run(base + ["--dtype", "float32", "--draft-dtype", "bfloat16"])
+    assert result.returncode == 0, result.stderr
+    assert "[draft_model, k=4]" in result.stdout
+    result = run(base + ["--draft-dtype", "int8"])
+    assert result.returncode == 2 and "draft_dtype must be 'auto'" in result.stderr

@@ -101,3 +101,19 @@ def test_eos_and_max_tokens_truncate_an_accepted_block() -> None:
         want = ids[: ids.index(EOS) + 1] if EOS in ids else ids
         assert out.outputs[0].token_ids == want
         assert out.outputs[0].finish_reason == ("stop" if EOS in ids else "length")
+
+
+@pytest.mark.parametrize("draft_dtype", ["bfloat16", torch.float64])
+def test_a_draft_in_another_dtype_changes_nothing_but_acceptance(draft_dtype) -> None:
+    """LLM(draft_dtype=...): the draft runs in its own dtype (its cache too), the output stays the
+    target's own greedy output."""
+    target = tiny_model("llama")
+    expected = [hf_greedy(target, p, MAX_TOKENS, EOS) for p in PROMPTS]
+    llm = LLM(target, draft_model=noisy_copy(target, 0.02), draft_dtype=draft_dtype,
+              speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    want = torch.bfloat16 if draft_dtype == "bfloat16" else draft_dtype
+    assert llm.draft.model.dtype == want and llm.target.model.dtype == torch.float32
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    for prompt, out, want_ids in zip(PROMPTS, outputs, expected):
+        assert_greedy_equal(target, prompt, out.outputs[0].token_ids, want_ids)
+    assert sum(o.metrics.num_accepted for o in outputs) > 0

@@ -123,7 +123,9 @@ def markdown(results: dict, plots: list[str]) -> str:
     parts = [
         "# speculative bench",
         f"Target `{config['model']}`, draft `{config['draft_model']}`, k={config['k']}, {config['max_tokens']} "
-        f"tokens per prompt (greedy, EOS ignored), {config['dtype']} on {m['device']}; {config['repeats']} timed "
+        f"tokens per prompt (greedy, EOS ignored), {config['dtype']}"
+        f"{'' if config.get('draft_dtype') is None else ' (draft ' + config['draft_dtype'] + ')'} on {m['device']}; "
+        f"{config['repeats']} timed "
         f"run(s) per prompt and method after a discarded warm-up, runs interleaved, medians over prompts.",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}, transformers {m['transformers']}, "
         f"Python {m['python']}, OMP_WAIT_POLICY={m['omp_wait_policy']}.",

@@ -56,6 +56,7 @@ class BenchConfig:
     num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
     repeats: timed runs per prompt and method; timing_repeats: rounds of the step-time loops, half before
         and half after the runs, plus one after each prompt of the side-by-side runs.
+    dtype / draft_dtype: the models' dtypes, ours and Hugging Face's alike (draft_dtype None: dtype).
     compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and every
         drafter's method at k; their graphs are compiled while the pair loads.
     """
@@ -72,6 +73,7 @@ class BenchConfig:
     repeats: int = 1
     timing_repeats: int = 20
     dtype: str = "float32"
+    draft_dtype: str | None = None
     device: str = "cpu"
     model_impl: str = "auto"
     seed: int = 0
@@ -92,6 +94,7 @@ class Pair:
         self.device = torch.device(config.device)
         spec = (SpeculativeConfig("draft_model", config.k) if config.draft_model else None)
         self.llm = LLM(config.model, draft_model=config.draft_model, speculative_config=spec, dtype=config.dtype,
+                       draft_dtype=config.draft_dtype if config.draft_model else None,
                        device=config.device, seed=config.seed, model_impl=config.model_impl)
         if self.llm.tokenizer is None:
             raise ValueError(f"{config.model} has no tokenizer: the benchmark's prompts are text")
@@ -99,9 +102,11 @@ class Pair:
         self.target = self.llm.target.model
         self.draft = self.llm.draft.model if self.llm.draft is not None else None
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
+        draft_dtype = (dtype if config.draft_dtype is None else config.draft_dtype if config.draft_dtype == "auto"
+                       else getattr(torch, config.draft_dtype))
         self.hf_target = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(self.device).eval()
-        self.hf_draft = (AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=dtype).to(self.device).eval()
-                         if config.draft_model else None)
+        self.hf_draft = (AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=draft_dtype)
+                         .to(self.device).eval() if config.draft_model else None)
         tok = self.tokenizer
         self.pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
         self.drafters = ["draft_model", "ngram"] if self.draft is not None else ["ngram"]

@@ -61,13 +61,18 @@ def load_model(model: str | PreTrainedModel | LanguageModel, dtype: str | torch.
     return LoadedModel(wrapped, _tokenizer(tokenizer), _eos_token_ids(hf, wrapped.vocab_size), name)
 
 
+def check_dtype(dtype: str | torch.dtype, name: str = "dtype") -> None:
+    """ValueError naming the parameter `name` unless dtype is "auto", a known dtype name or a torch.dtype."""
+    if not isinstance(dtype, torch.dtype) and dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"{name} must be 'auto', {', '.join(map(repr, _DTYPES))} or a torch.dtype; got {dtype!r}")
+
+
 def _dtype(dtype: str | torch.dtype, default: torch.dtype | None) -> torch.dtype | str:
+    check_dtype(dtype)
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return default if default is not None else "auto"
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto', {', '.join(map(repr, _DTYPES))} or a torch.dtype; got {dtype!r}")
     return _DTYPES[dtype]
 
 
