@@ -131,11 +131,13 @@ def sweep_k(pair: Pair, ar: OursMethod, drafter: str, prompts: list[list[int]], 
 
 def sweep_batch(pair: Pair, methods: Sequence[Method], prompts: list[list[int]], reference: list[list[int]],
                 batch1: dict[str, list[list[Generation]]], advance: Advance, phase: str) -> list[dict]:
-    """Throughput (generated tokens / wall time) of each method at each batch size over the first
-    max(batch_sizes) prompts (repeated if fewer), interleaved per batch, with exactness against `reference`.
-    Batch size 1 reuses `batch1`, the side-by-side runs of the same prompts."""
+    """Throughput (generated tokens / wall time) of each method at each batch size over every prompt,
+    cycled to fill a whole number of the largest batch (12 prompts, batch 8: 16, two batches of 8), so
+    that each batch size gets more than one timed call; interleaved per batch, with exactness against
+    `reference`. Batch size 1 reuses `batch1`, the side-by-side runs of the same prompts."""
     config = pair.config
-    count = max(config.batch_sizes)
+    largest = max(config.batch_sizes)
+    count = -(-len(prompts) // largest) * largest
     indices = [i % len(prompts) for i in range(count)]
     sizes = [b for b in config.batch_sizes if b > 1]
     total = sum(-(-count // b) * sum(m.max_batch is None or b <= m.max_batch for m in methods) for b in sizes)
