@@ -127,6 +127,7 @@ def generate(args: argparse.Namespace) -> int:
     config = _speculative_config(args, draft)
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
               device=args.device, model_impl=args.model_impl, compile=args.compile)
+    print(_dtypes(llm), file=sys.stderr)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     prompts = args.prompt or [DEFAULT_PROMPT]
@@ -141,6 +142,15 @@ def generate(args: argparse.Namespace) -> int:
     print("\n")
     print(_figures(SpeculationMetrics(**state.metrics[0]), state.finish_reasons[0], config))
     return 0
+
+
+def _dtypes(llm: LLM) -> str:
+    """One line: the dtype each model runs in and why ("speculative: target in float32 (auto: ...)")."""
+    if llm.draft is None:
+        return f"speculative: target in {llm.target.dtype}"
+    if llm.draft.dtype == llm.target.dtype:
+        return f"speculative: target and draft in {llm.target.dtype}"
+    return f"speculative: target in {llm.target.dtype}; draft in {llm.draft.dtype}"
 
 
 def _figures(m: SpeculationMetrics, finish_reason: str | None, config: SpeculativeConfig | None) -> str:
@@ -199,6 +209,7 @@ def serve(args: argparse.Namespace) -> int:
     config = _speculative_config(args, draft)
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
               device=args.device, seed=args.seed, model_impl=args.model_impl)
+    print(_dtypes(llm), file=sys.stderr, flush=True)
     context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
     if args.max_model_len is not None and args.max_model_len > context:
         raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of {context}")

@@ -16,7 +16,8 @@ from speculative.engine.request import Request
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.models.base import LanguageModel
 from speculative.models.compiled import prepare_model, warm_up_pair
-from speculative.models.loading import ModelImpl, check_dtype, load_model
+from speculative.models.dtypes import check_dtype
+from speculative.models.loading import ModelImpl, load_model
 from speculative.precompile import PreCompileConfig
 from speculative.proposers import DraftModelProposer, NgramProposer
 from speculative.sampling_params import SamplingParams
@@ -31,7 +32,10 @@ class LLM:
         The draft must share the target's vocabulary.
     speculative_config: how to speculate; None decodes plainly with the target (the baseline),
         except that giving a draft_model alone speculates with SpeculativeConfig()'s defaults.
-    dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype; device: "cpu", "cuda", ...
+    dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype; device: "cpu", "cuda", ... "auto" is
+        the checkpoint's dtype, except on a CPU without native support for it (bfloat16 needs
+        AVX512-BF16 or AMX), where it is float32. `llm.target.dtype` (and `llm.draft.dtype`) say which
+        dtype was taken and why.
     draft_dtype: the draft model's dtype (None: `dtype`). What the lossless rule generates does not
         depend on it (only how often drafts are accepted); on a CPU a float32 draft beside a
         bfloat16 target can draft faster, its one-row matmuls being quicker in float32.
@@ -73,8 +77,8 @@ class LLM:
         self.draft = None
         proposer = None
         if method == "draft_model":
-            draft_dtype = dtype if draft_dtype is None else draft_dtype
-            self.draft = load_model(draft_model, draft_dtype, self.device, model_impl)
+            self.draft = load_model(draft_model, dtype if draft_dtype is None else draft_dtype, self.device,
+                                    model_impl, dtype_name="dtype" if draft_dtype is None else "draft_dtype")
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
             proposer = DraftModelProposer(self.draft.model)

@@ -23,7 +23,7 @@ def test_parameters_keep_their_names_and_values_as_views_of_the_fused_layout() -
     assert all(torch.equal(mine[name], theirs[name]) for name in theirs)
     layer = native._layers[0]
     attn = native.model.layers[0].self_attn
-    assert attn.q_proj.weight.untyped_storage().data_ptr() == layer.qkv.weight_t.untyped_storage().data_ptr()
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == layer.qkv.weight.untyped_storage().data_ptr()
     assert attn.v_proj.bias.untyped_storage().data_ptr() == layer.qkv.bias.untyped_storage().data_ptr()
     reloaded = NativeCausalLM(hf.config)
     reloaded.load_state_dict(mine)  # the post-load hook lays the loaded weights out
@@ -35,7 +35,7 @@ def test_in_place_change_and_dtype_change_are_seen() -> None:
     hf = tiny_model("llama")
     ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
     native = NativeCausalLM.from_hf(copy.deepcopy(hf)).to(torch.bfloat16)  # .to: laid out again
-    assert native._layers[0].gate_up.weight_t.dtype == torch.bfloat16
+    assert native._layers[0].gate_up.weight.dtype == torch.bfloat16
     expected = _logits(NativeCausalLM.from_hf(copy.deepcopy(hf).to(torch.bfloat16)), ids)
     assert torch.equal(_logits(native, ids), expected)
     with torch.no_grad():  # prepacked (bf16) copies must follow an in-place change of a parameter

@@ -36,6 +36,7 @@ from torch import Tensor
 from speculative.kv_cache import StaticKVCache
 from speculative.models.base import LanguageModel
 from speculative.models.bucketed import BucketedModel, warm_up
+from speculative.models.gemv import GEMV_PASS
 from speculative.models.llama import SMALL_CALL_ROWS, NativeCausalLM
 from speculative.precompile import PreCompileConfig
 
@@ -80,9 +81,14 @@ class CompiledCausalLM:
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, MIN_RECOMPILE_LIMIT)
         fx_config.use_duck_shape = False
-        self._compiled = torch.compile(model.run, mode=self.mode)
+        self._compiled = torch.compile(model.run, **self._compile_options())
         self._positions: dict[tuple[int, int], Tensor] = {}  # (batch, q) -> _every_position
         self._greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # steps -> compiled greedy_decode
+
+    def _compile_options(self) -> dict:
+        if self.model.device.type != "cpu" or self.mode is not None:
+            return {"mode": self.mode}
+        return {"options": {"post_grad_custom_post_pass": GEMV_PASS}}
 
     vocab_size = property(lambda self: self.model.vocab_size)
     max_length = property(lambda self: self.model.max_length)
@@ -153,7 +159,8 @@ class CompiledCausalLM:
             return _greedy_steps(lambda ids, _: self.forward(ids, cache), steps, input_ids)
         compiled = self._greedy.get(steps)
         if compiled is None:
-            compiled = self._greedy[steps] = torch.compile(_greedy_run(self.model.run, steps), mode=self.mode)
+            compiled = self._greedy[steps] = torch.compile(_greedy_run(self.model.run, steps),
+                                                           **self._compile_options())
 
         def run(input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
                 key_positions: Tensor, logits_indices: None) -> tuple[Tensor, Tensor]:

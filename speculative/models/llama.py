@@ -102,6 +102,28 @@ def attention_mask(positions: Tensor, keys: Tensor, window: int | None) -> Tenso
     return mask
 
 
+def attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """softmax(query @ keys^T * scale + mask) @ values, with grouped-query heads: query [batch, heads,
+    q, head_dim], keys and values [batch, kv_heads, span, head_dim], mask [batch, 1, q, span] additive.
+    Returns [batch, heads, q, head_dim] in the query's dtype.
+
+    Compiled for a CPU, as reductions that inductor fuses into the graph's own loops (in float32):
+    for the few query tokens of a decoding call, the flash-attention kernel's fixed cost dominates
+    (demo target, one query over 128 keys: about 20 us a call in float32 and 60 in bfloat16, for
+    ~50 KB of keys and values). Elsewhere, scaled_dot_product_attention.
+    """
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    if not (torch.compiler.is_compiling() and query.device.type == "cpu"):
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=heads != kv_heads)
+    batch, _, q, head_dim = query.shape
+    grouped = query.float().view(batch, kv_heads, heads // kv_heads, q, 1, head_dim)
+    keys, values = keys.float()[:, :, None, None], values.float()[:, :, None, None]  # [b, kv, 1, 1, span, d]
+    scores = (grouped * keys).sum(-1) * scale + mask.float()[:, :, None]  # [batch, kv_heads, group, q, span]
+    out = (scores.softmax(-1)[..., None] * values).sum(-2)  # [batch, kv_heads, group, q, head_dim]
+    return out.view(batch, heads, q, head_dim).to(query.dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension, computed in float32 like HF's LlamaRMSNorm."""
 
@@ -232,8 +254,8 @@ class NativeCausalLM(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model: nn.Module) -> NativeCausalLM:
-        """Build from a HF `*ForCausalLM`, on its device and dtype. It shares the HF model's embeddings
-        and norms; the projections are laid out anew (a copy: see PackedLinear)."""
+        """Build from a HF `*ForCausalLM`, on its device and dtype. It shares the HF model's weights,
+        except the fused q/k/v and gate/up projections, which are copies (see PackedLinear)."""
         with torch.device("meta"):
             native = cls(hf_model.config)
         native.load_state_dict(hf_model.state_dict(), strict=True, assign=True)
@@ -252,8 +274,7 @@ class NativeCausalLM(nn.Module):
                    PackedLinear([a.q_proj, a.k_proj, a.v_proj]), PackedLinear([a.o_proj]),
                    PackedLinear([m.gate_proj, m.up_proj]), PackedLinear([m.down_proj]))
             for layer, a, m in ((layer, layer.self_attn, layer.mlp) for layer in self.model.layers)]
-        tied = self.lm_head.weight is self.model.embed_tokens.weight
-        self._lm_head = PackedLinear([self.lm_head], relayout=not tied)
+        self._lm_head = PackedLinear([self.lm_head])
         packed = [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         # only a prepacked copy can go stale: every other layout is the parameters' own storage
         self._prepacked = [p for p in (*packed, self._lm_head) if p.prepacked is not None]
@@ -394,10 +415,8 @@ class NativeCausalLM(nn.Module):
                 allowed = attention_mask(positions, key_positions, attn.sliding_window)
                 mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
                 mask = masks[attn.sliding_window] = mask.masked_fill_(~allowed, -torch.inf)
-            out = F.scaled_dot_product_attention(
-                qk[:, :, :heads].transpose(1, 2), key_cache[:, :, :span], value_cache[:, :, :span],
-                attn_mask=mask, scale=attn.scaling, enable_gqa=heads != kv_heads,
-            )  # [batch, heads, q, head_dim]
+            out = attention(qk[:, :, :heads].transpose(1, 2), key_cache[:, :, :span], value_cache[:, :, :span],
+                            mask, attn.scaling)  # [batch, heads, q, head_dim]
             hidden = layer.o(out.transpose(1, 2).reshape(rows, heads * head_dim), hidden)  # + residual
             gate_up = layer.gate_up(rms_norm(hidden, layer.post_norm.weight, eps))  # [rows, 2 * inner]
             gate, up = gate_up[:, : self._inner], gate_up[:, self._inner :]

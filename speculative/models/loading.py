@@ -6,47 +6,53 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from speculative.models import llama
 from speculative.models.base import LanguageModel
+from speculative.models.dtypes import DtypeChoice, check_dtype, resolve_dtype
 from speculative.models.hf import HFCausalLM
 
 ModelImpl = Literal["auto", "native", "transformers"]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class LoadedModel:
-    """A model ready for the engine, with what the engine needs to know about it."""
+    """A model ready for the engine, with what the engine needs to know about it. dtype: the dtype it was
+    loaded in and why (None for a LanguageModel taken as it is)."""
 
     model: LanguageModel
     tokenizer: PreTrainedTokenizerBase | None
     eos_token_ids: list[int]
     name: str
+    dtype: DtypeChoice | None = None
 
 
 def load_model(model: str | PreTrainedModel | LanguageModel, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu", model_impl: ModelImpl = "auto",
-               tokenizer: PreTrainedTokenizerBase | str | None = None) -> LoadedModel:
+               tokenizer: PreTrainedTokenizerBase | str | None = None, dtype_name: str = "dtype") -> LoadedModel:
     """Load `model` (hub id, local path, a transformers model, or a LanguageModel as it is).
 
-    dtype: "auto" (the checkpoint's dtype, float32 if it names none), "float32", "bfloat16",
-        "float16" or a torch.dtype.
+    dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype (a ValueError naming `dtype_name`
+        otherwise). "auto" is the checkpoint's dtype (a model object's own), except on a CPU that does
+        not compute it natively, where it is float32 (models/dtypes.py); float32 if it names none.
     model_impl: "auto" uses the native forward for Llama, Mistral, Qwen2 and Qwen3 and transformers'
         forward otherwise; "native" requires the native one; "transformers" forces transformers'.
     """
     if model_impl not in ("auto", "native", "transformers"):
         raise ValueError(f'model_impl must be "auto", "native" or "transformers"; got {model_impl!r}')
+    check_dtype(dtype, dtype_name)
+    device = torch.device(device)
     if isinstance(model, str):
         name = model
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=_dtype(dtype, None))
+        choice = resolve_dtype(dtype, _checkpoint_dtype(AutoConfig.from_pretrained(model)), device, dtype_name)
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=choice.dtype)
         if tokenizer is None:
             tokenizer = _try_tokenizer(model)
     elif isinstance(model, PreTrainedModel):
         name, hf = getattr(model, "name_or_path", "") or type(model).__name__, model
-        if dtype != "auto":
-            hf = hf.to(_dtype(dtype, None))
+        choice = resolve_dtype(dtype, hf.dtype, device, dtype_name)
+        hf = hf.to(choice.dtype)
     elif isinstance(model, LanguageModel):
         return LoadedModel(model, _tokenizer(tokenizer), [], type(model).__name__)
     else:
@@ -58,22 +64,15 @@ def load_model(model: str | PreTrainedModel | LanguageModel, dtype: str | torch.
         raise ValueError(f"model_impl='native' supports model types {sorted(llama.SUPPORTED_MODEL_TYPES)}; "
                          f"{name} is {hf.config.model_type!r}")
     wrapped = llama.NativeCausalLM.from_hf(hf) if native else HFCausalLM(hf)
-    return LoadedModel(wrapped, _tokenizer(tokenizer), _eos_token_ids(hf, wrapped.vocab_size), name)
+    return LoadedModel(wrapped, _tokenizer(tokenizer), _eos_token_ids(hf, wrapped.vocab_size), name, choice)
 
 
-def check_dtype(dtype: str | torch.dtype, name: str = "dtype") -> None:
-    """ValueError naming the parameter `name` unless dtype is "auto", a known dtype name or a torch.dtype."""
-    if not isinstance(dtype, torch.dtype) and dtype != "auto" and dtype not in _DTYPES:
-        raise ValueError(f"{name} must be 'auto', {', '.join(map(repr, _DTYPES))} or a torch.dtype; got {dtype!r}")
-
-
-def _dtype(dtype: str | torch.dtype, default: torch.dtype | None) -> torch.dtype | str:
-    check_dtype(dtype)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return default if default is not None else "auto"
-    return _DTYPES[dtype]
+def _checkpoint_dtype(config) -> torch.dtype | None:
+    """The dtype a transformers config names (`dtype`, or the older `torch_dtype`), or None."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else None
 
 
 def _try_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
