@@ -18,6 +18,7 @@ from speculative.models.base import LanguageModel
 from speculative.models.compiled import prepare_model, warm_up_pair
 from speculative.models.dtypes import check_dtype
 from speculative.models.loading import ModelImpl, load_model
+from speculative.models.quantization import check_quantization, quantize_model
 from speculative.precompile import PreCompileConfig
 from speculative.proposers import DraftModelProposer, NgramProposer
 from speculative.sampling_params import SamplingParams
@@ -48,6 +49,10 @@ class LLM:
     precompile: a PreCompileConfig: prompts are padded to its prefill buckets (a prompt longer than
         every bucket is a ValueError naming the largest), and each of its standalone (batch_size,
         prefill_length) shapes is run once here, compiled when `compile`.
+    quantization: None, "int8" or "int4" (vLLM's name): weight-only quantization of the target's and
+        the draft's projections after loading (models/quantization.py; CPU and the native forward
+        only, int4 for bfloat16 models only, a ValueError otherwise). Output is exactly the quantized
+        target's own, as always: the draft's quantization changes only how often drafts are accepted.
     """
 
     def __init__(self, model: str | PreTrainedModel | LanguageModel,
@@ -56,7 +61,7 @@ class LLM:
                  draft_dtype: str | torch.dtype | None = None,
                  device: str | torch.device = "cpu", seed: int = 0, model_impl: ModelImpl = "auto",
                  tokenizer: PreTrainedTokenizerBase | str | None = None, compile: bool = False,
-                 precompile: PreCompileConfig | None = None) -> None:
+                 precompile: PreCompileConfig | None = None, quantization: str | None = None) -> None:
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             raise TypeError("speculative_config must be a SpeculativeConfig or None")
         if speculative_config is None and draft_model is not None:
@@ -70,8 +75,11 @@ class LLM:
             check_dtype(draft_dtype, "draft_dtype")
             if method != "draft_model":
                 raise ValueError("draft_dtype is the draft model's dtype: give it with a draft_model")
+        check_quantization(quantization)
+        self.quantization = quantization
         self.device = torch.device(device)
         self.target = load_model(model, dtype, self.device, model_impl, tokenizer)
+        quantize_model(self.target.model, quantization, "target")
         self.target.model = prepare_model(self.target.model, compile, precompile)
         self.tokenizer = self.target.tokenizer
         self.draft = None
@@ -79,6 +87,8 @@ class LLM:
         if method == "draft_model":
             self.draft = load_model(draft_model, dtype if draft_dtype is None else draft_dtype, self.device,
                                     model_impl, dtype_name="dtype" if draft_dtype is None else "draft_dtype")
+            quantize_model(self.draft.model, quantization, "draft model",
+                           "dtype" if draft_dtype is None else "draft_dtype")
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
             proposer = DraftModelProposer(self.draft.model)

@@ -13,6 +13,11 @@ same under AVX2 only; bfloat16 weights 1.3-1.5 ms).
 contiguous in memory (w is the transposed view of an nn.Linear weight [out, in]), accumulating in
 float32 (bfloat16 products included), and parallel over the outputs. x is realized first: left as
 an expression, inductor would recompute its whole producer (norms, residual sums) for every output.
+
+It also rewrites `mm(x, w)` of a few rows (2 or more; the caller keeps them few, PackedLinear up to
+its REDUCTION_MAX_ROWS) whose w is an int8 tensor converted to float and transposed (a quantized
+PackedLinear's weight, models/packed.py) into `sum(x[None] * w.T[:, None], -1).T`: a loop over w's
+rows that reads each int8 row once, converting it in the loop, for all rows of x.
 """
 
 from __future__ import annotations
@@ -38,10 +43,35 @@ def _gemv(x: Tensor, w: Tensor) -> Tensor:  # x [1, in], w [in, out] -> [1, out]
     return torch.sum(x[:, :, None] * w[None, :, :], dim=-2).to(x.dtype)
 
 
-def _replaced(x: torch.fx.Node) -> None:
+def _int8_cpu_rows(x: torch.fx.Node, w: torch.fx.Node) -> bool:
+    """x [rows, in] on CPU, w [in, out] a view or conversion (to float) of an int8 tensor."""
+    value = x.meta.get("val")
+    if not (isinstance(value, Tensor) and value.dim() == 2 and value.device.type == "cpu"):
+        return False
+    node = w
+    for _ in range(4):  # permute / t / convert_element_type / _to_copy, to the int8 tensor
+        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(value, Tensor) and value.dtype == torch.int8:
+            return True
+        if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args
+                and node.target in _INT8_VIEWS):
+            return False
+        node = node.args[0]
+    return False
+
+
+_INT8_VIEWS = (aten.permute.default, aten.t.default, torch.ops.prims.convert_element_type.default,
+               aten._to_copy.default)
+
+
+def _rows(x: Tensor, w: Tensor) -> Tensor:  # x [rows, in], w [in, out] -> [rows, out]
+    return torch.sum(x[None, :, :] * w.t()[:, None, :], dim=-1).t().to(x.dtype)
+
+
+def _replaced(x: torch.fx.Node, kind: str = "gemv") -> None:
     """x, an input of a rewritten matmul, is computed into a buffer of its own (inductor's hint)."""
     x.meta["inductor_realize_to_strides"] = True
-    counters["speculative"]["gemv"] += 1
+    counters["speculative"][kind] += 1
 
 
 @register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=_PATTERNS)
@@ -49,6 +79,9 @@ def _mm(match: Match, x: torch.fx.Node, w: torch.fx.Node) -> None:
     if _one_cpu_row(x, w):
         match.replace_by_example(_gemv, [x, w])
         _replaced(x)
+    elif _int8_cpu_rows(x, w):
+        match.replace_by_example(_rows, [x, w])
+        _replaced(x, "int8_rows")
 
 
 @register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()), pass_dict=_PATTERNS)

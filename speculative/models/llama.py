@@ -38,6 +38,8 @@ from speculative.kv_cache import StaticKVCache
 from speculative.models.packed import PackedLinear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# NativeCausalLM.quantize's default: quantize the lm_head too (see the README's Quantization section).
+QUANTIZE_LM_HEAD = True
 # Forwards of at most this many query tokens (batch * q) run on NativeCausalLM.small_call_threads
 # threads (on CPU), see small_call_threads().
 SMALL_CALL_ROWS = 64
@@ -230,7 +232,10 @@ class NativeCausalLM(nn.Module):
     layout, so state_dict() and load_state_dict() see the HF names and shapes. Loading a state dict
     or moving the model (`.to`) lays the weights out again; so does a forward after an in-place
     change of a weight.
+    `quantize("int8" | "int4")` quantizes the projections in place (weight-only, CPU); see there.
     """
+
+    quantization: str | None = None  # None, "int8" or "int4": what quantize() was given
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -268,6 +273,7 @@ class NativeCausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """Lay the projection weights out for the matmul kernels (PackedLinear), from the parameters."""
+        self._check_not_quantized("laying the weights out again")
         silu = self.config.hidden_act == "silu"
         self._layers = [
             _Layer(a, layer.input_layernorm, layer.post_attention_layernorm, None if silu else m.act_fn,
@@ -281,9 +287,55 @@ class NativeCausalLM(nn.Module):
         self._rope_cos = self._rope_sin = self._arange = torch.empty(0)
 
     def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the parameters got new tensors
+        self._check_not_quantized("moving or casting it (.to(), .float(), ...)")
         super()._apply(fn, recurse)
         self.pack_weights()
         return self
+
+    def quantize(self, quantization: str, lm_head: bool | None = None) -> None:
+        """Quantize the projection weights in place, weight-only (models/quantization.py): every
+        layer's q/k/v, o, gate/up and down, and the lm_head when `lm_head` (default QUANTIZE_LM_HEAD);
+        the embeddings, norms and biases stay as they are. "int8": per output channel, symmetric;
+        "int4": group-wise asymmetric (groups of 64 along in_features, or 32), bfloat16 models only
+        in practice (torch's int4 CPU kernel is vectorized for bfloat16 alone). The float weights are
+        freed (their nn.Linear `weight` parameters become None), so memory drops; an lm_head tied to
+        the embeddings keeps the embedding, so quantizing it adds its int8 copy. CPU only.
+
+        A quantized model is final: state_dict(), load_state_dict() and .to() / .float() / ... raise a
+        RuntimeError (the float weights are gone; save the float checkpoint, and move or cast the
+        model before quantizing)."""
+        from speculative.models.quantization import check_quantization
+
+        check_quantization(quantization)
+        self._check_not_quantized("quantizing it again")
+        if self.device.type != "cpu":
+            raise ValueError(f"quantization runs on CPU only; the model is on {self.device}")
+        lm_head = QUANTIZE_LM_HEAD if lm_head is None else lm_head
+        for packed in self.packed_linears():
+            if packed is not self._lm_head or lm_head:
+                packed.quantize(quantization)
+        self._prepacked = [p for p in self._prepacked if p.quantization is None]
+        self.quantization = quantization
+
+    def packed_linears(self) -> list[PackedLinear]:
+        """Every PackedLinear of the forward: each layer's q/k/v, o, gate/up and down, then the lm_head."""
+        return [*(p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                self._lm_head]
+
+    def _check_not_quantized(self, what: str) -> None:
+        if self.quantization is not None:
+            raise RuntimeError(f"this NativeCausalLM is quantized ({self.quantization}) and its float weights were "
+                               f"freed: {what} is not supported; quantize after loading and moving the model")
+
+    def state_dict(self, *args, **kwargs):
+        """The HF-named state dict (see the class docstring); a RuntimeError once quantized."""
+        self._check_not_quantized("state_dict()")
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        """Load an HF-named state dict and lay it out; a RuntimeError once quantized."""
+        self._check_not_quantized("load_state_dict()")
+        return super().load_state_dict(*args, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -313,7 +365,12 @@ class NativeCausalLM(nn.Module):
             self._rope_cos, self._rope_sin = self._rope_tables(length)
             self._arange = torch.arange(length, device=self.inv_freq.device)
         if any(p.stale() for p in self._prepacked):
-            self.pack_weights()
+            if self.quantization is None:
+                self.pack_weights()
+            else:  # only float layers have a prepacked copy: lay those out again, one by one
+                for p in self._prepacked:
+                    if p.stale():
+                        p.pack()
             self.prepare(span)
 
     def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:

@@ -23,11 +23,30 @@ compiles into a reduction over W as stored, faster still (models/gemv.py). Elsew
 dtypes, no oneDNN), F.linear on W.
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
+
+A PackedLinear can be quantized (`quantize("int8" | "int4")`, models/quantization.py): it then holds
+the int8 (or int4-packed) weight and its scales instead of the float weight, which it frees along
+with the nn.Linear weights. Eager calls: torch's int4 kernel; in bfloat16 torch's int8 kernel (up to
+INT8_KERNEL_MAX_ROWS rows); otherwise (float32: torch's int8 kernel is a scalar loop there, 10 ms at
+1 row and 80 at 5 in the setting below) W converted a chunk of rows at a time into a buffer that
+stays in cache, and multiplied (_dequantized_mm). Compiled int8 calls of one row (and in float32 of
+up to REDUCTION_MAX_ROWS) are `F.linear(x, q.float()) * scales`, which models/gemv.py rewrites into
+a reduction that loads the int8 weight and converts it in inductor's loop, with no float copy of it;
+other compiled calls call the eager path as an opaque op. Measured on the same EPYC, 2 threads, the
+demo target's 49 matmuls with distinct weights, ms (compiled: one graph of them all):
+
+                       rows:  1 eager  1 compiled  5 eager  5 compiled  40 eager
+  float32   float (oneDNN)     5.5      4.3         4.8      -           12-13
+            int8               4.2      1.0         9.3      4.3         18
+  bfloat16  float (oneDNN)     2.3-3.0  1.7-2.4     2.4-2.7  -           6.4-7.2
+            int8               1.1-1.3  1.5-1.7     2.9-3.2  (the op)    11
+            int4 (groups 64)   0.8      (the op)    2.4-2.5  (the op)    11.6
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -37,6 +56,13 @@ from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+# dtypes whose compiled one-row int8 calls are inductor's reduction (the others call torch's kernel)
+ONE_ROW_REDUCTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Compiled float32 (and float16) int8 calls of 2 to this many rows are a reduction as well, which
+# reads each int8 row once for all rows (49 matmuls, float32, 2 threads, ms, 2 / 5 / 16 / 40 rows:
+# reduction 2.5 / 4.3 / 11.3 / 27, dequantized in chunks 6.0 / 8.9 / 11.8 / 18, float weights through
+# oneDNN 5.4 / 4.0 / 6.2 / 12); in bfloat16 torch's kernel is faster (5 rows: 2.9 against 6.0).
+REDUCTION_MAX_ROWS = 16
 _REGISTRY: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _handles = itertools.count()
 
@@ -57,7 +83,16 @@ class PackedLinear:
     On CPU, in float32 and bfloat16 (where oneDNN computes it), a oneDNN prepacked copy of W serves
     the calls that are not compiled one-row calls: `stale()` tells when the weights changed since, and
     `pack()` makes it again.
+
+    Quantized (`quantize`), it holds `qweight` (int8 [out, in], or int4 packed uint8 [out, in / 2]) and
+    `scales` ([out]) or `scales_and_zeros` ([in / group, out, 2]) in the float weight's dtype; `weight`
+    and `prepacked` are None, and each nn.Linear's `weight` parameter is None (its bias stays): the
+    float weights are freed unless something else holds them. `stale()` is then always False (nothing
+    follows the parameters any more) and `pack()` raises.
     """
+
+    quantization: str | None = None  # None, "int8" or "int4" (int4 quantize() of an unfit shape: "int8")
+    group_size: int | None = None  # int4: the group size along in_features
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
         self.linears = list(linears)
@@ -65,6 +100,9 @@ class PackedLinear:
 
     def pack(self) -> None:
         """(Re)build the layouts from the current weights of the nn.Linears."""
+        if self.quantization is not None:
+            raise RuntimeError("this PackedLinear is quantized: its float weights were freed, there is nothing "
+                               "to lay out again")
         linears = self.linears
         if len(linears) == 1:
             self.weight = linears[0].weight.detach()  # shares the parameter's storage and version counter
@@ -85,20 +123,65 @@ class PackedLinear:
                 offset = end
         self.prepacked = (torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous())
                           if _should_prepack(self.weight) else None)
+        self.out_features = self.weight.shape[0]
         self._version = self._weights_version()
         self.handle = next(_handles)
         _REGISTRY[self.handle] = self
+
+    def quantize(self, quantization: str) -> None:
+        """Replace the float weight by its int8 (per output channel) or int4 (group-wise) quantization
+        (models/quantization.py) and free the float weights: this layer's, its prepacked copy, and the
+        nn.Linears' `weight` parameters (set to None; a tied lm_head's embedding stays the
+        embedding's). int4 of a shape torch's int4 kernel does not take (out % 16, in % 32) is int8.
+        CPU only."""
+        from speculative.models import quantization as q
+
+        q.check_quantization(quantization)
+        if self.quantization is not None:
+            raise RuntimeError(f"this PackedLinear is already quantized ({self.quantization})")
+        if self.weight.device.type != "cpu":
+            raise ValueError(f"quantization runs on CPU only; this weight is on {self.weight.device}")
+        out_features, in_features = self.weight.shape
+        group_size = q.int4_group_size(out_features, in_features) if quantization == "int4" else None
+        if group_size is not None:
+            packed, scales, zeros = q.quantize_int4(self.weight, group_size)
+            self.qweight, self.scales_and_zeros = q.pack_int4(packed, scales, zeros)
+            self.group_size, self.quantization = group_size, "int4"
+        else:
+            self.qweight, self.scales = q.quantize_int8(self.weight)
+            self.quantization = "int8"
+        # bfloat16 / float16: torch's vectorized int8 kernel reads 16 (AVX-512) columns at a time
+        self._int8_kernel = self.quantization == "int8" and in_features % 16 == 0
+        self.weight = self.prepacked = None
+        for linear in self.linears:
+            linear.register_parameter("weight", None)
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors this layer holds (weights, biases, prepacked copy, quantized weight and scales)."""
+        names = ("weight", "bias", "prepacked", "qweight", "scales", "scales_and_zeros")
+        return [t for t in (getattr(self, name, None) for name in names) if t is not None]
 
     def _weights_version(self) -> int:
         return sum(t._version for t in (self.weight, self.bias) if t is not None and not t.is_inference())
 
     def stale(self) -> bool:
         """Whether a weight changed in place since `pack()`: the prepacked copy, if any, is out of date
-        (the weight itself is the parameters' own storage and follows the change)."""
-        return self._version != self._weights_version()
+        (the weight itself is the parameters' own storage and follows the change). Always False once
+        quantized."""
+        return self.quantization is None and self._version != self._weights_version()
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:  # x [rows, in] -> [rows, out]
         """x @ W.T + bias, plus `residual` ([rows, out]) when given."""
+        if self.quantization is not None:
+            if torch.compiler.is_compiling():
+                if self.quantization == "int8" and x.dtype in ONE_ROW_REDUCTION_DTYPES and (
+                        statically_known_true(x.shape[0] == 1)
+                        or (x.dtype != torch.bfloat16 and x.shape[0] <= REDUCTION_MAX_ROWS)):  # a guard
+                    # left to inductor: a reduction over the int8 weight, converted in the loop (gemv.py)
+                    y = F.linear(x.float(), self.qweight.float()) * self.scales.float()
+                    return _linear_epilogue(y, self.bias, residual).to(x.dtype)
+                return torch.ops.speculative.prepacked_linear(x, residual, self.handle)
+            return self._quantized(x, residual)
         if self.prepacked is not None:
             if torch.compiler.is_compiling():
                 if statically_known_true(x.shape[0] == 1):  # left to inductor: a reduction (gemv.py)
@@ -110,14 +193,81 @@ class PackedLinear:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.prepacked, self.bias, "add")
         return _linear(x, self.weight, self.bias, residual)
 
+    def _quantized(self, x: Tensor, residual: Tensor | None) -> Tensor:
+        """The eager quantized matmul: torch's int4 kernel; torch's int8 kernel in bfloat16 up to
+        INT8_KERNEL_MAX_ROWS rows; otherwise (and always in float32 and float16, where torch's int8
+        kernel is a scalar loop) W dequantized chunk by chunk into a buffer that stays in cache, and
+        multiplied (_dequantized_mm)."""
+        if self.quantization == "int4":
+            y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, self.group_size,
+                                                  self.scales_and_zeros)
+        elif x.dtype == torch.bfloat16 and self._int8_kernel and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            y = torch._weight_int8pack_mm(_aligned(x), self.qweight, self.scales)
+        else:
+            y = _dequantized_mm(x, self.qweight, self.scales)
+        if self.bias is not None:  # y is a new tensor: in place
+            y.add_(self.bias)
+        return y if residual is None else y.add_(residual)
+
+
+# Elements of the buffer a quantized weight is dequantized into, a chunk of rows at a time: 4 MiB in
+# float32, which stays in cache between the conversion and the matmul. Measured (the demo target's 49
+# matmuls, float32, 1 thread, ms; 1 / 5 / 40 rows): chunks of 1M elements 4.8 / 9.5 / 26, of 256K 5.7 /
+# 12 / 30, of 4M 5.5 / 11 / 28, a whole fresh dequantized copy 22 / 30 / 55, torch's int8 kernel
+# 20 / 102 / 819; the float weights through oneDNN 9.2 / 7.8 / 23.
+DEQUANTIZE_CHUNK = 1 << 20
+# bfloat16 calls of more rows than this dequantize too: torch's int8 kernel does not block for many
+# rows (49 matmuls, bfloat16, 2 threads, ms, at 1 / 5 / 16 / 24 / 40 / 200 rows: kernel 1.3 / 3.2 /
+# 6.3 / 9.5 / 16 / 73, dequantized in chunks 5.0 / 5.4 / 7.0 / 8.3 / 11 / 34).
+INT8_KERNEL_MAX_ROWS = 16
+_scratch = threading.local()
+
+
+def _dequantized_mm(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+    """x [rows, in] @ (q [out, in] int8 * scales [out, 1]).T -> [rows, out] in x's dtype: q converted
+    to x's dtype a chunk of rows at a time into a per-thread buffer of DEQUANTIZE_CHUNK elements (no
+    float copy of the whole weight), each chunk multiplied, the scales applied to the product."""
+    out_features, in_features = q.shape
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    key, size = (x.dtype, x.device), max(DEQUANTIZE_CHUNK, in_features)  # at least one row
+    if key not in buffers or buffers[key].numel() < size:
+        with torch.inference_mode(False):  # a normal tensor: written in inference mode and out of it
+            buffers[key] = torch.empty(size, dtype=x.dtype, device=x.device)
+    buffer = buffers[key]
+    step = size // in_features
+    if step >= out_features:
+        w = buffer[: q.numel()].view(out_features, in_features).copy_(q)
+        return F.linear(x, w).mul_(scales)
+    product = x.new_empty(out_features, x.shape[0])  # [out, rows]: chunks of rows are contiguous slices
+    x_t = x.t()
+    for start in range(0, out_features, step):
+        end = min(out_features, start + step)
+        w = buffer[: (end - start) * in_features].view(end - start, in_features).copy_(q[start:end])
+        torch.mm(w, x_t, out=product[start:end])
+    return torch.mul(product.t(), scales, out=x.new_empty(x.shape[0], out_features))
+
+
+def _aligned(x: Tensor) -> Tensor:
+    """x contiguous at a 64-byte aligned address (torch's vectorized int8 kernel loads it aligned)."""
+    if x.is_contiguous() and x.data_ptr() % 64 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)  # the CPU allocator aligns to 64 bytes
+
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -> Tensor:
     y = F.linear(x, weight, bias)
     return y if residual is None else y.add_(residual)
 
 
-# The prepacked kernel of PackedLinear number `handle` as one op, for compiled graphs (inductor cannot
-# take an opaque oneDNN weight that is not one of its own frozen constants). Defined with
+def _linear_epilogue(y: Tensor, bias: Tensor | None, residual: Tensor | None) -> Tensor:
+    if bias is not None:
+        y = y + bias
+    return y if residual is None else y + residual
+
+
+# The prepacked (or quantized) kernel of PackedLinear number `handle` as one op, for compiled graphs
+# (inductor cannot take an opaque oneDNN weight that is not one of its own frozen constants, nor call
+# torch's weight-only kernels the way PackedLinear._quantized does). Defined with
 # torch.library.Library rather than custom_op: a call then costs about 1 us more than the kernel
 # alone, against 15 us through custom_op's wrappers (a forward makes ~50 such calls).
 _LIBRARY = torch.library.Library("speculative", "DEF")
@@ -127,4 +277,4 @@ _LIBRARY.impl("prepacked_linear", lambda x, residual, handle: _REGISTRY[handle](
 
 @torch.library.register_fake("speculative::prepacked_linear")
 def _(x: Tensor, residual: Tensor | None, handle: int) -> Tensor:
-    return x.new_empty(x.shape[0], _REGISTRY[handle].weight.shape[0])
+    return x.new_empty(x.shape[0], _REGISTRY[handle].out_features)
