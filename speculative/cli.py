@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
     gen.add_argument("--compile", action="store_true", help="run the native forward compiled (torch.compile; "
                      "the first call of each kind compiles, a minute or more on a small CPU)")
+    gen.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the target's "
+                     "and the draft's projections (CPU, native forward; int4: bfloat16 models)")
     _add_bench_parser(commands)
     _add_serve_parser(commands)
     return parser
@@ -75,6 +77,13 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--seed", type=int)
     bench.add_argument("--compile", action="store_true", default=None,
                        help="also measure ours compiled (torch.compile): autoregressive, each drafter at k")
+    bench.add_argument("--llama-cpp", metavar="DIR", help="also measure llama.cpp: a llama.cpp checkout whose "
+                       "--llama-cpp-build folder holds bin/llama-server (without it the llama.cpp methods are "
+                       "skipped); the pair must be local folders")
+    bench.add_argument("--llama-cpp-build", metavar="NAME", help="build folder under --llama-cpp, or an absolute "
+                       "path (build)")
+    bench.add_argument("--gguf-cache", metavar="DIR", help="where the pair's GGUF files for llama.cpp are kept "
+                       "(~/.cache/speculative/gguf)")
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
     bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep "
                        "points, well under a minute on 2 CPU cores")
@@ -111,6 +120,8 @@ def _add_serve_parser(commands) -> None:
                      "draft beside a bfloat16 target can be faster")
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
+    serve.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the target's "
+                       "and the draft's projections (CPU, native forward; int4: bfloat16 models)")
     serve.add_argument("--seed", type=int, default=0, help="seeds requests that have no seed of their own")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM or SIGINT")
@@ -126,7 +137,8 @@ def generate(args: argparse.Namespace) -> int:
         draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
     config = _speculative_config(args, draft)
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
-              device=args.device, model_impl=args.model_impl, compile=args.compile)
+              device=args.device, model_impl=args.model_impl, compile=args.compile,
+              quantization=args.quantization)
     print(_dtypes(llm), file=sys.stderr)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
@@ -145,12 +157,14 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def _dtypes(llm: LLM) -> str:
-    """One line: the dtype each model runs in and why ("speculative: target in float32 (auto: ...)")."""
+    """One line: the dtype each model runs in and why ("speculative: target in float32 (auto: ...)"),
+    and the weights' quantization, if any."""
+    quantized = f", {llm.quantization} weights" if getattr(llm, "quantization", None) else ""
     if llm.draft is None:
-        return f"speculative: target in {llm.target.dtype}"
+        return f"speculative: target in {llm.target.dtype}{quantized}"
     if llm.draft.dtype == llm.target.dtype:
-        return f"speculative: target and draft in {llm.target.dtype}"
-    return f"speculative: target in {llm.target.dtype}; draft in {llm.draft.dtype}"
+        return f"speculative: target and draft in {llm.target.dtype}{quantized}"
+    return f"speculative: target in {llm.target.dtype}; draft in {llm.draft.dtype}{quantized}"
 
 
 def _figures(m: SpeculationMetrics, finish_reason: str | None, config: SpeculativeConfig | None) -> str:
@@ -174,7 +188,7 @@ def bench(args: argparse.Namespace) -> int:
     config = BenchConfig().quick() if args.quick else BenchConfig()
     fields = ("model", "draft_model", "prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts",
               "sweep_prompts", "repeats", "timing_repeats", "dtype", "draft_dtype", "device", "model_impl", "seed",
-              "compile")
+              "compile", "llama_cpp", "llama_cpp_build", "gguf_cache")
     for name in fields:
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
@@ -208,7 +222,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
     config = _speculative_config(args, draft)
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
-              device=args.device, seed=args.seed, model_impl=args.model_impl)
+              device=args.device, seed=args.seed, model_impl=args.model_impl, quantization=args.quantization)
     print(_dtypes(llm), file=sys.stderr, flush=True)
     context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
     if args.max_model_len is not None and args.max_model_len > context:

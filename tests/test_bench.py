@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import byte_tokenizer
+from conftest import byte_tokenizer, tiny_model
 
+from speculative.bench.memory import copy_bandwidth, memory_bound, weight_bytes
 from speculative.bench.prompts import BUNDLED_DIR, PromptRecord, encode, load_jsonl
+from speculative.bench.report import memory_bound_line
 from speculative.bench.timing import (
     PLAIN_RUN,
     PLAIN_WARMUP,
@@ -28,8 +30,9 @@ from speculative.demo import corpus
 from speculative.kv_cache import StaticKVCache
 from speculative.proposers import NgramProposer
 
+SKIPPED = {"vllm_draft", "llamacpp", "llamacpp_draft", "llamacpp_draft_default"}  # no vLLM, no --llama-cpp
 METHODS = {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_ar", "ours_draft", "ours_ngram",
-           "ours_draft_adaptive", "ours_ngram_adaptive", "vllm_draft"}
+           "ours_draft_adaptive", "ours_ngram_adaptive"} | SKIPPED
 PLOTS = ("tokens_per_s.png", "acceptance_by_position.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 
 
@@ -157,7 +160,7 @@ def test_bundled_sets_come_from_heldout_files() -> None:
 
 def run_quick(out: Path, *model_args: str) -> dict:
     """`speculative bench --quick` in a subprocess; returns results.json after checking what every run
-    must show: all methods (vLLM skipped with a note), our outputs identical to the target's greedy
+    must show: all methods (vLLM and llama.cpp skipped with a note), our outputs identical to the target's greedy
     output, finite speedups and bounds, the report and the plots."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     result = subprocess.run([sys.executable, "-m", "speculative.cli", "bench", "--quick", "--out", str(out),
@@ -169,9 +172,9 @@ def run_quick(out: Path, *model_args: str) -> dict:
     for data in results["sets"].values():
         methods = data["methods"]
         assert set(methods) == METHODS
-        assert methods["vllm_draft"]["status"] == "skipped" and methods["vllm_draft"]["note"]
+        assert all(methods[name]["status"] == "skipped" and methods[name]["note"] for name in SKIPPED)
         for name, entry in methods.items():
-            if name == "vllm_draft":
+            if name in SKIPPED:
                 continue
             assert entry["status"] == "ok"
             figures = ("tokens_per_s", "speedup_vs_hf", "speedup_vs_ours_ar")
@@ -193,6 +196,7 @@ def run_quick(out: Path, *model_args: str) -> dict:
     assert all(r["identical_fraction"] == 1.0 for r in batch if r["method"].startswith("ours"))
     report = (out / "report.md").read_text()
     assert "## code" in report and "## edit" in report and "vLLM" in report and "(runs)" in report
+    assert "llama.cpp: skipped (no --llama-cpp given" in report
     for plot in PLOTS:
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return results
@@ -208,3 +212,24 @@ def test_bench_quick_on_the_demo_pair(tmp_path: Path) -> None:
     results = run_quick(tmp_path / "out")
     assert results["config"]["model"].endswith("models/demo/target")
     assert results["sets"]["code"]["methods"]["ours_draft"]["acceptance_rate"] > 0.2
+
+
+def test_memory_bound_counts_each_weight_once_and_reports_fractions() -> None:
+    model = tiny_model()  # untied: the LM head is read whole, the input embedding a row at a time
+    embedding = model.get_input_embeddings().weight
+    buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())  # rotary inv_freq
+    assert weight_bytes(model) == buffers + sum(p.untyped_storage().nbytes() for p in model.parameters()
+                                                if p is not embedding)
+    model.lm_head.weight = embedding  # tied: the one matrix is read whole once
+    assert weight_bytes(model) == buffers + sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert copy_bandwidth(torch.device("cpu"), nbytes=8 * 2**20, repeats=3) > 1e8  # > 0.1 GB/s anywhere
+    bound = memory_bound(100_000_000, 25e9)  # 100 MB at 25 GB/s: 4 ms a forward, 250 tokens/s
+    assert bound["forward_ms"] == pytest.approx(4.0) and bound["tokens_per_second"] == pytest.approx(250.0)
+    methods = {"ours_ar": {"label": "ours AR", "status": "ok", "drafter": None, "tokens_per_s": 125.0},
+               "ours_draft": {"label": "ours draft", "status": "ok", "drafter": "draft_model", "tokens_per_s": 300.0},
+               "llamacpp": {"label": "llama.cpp", "status": "ok", "drafter": None, "tokens_per_s": 150.0,
+                            "decode_tokens_per_s": 200.0}}
+    line = memory_bound_line(bound, methods)
+    assert "4.00 ms a forward, 250 tokens/s" in line
+    assert "ours AR 50%" in line and "llama.cpp 60% (80% decode only)" in line and "ours draft" not in line
+    assert memory_bound_line(None, methods) is None

@@ -52,8 +52,9 @@ def _median_ratio(numerator: list[float], denominator: list[float]) -> float:
 def speculation_stats(method: Method, generations: Sequence[Generation]) -> dict:
     """Acceptance figures of a method's runs.
 
-    acceptance_rate: accepted / drafted (ours; HF does not say what it drafted). alpha: the per-token
-    acceptance whose E is the measured tokens per step (timing.py says why the bound needs it).
+    acceptance_rate: accepted / drafted (ours, llama.cpp; HF does not say what it drafted). alpha: the
+    per-token acceptance whose E is the measured tokens per step (timing.py says why the bound needs it).
+    acceptance_per_position: ours only.
     """
     if method.drafter is None:
         return {"acceptance_rate": None, "alpha": None, "mean_accepted_length": 1.0, "acceptance_per_position": None}
@@ -61,13 +62,28 @@ def speculation_stats(method: Method, generations: Sequence[Generation]) -> dict
     accepted = sum(g.num_accepted for g in generations)
     tokens_per_step = 1.0 + accepted / steps if steps else 1.0
     rate, per_position = None, None
-    if method.engine.startswith("ours"):
+    if all(g.num_drafted is not None for g in generations):
         rate = accepted / max(1, sum(g.num_drafted for g in generations))
+    if method.engine.startswith("ours"):
         acc = [sum(c) for c in zip(*(g.accepted_per_position for g in generations))]
         dra = [sum(c) for c in zip(*(g.drafted_per_position for g in generations))]
         per_position = [a / d if d else 0.0 for a, d in zip(acc, dra)]
     return {"acceptance_rate": rate, "alpha": acceptance_for_tokens_per_step(tokens_per_step, method.k),
             "mean_accepted_length": tokens_per_step, "acceptance_per_position": per_position}
+
+
+def engine_timings(runs: list[list[Generation]], tokens: list[int]) -> dict:
+    """The engine's own prefill / decode split of a method's runs, where it reports one (llama.cpp):
+    prefill_ms (median over prompts), decode_tokens_per_s (tokens / decode time, the engine's own
+    decode-only speed) and engine_tokens_per_s (tokens / (prefill + decode): the call without the
+    transport), medians over prompts of each prompt's median over repeats; {} where it reports none."""
+    if any(g.decode_seconds is None for repeats in runs for g in repeats):
+        return {}
+    prefill = [statistics.median(g.prefill_seconds for g in repeats) for repeats in runs]
+    decode = [statistics.median(g.decode_seconds for g in repeats) for repeats in runs]
+    return {"prefill_ms": statistics.median(p * 1e3 for p in prefill),
+            "decode_tokens_per_s": statistics.median(n / d for n, d in zip(tokens, decode)),
+            "engine_tokens_per_s": statistics.median(n / (p + d) for n, p, d in zip(tokens, prefill, decode))}
 
 
 def run_times(method: Method, runs: list[list[Generation]], baseline_runs: list[list[Generation]]) -> dict:
@@ -83,7 +99,7 @@ def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[in
     """The side-by-side table of one prompt set (one entry per method, bounds to come: `own_speedup` is
     the speedup over the method's own engine's plain decoding, `run_times` the step times its runs
     paid), the reference outputs (HF `generate`'s greedy tokens of each prompt) and the runs
-    themselves (see `interleaved`)."""
+    themselves (see `interleaved`). speedup_vs_llamacpp: against llama.cpp's plain decoding, where it ran."""
     config = pair.config
     runs = interleaved(methods, prompts, config.max_tokens, config.repeats, advance, phase, warmup)
     seconds = {name: _seconds(r) for name, r in runs.items()}
@@ -103,9 +119,12 @@ def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[in
             "tokens_per_s": statistics.median(n / s for n, s in zip(tokens, seconds[method.name])),
             "speedup_vs_hf": _median_ratio(seconds["hf_generate"], seconds[method.name]),
             "speedup_vs_ours_ar": _median_ratio(seconds["ours_ar"], seconds[method.name]),
+            "speedup_vs_llamacpp": (_median_ratio(seconds["llamacpp"], seconds[method.name])
+                                    if "llamacpp" in seconds else None),
             "own_speedup": _median_ratio(seconds[baseline], seconds[method.name]) if baseline else None,
             "run_times": run_times(method, runs[method.name], runs[baseline]) if baseline else None,
-            **speculation_stats(method, first), **exactness.summarize(verdicts)}
+            **speculation_stats(method, first), **exactness.summarize(verdicts),
+            **engine_timings(runs[method.name], tokens)}
     return table, reference, runs
 
 

@@ -29,6 +29,8 @@ class Generation:
     num_accepted: draft tokens kept; num_drafted: draft tokens proposed (None where unknown: HF).
     accepted_per_position / drafted_per_position: the same at draft positions 1..k (ours only).
     calls: the wall times of the call's decoding forwards and draftings (clock.py; None off CPU).
+    prefill_seconds / decode_seconds: the engine's own split of the call, where it reports one
+    (llama.cpp: prompt_ms / predicted_ms); None otherwise.
     """
 
     token_ids: list[list[int]]
@@ -39,13 +41,15 @@ class Generation:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     calls: CallTimes | None = None
+    prefill_seconds: float | None = None
+    decode_seconds: float | None = None
 
 
 @dataclass
 class Method:
-    """A named decoding method. engine: "hf", "ours" or "vllm"; drafter: "draft_model", "ngram" or None
-    (plain decoding); k: drafts per step (0 without a drafter); max_batch: the largest batch it takes
-    (None: any)."""
+    """A named decoding method. engine: "hf", "ours", "ours_compiled", "vllm" or "llama.cpp"; drafter:
+    "draft_model", "ngram" or None (plain decoding); k: drafts per step (0 without a drafter); max_batch:
+    the largest batch it takes (None: any)."""
 
     name: str
     label: str

@@ -25,12 +25,53 @@ def _identical(entry: dict) -> str:
     return f"{_num(entry['identical_fraction'])} ({entry['near_ties']})"
 
 
+def _with_llamacpp(methods: dict) -> bool:
+    return any(e.get("speedup_vs_llamacpp") is not None for e in methods.values() if e["status"] == "ok")
+
+
+def method_columns(methods: dict) -> list[str]:
+    """METHOD_COLUMNS, with "vs llama.cpp" after "vs ours AR" where llama.cpp's plain decoding ran."""
+    if not _with_llamacpp(methods):
+        return METHOD_COLUMNS
+    at = METHOD_COLUMNS.index("vs ours AR") + 1
+    return METHOD_COLUMNS[:at] + ["vs llama.cpp"] + METHOD_COLUMNS[at:]
+
+
 def method_rows(methods: dict) -> list[list[str]]:
-    """One row per method of a prompt set's table that ran."""
-    return [[e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"]),
-             _num(e["acceptance_rate"]), _num(e["alpha"]), _num(e["mean_accepted_length"]), _num(e["bound"]),
-             _num(e["efficiency"]), _num(e.get("efficiency_timer")), _identical(e)]
+    """One row per method of a prompt set's table that ran, in `method_columns`' order."""
+    llamacpp = _with_llamacpp(methods)
+    return [[e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"])]
+            + ([_num(e.get("speedup_vs_llamacpp"))] if llamacpp else [])
+            + [_num(e["acceptance_rate"]), _num(e["alpha"]), _num(e["mean_accepted_length"]), _num(e["bound"]),
+               _num(e["efficiency"]), _num(e.get("efficiency_timer")), _identical(e)]
             for e in methods.values() if e["status"] == "ok"]
+
+
+def engine_timings_line(methods: dict) -> str | None:
+    """The engines' own prefill / decode split (llama.cpp's timings), or None where no method reports one."""
+    parts = [f"{e['label']}: prefill {e['prefill_ms']:.1f} ms, decode only {e['decode_tokens_per_s']:.1f} tokens/s, "
+             f"in the server {e['engine_tokens_per_s']:.1f} tokens/s"
+             for e in methods.values() if e["status"] == "ok" and "decode_tokens_per_s" in e]
+    if not parts:
+        return None
+    return "engine's own timings (medians over prompts; tokens/s above: wall time, prefill included): " + "; ".join(parts)
+
+
+def memory_bound_line(bound: dict | None, methods: dict) -> str | None:
+    """The memory bound of plain decoding (bench/memory.py) and the fraction of it each engine's plain
+    decoding reaches (tokens/s / the bound's tokens/s; llama.cpp's decode-only figure beside its own)."""
+    if not bound:
+        return None
+    plain = [e for e in methods.values() if e["status"] == "ok" and e.get("drafter") is None]
+    fractions = []
+    for e in plain:
+        fraction = f"{e['label']} {e['tokens_per_s'] / bound['tokens_per_second']:.0%}"
+        if "decode_tokens_per_s" in e:
+            fraction += f" ({e['decode_tokens_per_s'] / bound['tokens_per_second']:.0%} decode only)"
+        fractions.append(fraction)
+    return (f"memory bound of plain decoding: {bound['weight_mb']:.1f} MB of target weights / "
+            f"{bound['bandwidth_gb_s']:.1f} GB/s (a large copy, read + write) = {bound['forward_ms']:.2f} ms a "
+            f"forward, {bound['tokens_per_second']:.0f} tokens/s; reached: " + ", ".join(fractions))
 
 
 def skipped_lines(methods: dict) -> list[str]:
@@ -95,9 +136,13 @@ def print_tables(results: dict, console: Console) -> None:
     for name, data in results["sets"].items():
         title = (f"{name}: {data['num_prompts']} prompts, {config['max_tokens']} tokens each, greedy, "
                  f"{config['dtype']}, {results['machine']['device']}")
-        console.print(_rich_table(title, METHOD_COLUMNS, method_rows(data["methods"]),
+        console.print(_rich_table(title, method_columns(data["methods"]), method_rows(data["methods"]),
                                   "; ".join(skipped_lines(data["methods"])) or None))
         console.print(run_times_line(data["methods"]))
+        for line in (engine_timings_line(data["methods"]), memory_bound_line(results.get("memory_bound"),
+                                                                              data["methods"])):
+            if line:
+                console.print(line)
     console.print(step_times_line(results["step_times"], config["k"]))
     if "step_times_compiled" in results:
         console.print("compiled " + step_times_line(results["step_times_compiled"], config["k"]))
@@ -127,12 +172,13 @@ def markdown(results: dict, plots: list[str]) -> str:
         f"{'' if config.get('draft_dtype') is None else ' (draft ' + config['draft_dtype'] + ')'} on {m['device']}; "
         f"{config['repeats']} timed "
         f"run(s) per prompt and method after a discarded warm-up, runs interleaved, medians over prompts.",
-        f"Machine: {m['nproc']} CPUs ({m['cpu']}), torch {m['torch']}, transformers {m['transformers']}, "
-        f"Python {m['python']}, OMP_WAIT_POLICY={m['omp_wait_policy']}.",
-        "Columns: tokens/s (median over prompts); speedup against HF generate and against our autoregressive "
-        "baseline (medians of per-prompt time ratios); acceptance rate (accepted / drafted); alpha, the "
-        "per-token acceptance whose E = (1 - a^(k+1)) / (1 - a) equals the measured mean accepted length "
-        "(tokens per target step); bound = E * T_1 / (k * T_d + T_v), DESIGN.md section 4, with a = alpha and "
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}{'; ' + m['cpu_features'] if m.get('cpu_features') else ''}), torch {m['torch']}, transformers {m['transformers']}, "
+        f"Python {m['python']}, OMP_WAIT_POLICY={m['omp_wait_policy']}"
+        f"{'' if not m.get('llama_cpp') else ', llama.cpp ' + m['llama_cpp']['version']}.",
+        "Columns: tokens/s (median over prompts); speedup against HF generate, against our autoregressive "
+        "baseline and, where it ran, against llama.cpp's plain decoding (medians of per-prompt time ratios); "
+        "acceptance rate (accepted / drafted); alpha, the per-token acceptance whose E = (1 - a^(k+1)) / (1 - a) "
+        "equals the measured mean accepted length (tokens per target step); bound = E * T_1 / (k * T_d + T_v), the speedup a drafter of per-token acceptance a reaches when a step costs k drafts and one verification, with a = alpha and "
         "the step times that the runs paid (means of the runs' own target forwards and draftings, T_1 from the "
         "engine's plain decoding; the line under each table gives them); efficiency = speedup over the engine's "
         "own plain decoding (ours: ours AR; HF: HF generate) / bound; efficiency (timer): the same with "
@@ -142,7 +188,10 @@ def markdown(results: dict, plots: list[str]) -> str:
     ]
     for name, data in results["sets"].items():
         parts += [f"## {name} ({data['num_prompts']} prompts)",
-                  _markdown_table(METHOD_COLUMNS, method_rows(data["methods"])), run_times_line(data["methods"])]
+                  _markdown_table(method_columns(data["methods"]), method_rows(data["methods"])),
+                  run_times_line(data["methods"])]
+        parts += [line for line in (engine_timings_line(data["methods"]),
+                                    memory_bound_line(results.get("memory_bound"), data["methods"])) if line]
         skipped = skipped_lines(data["methods"])
         if skipped:
             parts.append("\n".join(f"- {line}" for line in skipped))

@@ -13,7 +13,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +23,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM
 
+from speculative.bench.gguf_cache import DEFAULT_CACHE
+from speculative.bench.llamacpp import (
+    LlamaCppSetup,
+    llama_cpp_methods,
+    llama_cpp_unavailable,
+    server_binary,
+    server_version,
+    skipped_entries,
+)
 from speculative.bench.measure import Advance, compare_methods, sweep_batch, sweep_k
+from speculative.bench.memory import copy_bandwidth, memory_bound, weight_bytes
 from speculative.bench.methods import (
     HFMethod,
     Method,
@@ -41,6 +51,7 @@ from speculative.demo import DEMO_DIR
 from speculative.demo.model_card import machine
 from speculative.llm import LLM
 from speculative.models.compiled import CompiledCausalLM, warm_up_pair
+from speculative.models.dtypes import cpu_features
 from speculative.precompile import PreCompileConfig
 from speculative.proposers import NgramProposer
 
@@ -59,6 +70,9 @@ class BenchConfig:
     dtype / draft_dtype: the models' dtypes, ours and Hugging Face's alike (draft_dtype None: dtype).
     compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and every
         drafter's method at k; their graphs are compiled while the pair loads.
+    llama_cpp: a llama.cpp checkout whose folder `llama_cpp_build` holds bin/llama-server (llamacpp.py);
+        None skips the llama.cpp methods. The pair must then be local folders (converted to GGUF once,
+        cached in `gguf_cache`, gguf_cache.py).
     """
 
     model: str = str(DEMO_DIR / "target")
@@ -78,6 +92,9 @@ class BenchConfig:
     model_impl: str = "auto"
     seed: int = 0
     compile: bool = False
+    llama_cpp: str | None = None
+    llama_cpp_build: str = "build"
+    gguf_cache: str = str(DEFAULT_CACHE)
 
     def quick(self) -> BenchConfig:
         """The CI smoke test's settings: 2 prompts a set, 24 tokens, k sweep [1, k] on 1 prompt, batch
@@ -185,9 +202,19 @@ NOTES = [
     "(SpeculativeConfig.adaptive); with no single k they have no bound.",
 ]
 
+LLAMA_CPP_NOTE = (
+    "llama.cpp methods (bench/llamacpp.py): one llama-server per method, the pair converted to GGUF in the "
+    "bench's dtype by the checkout's convert_hf_to_gguf.py, the bench's thread count, one slot, no prompt "
+    "cache, KV caches in the models' dtypes; each prompt sent as token ids to /completion, greedy, max_tokens tokens with EOS ignored. Their "
+    "tokens/s is wall time from request to answer over loopback HTTP, prefill included, like every other "
+    "method's; the line under each table gives llama.cpp's own split (prompt_ms, and decode-only tokens/s = "
+    "predicted_n / predicted_ms). Tokens per step = 1 + draft_n_accepted / (tokens - 1 - draft_n_accepted). "
+    "Their step times are not clocked, so they have no bound; batch 1 only (the batch sweep leaves them out).")
 
-def build_methods(pair: Pair) -> tuple[list[Method], dict[str, dict]]:
-    """The methods of the side-by-side table, and those skipped (with why)."""
+
+def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[str, dict]]:
+    """The methods of the side-by-side table, and those skipped (with why). llama.cpp's servers are
+    started here and registered on `servers`, which stops them."""
     config, drafters = pair.config, pair.drafters
     methods: list[Method] = [pair.hf(None, 0)] + [pair.hf(d, config.k) for d in drafters]
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
@@ -204,7 +231,17 @@ def build_methods(pair: Pair) -> tuple[list[Method], dict[str, dict]]:
         methods.append(vllm_method(config.model, config.draft_model, config.k, config.dtype))
     elif "vllm_draft" not in skipped:
         skipped["vllm_draft"] = {"label": "vLLM draft", "note": why_not}
-    return methods, skipped
+    why_not = llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build)
+    if why_not is not None:
+        skipped.update(skipped_entries(why_not))
+        return methods, skipped
+    dtypes = [str(next(m.parameters()).dtype).removeprefix("torch.") for m in (pair.hf_target, pair.hf_draft)
+              if m is not None]
+    setup = LlamaCppSetup(config.llama_cpp, config.llama_cpp_build, config.model, config.draft_model, dtypes[0],
+                          dtypes[-1], config.k, torch.get_num_threads(),
+                          min(m.max_length for m in (pair.target, pair.draft) if m is not None), config.gguf_cache)
+    llama_methods, llama_skipped = llama_cpp_methods(setup, servers)
+    return methods + llama_methods, {**skipped, **llama_skipped}
 
 
 @contextmanager
@@ -219,9 +256,18 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
     """Measure everything `config` asks for; returns the results (the content of results.json).
 
     The side-by-side table runs on every prompt set; the draft model's k sweep on the first set and the
-    n-gram k sweep on the last (code and edit by default); the batch sweep on the first set.
+    n-gram k sweep on the last (code and edit by default); the batch sweep on the first set. llama.cpp's
+    servers are stopped at the end, on an error or on Ctrl-C.
     """
+    with ExitStack() as servers:
+        return _run_bench(config, advance, servers)
+
+
+def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dict:
+    """run_bench's work, llama.cpp's servers registered on `servers`."""
     clock = time.perf_counter()
+    if config.llama_cpp is not None and llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build):
+        raise ValueError(llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build))
     torch.manual_seed(config.seed)
     notes = list(NOTES)
     if torch.device(config.device).type == "cpu":
@@ -251,9 +297,16 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
                                             context, ks, config.seed)
     for timer in timers.values():
         timer.sample(config.timing_repeats // 2)
-    methods, skipped = build_methods(pair)
+    methods, skipped = build_methods(pair, servers)
+    llama_cpp = None
+    if any(m.engine == "llama.cpp" for m in methods):
+        notes.append(LLAMA_CPP_NOTE)
+        binary = server_binary(config.llama_cpp, config.llama_cpp_build)
+        llama_cpp = {"server": str(binary), "version": server_version(binary)}
     results: dict = {"config": asdict(config), "machine": {**machine(), "device": str(pair.device),
-                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+                     "cpu_features": cpu_features(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                     "llama_cpp": llama_cpp},
+                     "memory_bound": memory_bound(weight_bytes(pair.hf_target), copy_bandwidth(pair.device)),
                      "sets": {}, "sweeps": {"k": {}}, "notes": notes,
                      "seconds": {"loading and first step times": time.perf_counter() - clock}}
     seconds = results["seconds"]
@@ -298,6 +351,9 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
     for entry in entries:
         own = times.get(entry.get("engine"), times["ours"])  # HF's bound: our eager step times
         own_speedup, run_times = entry.pop("own_speedup"), entry.pop("run_times")
+        if entry.get("engine") == "llama.cpp":  # its step times are not clocked: no bound
+            entry.update(T_1=None, T_v=None, T_d=None, bound=None, efficiency=None)
+            continue
         if entry.get("adaptive"):  # no single k: no bound, and alpha is not a per-token acceptance at k
             entry.update(T_1=own.t_1, T_v=None, T_d=None, bound=None, efficiency=None, alpha=None)
             continue
