@@ -9,7 +9,9 @@ import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from speculative.models import packed
 from speculative.models.gemv import GEMV_PASS
+from speculative.models.packed import REDUCTION_MAX_ROWS
 
 
 def _compiled(fn):
@@ -31,10 +33,35 @@ def test_one_row_linear_with_bias_and_residual(dtype: torch.dtype, tolerance: fl
     assert (got.double() - want).abs().max() < tolerance * want.abs().max()
 
 
-def test_several_rows_are_left_to_the_matmul() -> None:
-    weight, x = torch.randn(40, 16), torch.randn(3, 16)
+def test_a_few_float32_rows_are_one_reduction_and_more_are_left_to_the_matmul() -> None:
+    weight, bias = torch.randn(40, 16), torch.randn(40)
     with inductor_config.patch(force_disable_caches=True):
-        counters.clear()
-        got = _compiled(lambda x: x @ weight.t())(x)
-    assert counters["speculative"]["gemv"] == 0
-    torch.testing.assert_close(got, x @ weight.t())
+        for rows, rewritten in ((3, 1), (REDUCTION_MAX_ROWS + 1, 0)):
+            x = torch.randn(rows, 16)
+            counters.clear()
+            got = _compiled(lambda x: F.linear(x, weight, bias))(x)
+            assert counters["speculative"]["rows"] == rewritten
+            torch.testing.assert_close(got, F.linear(x, weight, bias))
+        counters.clear()  # bfloat16: left to the matmul
+        _compiled(lambda x: x @ weight.t().bfloat16())(torch.randn(3, 16).bfloat16())
+        assert counters["speculative"]["rows"] == 0
+
+
+def test_packed_linear_leaves_few_rows_to_the_reduction_where_told(monkeypatch) -> None:
+    """Where FLOAT_REDUCTION_MAX_ROWS allows (AVX2 CPUs), a compiled PackedLinear call of a few float32
+    rows, a dynamic size guarded by it, is the reduction (bias and residual added); more rows call the
+    prepacked op."""
+    monkeypatch.setattr(packed, "FLOAT_REDUCTION_MAX_ROWS", 8)
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(48, 80).requires_grad_(False)
+    layer = packed.PackedLinear([linear])
+    for rows, rewritten in ((5, 1), (12, 0)):
+        x, residual = torch.randn(rows, 48, generator=generator), torch.randn(rows, 80, generator=generator)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(residual, 0)
+        with inductor_config.patch(force_disable_caches=True), torch.inference_mode():
+            counters.clear()
+            torch._dynamo.reset()
+            got = torch.compile(layer.__call__, options={"post_grad_custom_post_pass": GEMV_PASS})(x, residual)
+        assert counters["speculative"]["rows"] == rewritten
+        torch.testing.assert_close(got, linear(x) + residual)

@@ -14,10 +14,12 @@ contiguous in memory (w is the transposed view of an nn.Linear weight [out, in])
 float32 (bfloat16 products included), and parallel over the outputs. x is realized first: left as
 an expression, inductor would recompute its whole producer (norms, residual sums) for every output.
 
-It also rewrites `mm(x, w)` of a few rows (2 or more; the caller keeps them few, PackedLinear up to
-its REDUCTION_MAX_ROWS) whose w is an int8 tensor converted to float and transposed (a quantized
-PackedLinear's weight, models/packed.py) into `sum(x[None] * w.T[:, None], -1).T`: a loop over w's
-rows that reads each int8 row once, converting it in the loop, for all rows of x.
+It also rewrites `mm(x, w)` of a few rows (2 to packed.REDUCTION_MAX_ROWS, statically known: the
+caller's guard) whose w is float32, or an int8 tensor converted to float (a quantized PackedLinear's
+weight), into
+`sum(x[None] * w.T[:, None], -1).T`: a loop over w's rows that reads each row once (an int8 row
+converted in the loop) and multiplies it by every row of x while it is in cache. PackedLinear leaves
+such a matmul in a compiled graph only where this reduction is the faster kernel (models/packed.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import Arg, CallFunction, Match, PatternMatcherPass, register_graph_pattern
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from speculative.models.packed import REDUCTION_MAX_ROWS
 
 aten = torch.ops.aten
 _PATTERNS = PatternMatcherPass(pass_name="speculative_gemv")
@@ -43,29 +47,31 @@ def _gemv(x: Tensor, w: Tensor) -> Tensor:  # x [1, in], w [in, out] -> [1, out]
     return torch.sum(x[:, :, None] * w[None, :, :], dim=-2).to(x.dtype)
 
 
-def _int8_cpu_rows(x: torch.fx.Node, w: torch.fx.Node) -> bool:
-    """x [rows, in] on CPU, w [in, out] a view or conversion (to float) of an int8 tensor."""
-    value = x.meta.get("val")
-    if not (isinstance(value, Tensor) and value.dim() == 2 and value.device.type == "cpu"):
-        return False
-    node = w
-    for _ in range(4):  # permute / t / convert_element_type / _to_copy, to the int8 tensor
-        value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-        if isinstance(value, Tensor) and value.dtype == torch.int8:
-            return True
-        if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.args
-                and node.target in _INT8_VIEWS):
-            return False
-        node = node.args[0]
-    return False
-
-
-_INT8_VIEWS = (aten.permute.default, aten.t.default, torch.ops.prims.convert_element_type.default,
-               aten._to_copy.default)
+def _few_cpu_rows(x: torch.fx.Node, w: torch.fx.Node) -> bool:
+    """x [rows, in] and w [in, out] float32 on CPU (w as stored, or converted from int8), with rows
+    statically <= REDUCTION_MAX_ROWS."""
+    x, w = x.meta.get("val"), w.meta.get("val")
+    return (isinstance(x, Tensor) and isinstance(w, Tensor) and x.dim() == 2 and w.dim() == 2
+            and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
+            and statically_known_true(x.shape[0] <= REDUCTION_MAX_ROWS))
 
 
 def _rows(x: Tensor, w: Tensor) -> Tensor:  # x [rows, in], w [in, out] -> [rows, out]
-    return torch.sum(x[None, :, :] * w.t()[:, None, :], dim=-1).t().to(x.dtype)
+    return torch.sum(x[None, :, :] * w.t()[:, None, :], dim=-1).t().contiguous().to(x.dtype)
+
+
+def _replace_rows(match: Match, example, args: list[torch.fx.Node], x: torch.fx.Node) -> None:
+    """Replace the matched matmul by `example` (made of _rows), whose reduction comes out [out, rows]:
+    its contiguous copy [rows, out] is realized as such (inductor's hint). Left to inductor, every
+    consumer would read the [out, rows] buffer instead, vectorized and parallel along rows, which are
+    few: one thread doing the residual adds and norms with strided loads."""
+    graph = match.graph
+    before = set(graph.nodes)
+    match.replace_by_example(example, args)
+    for node in graph.nodes:
+        if node not in before and node.target == aten.clone.default:
+            node.meta["inductor_realize_to_strides"] = True
+    _replaced(x, "rows")
 
 
 def _replaced(x: torch.fx.Node, kind: str = "gemv") -> None:
@@ -79,9 +85,8 @@ def _mm(match: Match, x: torch.fx.Node, w: torch.fx.Node) -> None:
     if _one_cpu_row(x, w):
         match.replace_by_example(_gemv, [x, w])
         _replaced(x)
-    elif _int8_cpu_rows(x, w):
-        match.replace_by_example(_rows, [x, w])
-        _replaced(x, "int8_rows")
+    elif _few_cpu_rows(x, w):
+        _replace_rows(match, _rows, [x, w], x)
 
 
 @register_graph_pattern(CallFunction(aten.addmm, Arg(), Arg(), Arg()), pass_dict=_PATTERNS)
@@ -89,6 +94,8 @@ def _addmm(match: Match, bias: torch.fx.Node, x: torch.fx.Node, w: torch.fx.Node
     if _one_cpu_row(x, w):
         match.replace_by_example(lambda b, x, w: _gemv(x, w) + b, [bias, x, w])
         _replaced(x)
+    elif _few_cpu_rows(x, w):
+        _replace_rows(match, lambda b, x, w: _rows(x, w) + b, [bias, x, w], x)
 
 
 class _GemvPass(CustomGraphPass):

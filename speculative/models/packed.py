@@ -19,7 +19,8 @@ prepacked copy):
 faster through MKL with W.T stored contiguous than through oneDNN, whose call costs about 12 us
 whatever the size; everything else was oneDNN's, as here.) Hence: on CPU, in float32 and bfloat16,
 a oneDNN prepacked copy serves every call, except one-row calls in a compiled graph, which inductor
-compiles into a reduction over W as stored, faster still (models/gemv.py). Elsewhere (CUDA, other
+compiles into a reduction over W as stored, faster still (models/gemv.py), and where oneDNN has AVX2
+only, float32 calls of a few rows too (FLOAT_REDUCTION_MAX_ROWS). Elsewhere (CUDA, other
 dtypes, no oneDNN), F.linear on W.
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
@@ -63,6 +64,13 @@ ONE_ROW_REDUCTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # reduction 2.5 / 4.3 / 11.3 / 27, dequantized in chunks 6.0 / 8.9 / 11.8 / 18, float weights through
 # oneDNN 5.4 / 4.0 / 6.2 / 12); in bfloat16 torch's kernel is faster (5 rows: 2.9 against 6.0).
 REDUCTION_MAX_ROWS = 16
+# Compiled float32 calls of 2 to this many rows (a verification of k + 1 tokens) are that reduction
+# too where oneDNN has AVX2 only: there its few-row kernel streams W slowly. The demo target's compiled
+# forward of 1 / 2 / 3 / 5 / 8 tokens, float32, 2 threads, on the EPYC under AVX2 only
+# (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2), ms: oneDNN 3.2-4.0 / 7.0 / 7.8 / 8.4 / 9.3,
+# reduction 3.7-4.1 / 4.4-5.0 / 4.9-5.7 / 7.5 / 10.3. With AVX-512, oneDNN is as fast as the
+# reduction from 5 rows on (49 matmuls alone: 4.9 against 5.4 ms), so it keeps them.
+FLOAT_REDUCTION_MAX_ROWS = 6 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1
 _REGISTRY: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _handles = itertools.count()
 
@@ -184,7 +192,9 @@ class PackedLinear:
             return self._quantized(x, residual)
         if self.prepacked is not None:
             if torch.compiler.is_compiling():
-                if statically_known_true(x.shape[0] == 1):  # left to inductor: a reduction (gemv.py)
+                if statically_known_true(x.shape[0] == 1) or (  # left to inductor: a reduction (gemv.py)
+                        FLOAT_REDUCTION_MAX_ROWS > 1 and x.dtype == torch.float32
+                        and x.shape[0] <= FLOAT_REDUCTION_MAX_ROWS):  # a guard
                     return _linear(x, self.weight, self.bias, residual)
                 # an opaque op to the compiler, which calls it as it is
                 return torch.ops.speculative.prepacked_linear(x, residual, self.handle)
