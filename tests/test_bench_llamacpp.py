@@ -6,6 +6,7 @@ prompts are checked against HF generate's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -172,6 +173,16 @@ def test_skip_notes(tmp_path: Path) -> None:
     assert "--llama-cpp" in llama_cpp_unavailable(None)
     why = llama_cpp_unavailable(str(tmp_path), "build-avx2")
     assert str(server_binary(tmp_path, "build-avx2")) in why and "--llama-cpp-build build-avx2" in why
+    (tmp_path / "build-avx2" / "bin").mkdir(parents=True)
+    server_binary(tmp_path, "build-avx2").touch()
+    assert "convert_hf_to_gguf.py" in llama_cpp_unavailable(str(tmp_path), "build-avx2")
+    (tmp_path / "convert_hf_to_gguf.py").touch()
+    real_find_spec = importlib.util.find_spec
+    with pytest.MonkeyPatch.context() as patch:  # a checkout that is complete, and no sentencepiece
+        patch.setattr(importlib.util, "find_spec", lambda m: None if m == "sentencepiece" else real_find_spec(m))
+        assert "sentencepiece" in llama_cpp_unavailable(str(tmp_path), "build-avx2")
+        patch.setattr(importlib.util, "find_spec", lambda m: object())
+        assert llama_cpp_unavailable(str(tmp_path), "build-avx2") is None
     assert server_binary(tmp_path, "/abs/build") == Path("/abs/build/bin/llama-server")
     entries = skipped_entries("no --llama-cpp given")
     assert set(entries) == {"llamacpp", "llamacpp_draft", "llamacpp_draft_default"}

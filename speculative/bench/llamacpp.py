@@ -57,14 +57,14 @@ def llama_cpp_unavailable(checkout: str | None, build: str = "build") -> str | N
     """Why the llama.cpp methods cannot run (a note for the results), or None when they can."""
     if checkout is None:
         return "no --llama-cpp given (a llama.cpp checkout with llama-server built)"
-    missing = [m for m in ("httpx", "sentencepiece") if importlib.util.find_spec(m) is None]
-    if missing:
-        return f"--llama-cpp needs {' and '.join(missing)}: pip install -e '.[llamacpp]'"
     binary = server_binary(checkout, build)
     if not binary.is_file():
         return f"{binary} not found (--llama-cpp {checkout} --llama-cpp-build {build}: build llama-server there)"
     if not (Path(checkout) / "convert_hf_to_gguf.py").is_file():
         return f"{checkout} has no convert_hf_to_gguf.py (--llama-cpp must be a llama.cpp checkout)"
+    missing = [m for m in ("httpx", "sentencepiece") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"--llama-cpp needs {' and '.join(missing)}: pip install -e '.[llamacpp]'"
     return None
 
 
