@@ -14,6 +14,7 @@ from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.models.compiled import SPAN_MULTIPLE, CompiledCausalLM
 from speculative.inference import ModelInferencer
 from speculative.models.llama import NativeCausalLM
+from speculative.models.packed import STATIC_ROWS_MAX
 from speculative.precompile import PreCompileConfig
 from speculative.sampling import SampleStrategy
 
@@ -44,16 +45,18 @@ def test_compiled_greedy_equals_eager_without_recompiles(pair) -> None:
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_compiled_logits_match_eager_across_spans(pair) -> None:
+@pytest.mark.parametrize("batch", [2, 1])  # batch 1: verifications in graphs of their own query length
+def test_compiled_logits_match_eager_across_spans(pair, batch) -> None:
     target, _ = pair
     native = NativeCausalLM.from_hf(target)
     compiled = CompiledCausalLM(native)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, native.vocab_size, (2, 2 * SPAN_MULTIPLE + 8), generator=generator)
-    eager_cache, compiled_cache = native.new_cache(2, ids.shape[1]), compiled.new_cache(2, ids.shape[1])
+    ids = torch.randint(0, native.vocab_size, (batch, 2 * SPAN_MULTIPLE + 8), generator=generator)
+    eager_cache = native.new_cache(batch, ids.shape[1])
+    compiled_cache = compiled.new_cache(batch, ids.shape[1])
     assert compiled_cache.max_length % SPAN_MULTIPLE == 1  # a span never covers the whole buffer
     start = SPAN_MULTIPLE - 3
-    num_tokens = torch.tensor([start, start - 5])  # rows of different lengths
+    num_tokens = torch.tensor([start, start - 5][:batch])  # rows of different lengths
     for cache, model in ((eager_cache, native), (compiled_cache, compiled)):
         model.forward(ids[:, :start], cache, num_tokens=num_tokens)
     steps = [1, 4, 1, 1, 5, 1] * 3  # decode and verify steps across two span multiples
@@ -64,6 +67,31 @@ def test_compiled_logits_match_eager_across_spans(pair) -> None:
         assert (got - want).abs().max() < 1e-5
         start += q
     assert torch.equal(eager_cache.lengths, compiled_cache.lengths)
+
+
+def test_batch_one_verifications_have_a_graph_per_query_length_and_prefills_share_one() -> None:
+    """On CPU a batch-1 call wanting every position's logits (a verification) of 2 to STATIC_ROWS_MAX
+    tokens is compiled for its query length, so that its matmuls and attention unroll over the rows;
+    prefills (logits at their last token) of any length share one graph."""
+    # a model of its own shape: graphs compiled for the pair by other tests would serve it too
+    compiled = CompiledCausalLM(NativeCausalLM.from_hf(tiny_model("llama", hidden_size=48, num_layers=1)))
+    ids = torch.arange(64)[None] % compiled.vocab_size
+
+    def graphs_after(q: int, verification: bool) -> int:
+        cache = compiled.new_cache(1, 64)
+        compiled.forward(ids[:, :8], cache, logits_indices=torch.tensor([[7]]))
+        compiled.forward(ids[:, 8 : 8 + q], cache, logits_indices=None if verification else torch.tensor([[q - 1]]))
+        return counters["stats"]["unique_graphs"]
+
+    before = counters["stats"]["unique_graphs"]
+    assert graphs_after(3, False) == before + 1  # the prefills' graph (8 tokens, then 3)
+    for q in (4, 5, 2):
+        assert graphs_after(q, False) == before + 1
+    assert graphs_after(3, True) == before + 2
+    assert graphs_after(5, True) == before + 3
+    assert graphs_after(5, True) == before + 3
+    assert graphs_after(STATIC_ROWS_MAX + 2, True) == before + 4  # more rows: dynamic, every position's logits
+    assert graphs_after(STATIC_ROWS_MAX + 3, True) == before + 4
 
 
 @pytest.mark.parametrize("query_tokens", [1, 2])

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from speculative.models import packed
 from speculative.models.gemv import GEMV_PASS
-from speculative.models.packed import REDUCTION_MAX_ROWS
+from speculative.models.packed import REDUCTION_MAX_ROWS, STATIC_ROWS_MAX
 
 
 def _compiled(fn):
@@ -34,13 +34,15 @@ def test_one_row_linear_with_bias_and_residual(dtype: torch.dtype, tolerance: fl
 
 
 def test_a_few_float32_rows_are_one_reduction_and_more_are_left_to_the_matmul() -> None:
+    """Static rows: up to STATIC_ROWS_MAX a reduction per row, up to REDUCTION_MAX_ROWS one over all
+    rows, more left to the matmul."""
     weight, bias = torch.randn(40, 16), torch.randn(40)
     with inductor_config.patch(force_disable_caches=True):
-        for rows, rewritten in ((3, 1), (REDUCTION_MAX_ROWS + 1, 0)):
+        for rows, kind in ((3, "static_rows"), (STATIC_ROWS_MAX + 1, "rows"), (REDUCTION_MAX_ROWS + 1, None)):
             x = torch.randn(rows, 16)
             counters.clear()
             got = _compiled(lambda x: F.linear(x, weight, bias))(x)
-            assert counters["speculative"]["rows"] == rewritten
+            assert dict(counters["speculative"]) == ({kind: 1} if kind else {})
             torch.testing.assert_close(got, F.linear(x, weight, bias))
         counters.clear()  # bfloat16: left to the matmul
         _compiled(lambda x: x @ weight.t().bfloat16())(torch.randn(3, 16).bfloat16())
@@ -65,3 +67,17 @@ def test_packed_linear_leaves_few_rows_to_the_reduction_where_told(monkeypatch) 
             got = torch.compile(layer.__call__, options={"post_grad_custom_post_pass": GEMV_PASS})(x, residual)
         assert counters["speculative"]["rows"] == rewritten
         torch.testing.assert_close(got, linear(x) + residual)
+
+
+def test_packed_linear_leaves_few_static_rows_to_the_reduction_on_every_cpu(monkeypatch) -> None:
+    """A compiled PackedLinear call of a few float32 rows known statically (a batch-1 verification) is
+    a reduction per row whatever FLOAT_REDUCTION_MAX_ROWS says."""
+    monkeypatch.setattr(packed, "FLOAT_REDUCTION_MAX_ROWS", 1)
+    linear = torch.nn.Linear(48, 80).requires_grad_(False)
+    layer = packed.PackedLinear([linear])
+    x, residual = torch.randn(STATIC_ROWS_MAX, 48), torch.randn(STATIC_ROWS_MAX, 80)
+    with inductor_config.patch(force_disable_caches=True), torch.inference_mode():
+        counters.clear()
+        got = _compiled(layer.__call__)(x, residual)
+    assert dict(counters["speculative"]) == {"static_rows": 1}
+    torch.testing.assert_close(got, linear(x) + residual)

@@ -4,7 +4,10 @@
 `torch.compile(model.run)`, the sizes that change from call to call (batch, query length, cache
 length, attention span) marked dynamic, so that one compiled graph serves them all. Dynamo still
 specializes sizes of 1, so a model compiles one graph per kind of call on its first such call: one
-query token or several (verification, a draft's first step, a short prefill), at batch 1 or more.
+query token or several (verification, a draft's first step, a short prefill), at batch 1 or more. On
+CPU, a batch-1 verification (every position's logits: k + 1 tokens) or greedy drafting of 2 to
+packed.STATIC_ROWS_MAX query tokens has a graph for its query length instead, in which the matmuls and
+attention unroll over the few rows.
 The span is rounded up to a multiple of SPAN_MULTIPLE (the causal mask hides the positions past
 each row's length): free on CPU, and it bounds the shapes a CUDA graph is recorded for.
 `greedy_decode` runs several greedy decoding steps (a draft model's k) as one compiled graph, one
@@ -38,6 +41,7 @@ from speculative.models.base import LanguageModel
 from speculative.models.bucketed import BucketedModel, warm_up
 from speculative.models.gemv import GEMV_PASS
 from speculative.models.llama import SMALL_CALL_ROWS, NativeCausalLM
+from speculative.models.packed import STATIC_ROWS_MAX
 from speculative.precompile import PreCompileConfig
 
 SPAN_MULTIPLE = 64
@@ -107,18 +111,27 @@ class CompiledCausalLM:
 
     def _run(self, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
              key_positions: Tensor, logits_indices: Tensor | None) -> Tensor:
-        if logits_indices is None:  # one graph for both: all positions' logits are a gather of all
+        verification = logits_indices is None
+        if verification:  # one graph for both: all positions' logits are a gather of all
             logits_indices = self._every_position(*input_ids.shape)
         input_ids, positions, logits_indices = self._dynamic(input_ids, positions, logits_indices,
-                                                             key_positions=key_positions)
+                                                             key_positions=key_positions, few_static=verification)
         return self._compiled(input_ids, positions, keys, values, key_positions, logits_indices)
 
-    def _dynamic(self, *tensors: Tensor, key_positions: Tensor) -> list[Tensor]:
+    def _dynamic(self, *tensors: Tensor, key_positions: Tensor, few_static: bool) -> list[Tensor]:
         """`tensors` ([batch, q] each) with standard strides, their sizes and those of key_positions and
-        the RoPE tables marked dynamic."""
+        the RoPE tables marked dynamic. With `few_static` (a verification, a draft's query), on CPU, a
+        batch of one row of 2 to packed.STATIC_ROWS_MAX tokens is static instead: a graph for each such
+        q, whose matmuls and attention unroll over the rows. (Not every call's: a short prompt's
+        prefill would need a graph of its own for each length.)"""
         tensors = [_standard_strides(tensor) for tensor in tensors]
+        batch, q = tensors[0].shape
+        static = few_static and self.model.device.type == "cpu" and batch == 1 and 1 < q <= STATIC_ROWS_MAX
         for tensor in tensors:
-            torch._dynamo.maybe_mark_dynamic(tensor, (0, 1))
+            if static:
+                torch._dynamo.mark_static(tensor)
+            else:
+                torch._dynamo.maybe_mark_dynamic(tensor, (0, 1))
         torch._dynamo.maybe_mark_dynamic(key_positions, 0)
         for table in (self.model._rope_cos, self.model._rope_sin):  # they grow with the longest span
             torch._dynamo.maybe_mark_dynamic(table, 0)
@@ -164,7 +177,7 @@ class CompiledCausalLM:
 
         def run(input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
                 key_positions: Tensor, logits_indices: None) -> tuple[Tensor, Tensor]:
-            input_ids, positions = self._dynamic(input_ids, positions, key_positions=key_positions)
+            input_ids, positions = self._dynamic(input_ids, positions, key_positions=key_positions, few_static=True)
             return compiled(input_ids, positions, keys, values, key_positions)
 
         written = input_ids.shape[1] + steps - 1

@@ -18,7 +18,10 @@ It also rewrites `mm(x, w)` of a few rows (2 to packed.REDUCTION_MAX_ROWS, stati
 caller's guard) whose w is float32, or an int8 tensor converted to float (a quantized PackedLinear's
 weight), into
 `sum(x[None] * w.T[:, None], -1).T`: a loop over w's rows that reads each row once (an int8 row
-converted in the loop) and multiplies it by every row of x while it is in cache. PackedLinear leaves
+converted in the loop) and multiplies it by every row of x while it is in cache. Where the number of
+rows is static, it is one `sum(x[r] * w.T, -1)` per row r instead, which inductor fuses into one loop
+over w with an accumulator per row: independent chains of additions, where the loop over rows had one
+chain after the other (see packed.STATIC_ROWS_MAX for what it gains). PackedLinear leaves
 such a matmul in a compiled graph only where this reduction is the faster kernel (models/packed.py).
 """
 
@@ -31,7 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import Arg, CallFunction, Match, PatternMatcherPass, register_graph_pattern
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from speculative.models.packed import REDUCTION_MAX_ROWS
+from speculative.models.packed import REDUCTION_MAX_ROWS, STATIC_ROWS_MAX
 
 aten = torch.ops.aten
 _PATTERNS = PatternMatcherPass(pass_name="speculative_gemv")
@@ -57,12 +60,15 @@ def _few_cpu_rows(x: torch.fx.Node, w: torch.fx.Node) -> bool:
 
 
 def _rows(x: Tensor, w: Tensor) -> Tensor:  # x [rows, in], w [in, out] -> [rows, out]
+    if statically_known_true(x.shape[0] <= STATIC_ROWS_MAX):  # static and few: a reduction per row, fused
+        return torch.stack([torch.sum(x[row, None, :] * w.t(), dim=-1) for row in range(x.shape[0])]).to(x.dtype)
     return torch.sum(x[None, :, :] * w.t()[:, None, :], dim=-1).t().contiguous().to(x.dtype)
 
 
 def _replace_rows(match: Match, example, args: list[torch.fx.Node], x: torch.fx.Node) -> None:
-    """Replace the matched matmul by `example` (made of _rows), whose reduction comes out [out, rows]:
-    its contiguous copy [rows, out] is realized as such (inductor's hint). Left to inductor, every
+    """Replace the matched matmul by `example` (made of _rows), whose reduction comes out [out, rows]
+    (unless the rows are static and few): its contiguous copy [rows, out] is realized as such
+    (inductor's hint). Left to inductor, every
     consumer would read the [out, rows] buffer instead, vectorized and parallel along rows, which are
     few: one thread doing the residual adds and norms with strided loads."""
     graph = match.graph
@@ -71,7 +77,7 @@ def _replace_rows(match: Match, example, args: list[torch.fx.Node], x: torch.fx.
     for node in graph.nodes:
         if node not in before and node.target == aten.clone.default:
             node.meta["inductor_realize_to_strides"] = True
-    _replaced(x, "rows")
+    _replaced(x, "static_rows" if statically_known_true(x.meta["val"].shape[0] <= STATIC_ROWS_MAX) else "rows")
 
 
 def _replaced(x: torch.fx.Node, kind: str = "gemv") -> None:

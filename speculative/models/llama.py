@@ -30,12 +30,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.packed import PackedLinear
+from speculative.models.packed import STATIC_ROWS_MAX, PackedLinear
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # NativeCausalLM.quantize's default: quantize the lm_head too (see the README's Quantization section).
@@ -112,13 +113,17 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: 
     Compiled for a CPU, as reductions that inductor fuses into the graph's own loops (in float32):
     for the few query tokens of a decoding call, the flash-attention kernel's fixed cost dominates
     (demo target, one query over 128 keys: about 20 us a call in float32 and 60 in bfloat16, for
-    ~50 KB of keys and values). Elsewhere, scaled_dot_product_attention.
+    ~50 KB of keys and values); a few query tokens known statically, one after the other
+    (packed.STATIC_ROWS_MAX). Elsewhere, scaled_dot_product_attention.
     """
     heads, kv_heads = query.shape[1], keys.shape[1]
     if not (torch.compiler.is_compiling() and query.device.type == "cpu"):
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=heads != kv_heads)
     batch, _, q, head_dim = query.shape
+    if q != 1 and statically_known_true(q <= STATIC_ROWS_MAX):  # static and few: query by query (packed.py)
+        return torch.cat([attention(query[:, :, i, None], keys, values, mask[:, :, i, None], scale)
+                          for i in range(q)], dim=2)
     grouped = query.float().view(batch, kv_heads, heads // kv_heads, q, 1, head_dim)
     keys, values = keys.float()[:, :, None, None], values.float()[:, :, None, None]  # [b, kv, 1, 1, span, d]
     scores = (grouped * keys).sum(-1) * scale + mask.float()[:, :, None]  # [batch, kv_heads, group, q, span]

@@ -20,7 +20,8 @@ faster through MKL with W.T stored contiguous than through oneDNN, whose call co
 whatever the size; everything else was oneDNN's, as here.) Hence: on CPU, in float32 and bfloat16,
 a oneDNN prepacked copy serves every call, except one-row calls in a compiled graph, which inductor
 compiles into a reduction over W as stored, faster still (models/gemv.py), and where oneDNN has AVX2
-only, float32 calls of a few rows too (FLOAT_REDUCTION_MAX_ROWS). Elsewhere (CUDA, other
+only, float32 calls of a few rows too (FLOAT_REDUCTION_MAX_ROWS), and on every CPU float32 calls of
+a few rows known statically (STATIC_ROWS_MAX). Elsewhere (CUDA, other
 dtypes, no oneDNN), F.linear on W.
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
@@ -71,6 +72,14 @@ REDUCTION_MAX_ROWS = 16
 # reduction 3.7-4.1 / 4.4-5.0 / 4.9-5.7 / 7.5 / 10.3. With AVX-512, oneDNN is as fast as the
 # reduction from 5 rows on (49 matmuls alone: 4.9 against 5.4 ms), so it keeps them.
 FLOAT_REDUCTION_MAX_ROWS = 6 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1
+# Compiled calls of at most this many rows whose row count is static (a batch-1 verification or
+# drafting: CompiledCausalLM gives each such query length a graph of its own) unroll over the rows:
+# float32 matmuls are reductions with one accumulator per row in one loop over W (models/gemv.py),
+# on every CPU, and attention runs query by query (llama.attention). Together, a compiled forward of
+# the demo target, float32, 2 threads, on the EPYC, ms for 1 / 5 tokens: AVX2 only 3.8 / 7.3 with
+# the rows dynamic, 3.9 / 6.2 static; AVX-512 (5 rows through oneDNN before) 3.7 / 6.5, 3.7 / 5.8.
+# Either change alone gained nothing measurable; bfloat16 (oneDNN's few-row calls) was unchanged.
+STATIC_ROWS_MAX = 6
 _REGISTRY: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _handles = itertools.count()
 
@@ -193,8 +202,9 @@ class PackedLinear:
         if self.prepacked is not None:
             if torch.compiler.is_compiling():
                 if statically_known_true(x.shape[0] == 1) or (  # left to inductor: a reduction (gemv.py)
-                        FLOAT_REDUCTION_MAX_ROWS > 1 and x.dtype == torch.float32
-                        and x.shape[0] <= FLOAT_REDUCTION_MAX_ROWS):  # a guard
+                        x.dtype == torch.float32 and (
+                            statically_known_true(x.shape[0] <= STATIC_ROWS_MAX)
+                            or (FLOAT_REDUCTION_MAX_ROWS > 1 and x.shape[0] <= FLOAT_REDUCTION_MAX_ROWS))):  # a guard
                     return _linear(x, self.weight, self.bias, residual)
                 # an opaque op to the compiler, which calls it as it is
                 return torch.ops.speculative.prepacked_linear(x, residual, self.handle)
