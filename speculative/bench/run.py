@@ -302,8 +302,8 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     if any(m.engine == "llama.cpp" for m in methods):
         notes.append(LLAMA_CPP_NOTE)
         binary = server_binary(config.llama_cpp, config.llama_cpp_build)
-        llama_cpp = {"server": str(binary), "version": server_version(binary)}
-    results: dict = {"config": asdict(config), "machine": {**machine(), "device": str(pair.device),
+        llama_cpp = {"server": display_path(str(binary)), "version": server_version(binary)}
+    results: dict = {"config": _with_relative_paths(asdict(config)), "machine": {**machine(), "device": str(pair.device),
                      "cpu_features": cpu_features(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                      "llama_cpp": llama_cpp},
                      "memory_bound": memory_bound(weight_bytes(pair.hf_target), copy_bandwidth(pair.device)),
@@ -381,3 +381,25 @@ def run_and_report(config: BenchConfig, out: Path, console: Console) -> dict:
     console.print(f"{results['seconds']['total']:.0f} s; wrote {paths['json']}, {paths['report']} and "
                   f"{len(plots)} plots to {out}/")
     return results
+
+
+def display_path(path: str) -> str:
+    """An absolute path as results record it: relative to the working directory where it lies under
+    it, else to the home folder as ~/... (a committed report names no machine's own folders)."""
+    if os.path.isabs(path):
+        for base, prefix in ((Path.cwd(), ""), (Path.home(), "~/")):
+            if Path(path).is_relative_to(base):
+                return prefix + os.path.relpath(path, base)
+    return path
+
+
+def _with_relative_paths(config: dict) -> dict:
+    """The config with its paths (models, prompt sets, llama.cpp) as display_path shows them."""
+    def shown(value):
+        if isinstance(value, list):
+            return [shown(v) for v in value]
+        return display_path(value) if isinstance(value, str) else value
+    return {name: shown(value) if name in _PATH_FIELDS else value for name, value in config.items()}
+
+
+_PATH_FIELDS = ("model", "draft_model", "prompts", "llama_cpp", "gguf_cache")

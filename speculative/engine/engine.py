@@ -327,6 +327,8 @@ class Engine:
                              [s[row][:n] for s in scores] if scores is not None else None, counted)
             except Exception as error:  # noqa: BLE001 - the row's own work failed: it fails alone
                 request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
+            if not counted:  # the prefill's token: the first
+                request.metrics.first_token_s = now - request.start_time
             if request.finished:
                 request.metrics.elapsed_s = now - request.start_time
                 self.stop_strings.pop(id(request), None)

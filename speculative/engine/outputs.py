@@ -12,9 +12,10 @@ class SpeculationMetrics:
     num_steps: target forward passes after the prefill (speculative or plain steps).
     num_drafted: draft tokens proposed; num_accepted: draft tokens kept.
     accepted_per_position / drafted_per_position: the same counts at each draft position 1..k.
-    num_generated: tokens emitted; elapsed_s: wall time from the start of generate to this
-        request's last token. For a prompt with several sequences (n, best_of) the figures add up
-        over all of them, elapsed_s being the longest.
+    num_generated: tokens emitted; elapsed_s: wall time from the engine's admission of the request
+        (its prefill's start) to its last token; first_token_s: to its first token (the prefill and
+        the first sampling: the time to first token). For a prompt with several sequences (n,
+        best_of) the figures add up over all of them, the times being the longest.
     """
 
     num_steps: int = 0
@@ -22,6 +23,7 @@ class SpeculationMetrics:
     num_accepted: int = 0
     num_generated: int = 0
     elapsed_s: float = 0.0
+    first_token_s: float = 0.0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -30,6 +32,7 @@ class SpeculationMetrics:
         for name in ("num_steps", "num_drafted", "num_accepted", "num_generated"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.elapsed_s = max(self.elapsed_s, other.elapsed_s)
+        self.first_token_s = max(self.first_token_s, other.first_token_s)
         self.drafted_per_position = [a + b for a, b in zip(self.drafted_per_position, other.drafted_per_position)]
         self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
 
@@ -50,8 +53,14 @@ class SpeculationMetrics:
 
     @property
     def tokens_per_second(self) -> float:
-        """Generated tokens / elapsed wall time."""
+        """Generated tokens / elapsed wall time (the prefill included)."""
         return self.num_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first / the time after the first token: the decoding speed alone."""
+        decoding = self.elapsed_s - self.first_token_s
+        return (self.num_generated - 1) / decoding if self.num_generated > 1 and decoding > 0 else 0.0
 
 
 @dataclass
