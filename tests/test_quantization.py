@@ -171,8 +171,8 @@ def test_compiled_quantized_greedy_output_is_the_eager_quantized_targets_own() -
     assert 0 < output.metrics.num_drafted < 3 * output.metrics.num_steps  # verifications and plain steps
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(rows: int) -> None:
+@pytest.mark.parametrize(("rows", "kind"), [(1, "gemv"), (5, "static_rows"), (packed_module.STATIC_ROWS_MAX + 1, "rows")])
+def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(rows: int, kind: str) -> None:
     """gemv.py rewrites F.linear(x, q.float()) (q int8) into a reduction that reads q as it is: one row
     as any one-row matmul, several rows as a few-row float32 matmul is (test_gemv.py)."""
     generator = torch.Generator().manual_seed(0)
@@ -186,7 +186,7 @@ def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(rows: int) -> 
         compiled = torch.compile(lambda x: torch.nn.functional.linear(torch.nn.functional.silu(x), qweight.float())
                                  * scales, dynamic=False, options={"post_grad_custom_post_pass": GEMV_PASS})
         got = compiled(x)
-        assert counters["speculative"]["gemv" if rows == 1 else "rows"] == 1
+        assert dict(counters["speculative"]) == {kind: 1}
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
