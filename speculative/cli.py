@@ -67,9 +67,6 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--num-prompts", type=int, help="prompts per set, the first ones (12)")
     bench.add_argument("--sweep-prompts", type=int, help="prompts per k-sweep point (4)")
     bench.add_argument("--repeats", type=int, help="timed runs per prompt and method (1)")
-    bench.add_argument("--timing-repeats", type=int,
-                       help="rounds of the step-time loops before and after the runs (20); one more follows "
-                            "each prompt of the side-by-side runs")
     bench.add_argument("--dtype", help="float32 (default), bfloat16, float16 or auto")
     bench.add_argument("--draft-dtype", help="the draft's dtype, ours and HF's assistant (default: --dtype)")
     bench.add_argument("--device", help="cpu (default) or cuda")
@@ -187,7 +184,7 @@ def bench(args: argparse.Namespace) -> int:
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
     fields = ("model", "draft_model", "prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts",
-              "sweep_prompts", "repeats", "timing_repeats", "dtype", "draft_dtype", "device", "model_impl", "seed",
+              "sweep_prompts", "repeats", "dtype", "draft_dtype", "device", "model_impl", "seed",
               "compile", "llama_cpp", "llama_cpp_build", "gguf_cache")
     for name in fields:
         if getattr(args, name) is not None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from speculative.fields import DictRoundTrip, check, is_int
 from speculative.sampling_params import SamplingParams
 
 
@@ -40,33 +41,27 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         _check(self.method in ("draft_model", "ngram"), "method", self.method, '"draft_model" or "ngram"')
         k = self.num_speculative_tokens
-        _check(_is_int(k) and 1 <= k <= 32, "num_speculative_tokens", k, "an integer in [1, 32]")
+        _check(is_int(k) and 1 <= k <= 32, "num_speculative_tokens", k, "an integer in [1, 32]")
         _check(self.acceptance in ("rejection", "typical"), "acceptance", self.acceptance,
                '"rejection" or "typical"')
         _check(isinstance(self.posterior_threshold, (int, float)) and 0 <= self.posterior_threshold <= 1,
                "posterior_threshold", self.posterior_threshold, "in [0, 1]")
         _check(isinstance(self.posterior_alpha, (int, float)) and self.posterior_alpha >= 0,
                "posterior_alpha", self.posterior_alpha, ">= 0")
-        _check(_is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
+        _check(is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
                self.prompt_lookup_min, "an integer >= 1")
-        _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+        _check(is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
                "prompt_lookup_max", self.prompt_lookup_max, f"an integer >= prompt_lookup_min "
                f"({self.prompt_lookup_min})")
         _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check(ok: bool, name: str, value: object, allowed: str, owner: str = "SpeculativeConfig") -> None:
-    if not ok:
-        raise ValueError(f"{owner}.{name} must be {allowed}; got {value!r}")
+_check = functools.partial(check, owner="SpeculativeConfig")
 
 
 @dataclass
-class GenerationConfig:
-    """How `LLM.stream` runs a generation (after EasyDeL's vInferenceConfig, seed 003).
+class GenerationConfig(DictRoundTrip):
+    """How `LLM.stream` runs a generation (after EasyDeL's vInferenceConfig).
 
     max_new_tokens: tokens generated at most per sequence (sets SamplingParams.max_tokens). >= 1.
     streaming_chunks: target steps per yielded SampleState. >= 1.
@@ -88,17 +83,16 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "streaming_chunks", "num_return_sequences"):
             value = getattr(self, name)
-            _check(_is_int(value) and value >= 1, name, value, "an integer >= 1", "GenerationConfig")
+            _check(is_int(value) and value >= 1, name, value, "an integer >= 1", owner="GenerationConfig")
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value >= 0), name, value, "None or an integer >= 0",
-                   "GenerationConfig")
+            _check(value is None or (is_int(value) and value >= 0), name, value, "None or an integer >= 0", owner="GenerationConfig")
         eos = self.eos_token_id
-        _check(eos is None or (_is_int(eos) and eos >= 0) or (isinstance(eos, (list, tuple)) and eos and all(
-            _is_int(t) and t >= 0 for t in eos)), "eos_token_id", eos,
-               "None, an integer >= 0 or a non-empty list of them", "GenerationConfig")
+        _check(eos is None or (is_int(eos) and eos >= 0) or (isinstance(eos, (list, tuple)) and eos and all(
+            is_int(t) and t >= 0 for t in eos)), "eos_token_id", eos,
+               "None, an integer >= 0 or a non-empty list of them", owner="GenerationConfig")
         _check(self.sampling_params is None or isinstance(self.sampling_params, SamplingParams),
-               "sampling_params", self.sampling_params, "a SamplingParams or None", "GenerationConfig")
+               "sampling_params", self.sampling_params, "a SamplingParams or None", owner="GenerationConfig")
 
     @property
     def eos_token_ids(self) -> list[int] | None:
@@ -112,10 +106,8 @@ class GenerationConfig:
         return dataclasses.replace(base, max_tokens=self.max_new_tokens, n=self.num_return_sequences,
                                    best_of=None if base.best_of is None else max(base.best_of, self.num_return_sequences))
 
-    def replace(self, **changes: Any) -> GenerationConfig:
-        return dataclasses.replace(self, **changes)
-
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, sampling_params as its own to_dict."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.sampling_params is not None:
             data["sampling_params"] = self.sampling_params.to_dict()
@@ -123,14 +115,8 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationConfig:
+        """The inverse of to_dict."""
         data = dict(data)
         if data.get("sampling_params") is not None:
             data["sampling_params"] = SamplingParams.from_dict(data["sampling_params"])
-        return cls(**data)
-
-    def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
-
-    @classmethod
-    def from_json(cls, text: str) -> GenerationConfig:
-        return cls.from_dict(json.loads(text))
+        return super().from_dict(data)

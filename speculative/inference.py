@@ -1,4 +1,7 @@
-"""Inferencer: prefill and decode over a model and a KV cache (naive_speculate's contract)."""
+"""Inferencer: prefill and decode over a model and a KV cache, one generation at a time.
+
+The engine itself works at a lower level (models/base.py's `decode`, the proposers); an Inferencer is
+the simple interface for driving a model by hand, and what a `Drafter` drafts through."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import torch
 from torch import Tensor
 
 from speculative.kv_cache import KVCache
-from speculative.models.base import LanguageModel
+from speculative.models.base import LanguageModel, decode
 from speculative.sampling import SampleStrategy
 
 
@@ -60,72 +63,40 @@ class Inferencer(Protocol):
 class ModelInferencer:
     """Inferencer over a `LanguageModel`.
 
-    eos_token_ids: the tokens that end a row in `decode` (rows whose strategy ignores EOS go on).
-    Passing none lets decode run the full max_new_tokens without a host sync per token, and a greedy
-    decode of a model with a `greedy_decode(query_token_ids, kv_cache, steps) -> (token_ids, logits)`
-    (CompiledCausalLM) in one call of it.
+    eos_token_ids: the tokens that end a row in `decode` (rows whose strategy ignores EOS go on); with
+    none, decode runs the full max_new_tokens without a host sync per token.
+    The engine does not go through an Inferencer: its draft proposer calls the model itself.
     """
 
     def __init__(self, model: LanguageModel, eos_token_ids: Sequence[int] = ()) -> None:
         self.model = model
         self.eos_token_ids = torch.tensor(list(eos_token_ids), dtype=torch.long, device=model.device)
 
-    def prefill(self, query_token_ids: Tensor, kv_cache: KVCache, sample_strategy: SampleStrategy,
-                num_tokens: Tensor | None = None, all_logits: bool = True) -> PrefillOutput:
-        """`Inferencer.prefill`, with two extensions.
-
-        num_tokens: [batch] real tokens per row of a right-padded query (default: all q); the token
-            is sampled after each row's last real token.
-        all_logits: False returns token_logits [batch, 1, vocab] at that last real position only.
-        """
-        batch, q = query_token_ids.shape
-        if num_tokens is None:
-            last = torch.full((batch, 1), q - 1, dtype=torch.long, device=query_token_ids.device)
-        else:
-            last = (num_tokens - 1)[:, None]
-        if all_logits:
-            logits = self.model.forward(query_token_ids, kv_cache, num_tokens=num_tokens)  # [batch, q, vocab]
-            last_logits = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))[:, 0]
-        else:
-            logits = self.model.forward(query_token_ids, kv_cache, num_tokens=num_tokens,
-                                        logits_indices=last)  # [batch, 1, vocab]
-            last_logits = logits[:, 0]
-        token_ids = sample_strategy.next_tokens(last_logits)[:, None]
-        return PrefillOutput(token_ids, logits)
+    def prefill(self, query_token_ids: Tensor, kv_cache: KVCache, sample_strategy: SampleStrategy) -> PrefillOutput:
+        """`Inferencer.prefill`."""
+        logits = self.model.forward(query_token_ids, kv_cache)  # [batch, q, vocab]
+        return PrefillOutput(sample_strategy.next_tokens(logits[:, -1])[:, None], logits)
 
     def decode(self, query_token_ids: Tensor, kv_cache: KVCache, max_new_tokens: int,
                sample_strategy: SampleStrategy) -> DecodeOutput:
-        """`Inferencer.decode`, extended to a query of several tokens: query_token_ids [batch, q >= 1]
-        are fed in the first forward, whose logits are taken at the last of them (a prefill and the
-        decode after it in one call; kv_cache gains the query and every generated token but the last)."""
+        """`Inferencer.decode`: after a row's EOS its tokens are -1 and its cache ends before the EOS."""
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0; got {max_new_tokens}")
-        stops = self.eos_token_ids.numel() > 0  # without EOS: no per-token work beyond the forward
-        greedy_decode = getattr(self.model, "greedy_decode", None)  # all steps in one call (compiled)
-        if greedy_decode is not None and not stops and sample_strategy.all_greedy:
-            return DecodeOutput(*greedy_decode(query_token_ids, kv_cache, max_new_tokens))
-        if stops:
-            start = kv_cache.lengths.clone()
-            finished = torch.zeros(query_token_ids.shape[0], dtype=torch.bool, device=query_token_ids.device)
-            ignore_eos = torch.tensor([p.ignore_eos for p in sample_strategy.params], device=finished.device)
-        tokens, all_logits = [], []
-        batch, q = query_token_ids.shape
-        current = query_token_ids
-        last = torch.full((batch, 1), q - 1, device=current.device) if q > 1 else None  # first step's logits
-        for _ in range(max_new_tokens):
-            logits = self.model.forward(current, kv_cache, logits_indices=last)[:, -1]  # [batch, vocab]
-            last = None
-            new = sample_strategy.next_tokens(logits)  # [batch]
-            all_logits.append(logits)
-            if stops:
-                tokens.append(torch.where(finished, -1, new))
-                finished = finished | (torch.isin(new, self.eos_token_ids) & ~ignore_eos)
-                if bool(finished.all()):
-                    break
-            else:
-                tokens.append(new)
-            current = new[:, None]
-        token_ids = torch.stack(tokens, dim=1)  # [batch, n]
-        if stops:  # a finished row's cache keeps the query and its tokens before its EOS
-            kv_cache.rollback(start + q - 1 + (token_ids >= 0).sum(dim=1))
-        return DecodeOutput(token_ids, torch.stack(all_logits, dim=1))
+        if self.eos_token_ids.numel() == 0:
+            return DecodeOutput(*decode(self.model, query_token_ids, kv_cache, max_new_tokens,
+                                        sample_strategy.next_tokens))
+        start = kv_cache.lengths.clone()
+        ignore_eos = torch.tensor([p.ignore_eos for p in sample_strategy.params], device=start.device)
+        finished = torch.zeros_like(ignore_eos)
+
+        def all_finished(tokens: Tensor) -> bool:  # tokens [batch], the step's
+            finished.logical_or_(torch.isin(tokens, self.eos_token_ids) & ~ignore_eos)
+            return bool(finished.all())
+
+        token_ids, logits = decode(self.model, query_token_ids, kv_cache, max_new_tokens,
+                                   sample_strategy.next_tokens, until=all_finished)
+        is_eos = torch.isin(token_ids, self.eos_token_ids) & ~ignore_eos[:, None]  # [batch, n]
+        after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+        token_ids = token_ids.masked_fill(after_eos, -1)
+        kv_cache.rollback(start + query_token_ids.shape[1] - 1 + (token_ids >= 0).sum(dim=1))
+        return DecodeOutput(token_ids, logits)

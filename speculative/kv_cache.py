@@ -47,7 +47,21 @@ class KVCache(Protocol):
         ...
 
 
-class StaticKVCache:
+class RowLengths:
+    """`lengths` and `batch_size` of a cache that keeps its per-row lengths in `_lengths` [batch]."""
+
+    _lengths: Tensor
+
+    @property
+    def lengths(self) -> Tensor:
+        return self._lengths
+
+    @property
+    def batch_size(self) -> int:
+        return self._lengths.shape[0]
+
+
+class StaticKVCache(RowLengths):
     """Preallocated per-layer K/V buffers written at per-row positions.
 
     keys[layer], values[layer]: [batch, num_kv_heads, max_length, head_dim].
@@ -72,14 +86,6 @@ class StaticKVCache:
         # Host-side upper bound of lengths.max(): attention reads only keys[:, :, :bound].
         self.host_max_length = 0
 
-    @property
-    def lengths(self) -> Tensor:
-        return self._lengths
-
-    @property
-    def batch_size(self) -> int:
-        return self._lengths.shape[0]
-
     def positions(self, num_query_tokens: int) -> Tensor:
         """Positions the next forward writes: [batch, q] = lengths[:, None] + arange(q)."""
         offsets = torch.arange(num_query_tokens, device=self._lengths.device)
@@ -92,19 +98,6 @@ class StaticKVCache:
                 f"KV cache overflow: {self.host_max_length} cached + {num_query_tokens} new tokens "
                 f"> max_length={self.max_length}"
             )
-
-    def write(self, layer: int, key: Tensor, value: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Write one layer's new K/V and return that layer's K/V over the span in use.
-
-        key, value: [batch, num_kv_heads, q, head_dim]; positions: [batch, q].
-        Returns keys and values [batch, num_kv_heads, span, head_dim], span = host_max_length + q,
-        views of the buffers (no copy).
-        """
-        index = positions[:, None, :, None].expand_as(key)
-        self.keys[layer].scatter_(2, index, key)
-        self.values[layer].scatter_(2, index, value)
-        span = min(self.host_max_length + key.shape[2], self.max_length)
-        return self.keys[layer][:, :, :span], self.values[layer][:, :, :span]
 
     def advance(self, num_tokens: Tensor | int, max_num_tokens: int) -> None:
         """Add `num_tokens` ([batch] or int) to the lengths after a forward of q = max_num_tokens."""

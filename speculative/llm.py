@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from speculative.acceptance import TypicalAcceptanceSampler
+from speculative.acceptance import RejectionSampler, TypicalAcceptanceSampler
 from speculative.config import GenerationConfig, SpeculativeConfig
 from speculative.engine.engine import Engine
 from speculative.engine.outputs import CompletionOutput, RequestOutput
-from speculative.engine.request import Request
+from speculative.engine.inputs import InputProcessor, PromptType
+from speculative.engine.sequence import Sequence
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.models.base import LanguageModel
 from speculative.models.compiled import prepare_model, warm_up_pair
@@ -22,8 +24,6 @@ from speculative.models.quantization import check_quantization, quantize_model
 from speculative.precompile import PreCompileConfig
 from speculative.proposers import DraftModelProposer, NgramProposer
 from speculative.sampling_params import SamplingParams
-
-PromptType = str | list[int] | dict
 
 
 class LLM:
@@ -94,36 +94,37 @@ class LLM:
             proposer = DraftModelProposer(self.draft.model)
         elif method == "ngram":
             proposer = NgramProposer(speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max)
-        typical = None
+        rule = RejectionSampler()
         if speculative_config is not None and speculative_config.acceptance == "typical":
-            typical = TypicalAcceptanceSampler(speculative_config.posterior_threshold,
-                                               speculative_config.posterior_alpha)
+            rule = TypicalAcceptanceSampler(speculative_config.posterior_threshold, speculative_config.posterior_alpha)
         self.speculative_config = speculative_config
         self.precompile = precompile
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, typical,
+        self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, rule,
                              self.detokenize if self.tokenizer is not None else None,
                              adaptive=bool(speculative_config and speculative_config.adaptive))
+        context = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
+        self.inputs = InputProcessor(self.tokenizer, self.target.model.vocab_size, context, self.device, precompile)
         if precompile is not None:
             warm_up_pair(self.target.model, self.draft.model if self.draft else None, precompile, k)
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate completions for each prompt.
 
         prompts: a string, a list of token ids, {"prompt_token_ids": [...]}, or a list of these.
         sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         Returns one RequestOutput per prompt, in order. All inputs are checked before any work.
         """
-        texts, token_ids, params, sequences = self._prepare(prompts, sampling_params)
+        texts, token_ids, params, sequences = self.inputs.prepare(prompts, sampling_params)
         if sequences:
             self.engine.run(sequences)
         return [self._output(i, texts[i], token_ids[i], params[i], [s for s in sequences if s.prompt_index == i])
                 for i in range(len(token_ids))]
 
-    def stream(self, prompts: PromptType | Sequence[PromptType],
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+    def stream(self, prompts: PromptType | Seq[PromptType],
+               sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                config: GenerationConfig | None = None) -> Iterator[SampleState]:
         """Generate like `generate`, yielding a SampleState every `config.streaming_chunks` target
         steps (and a last one when all sequences have finished), each with the new text of every
@@ -131,8 +132,8 @@ class LLM:
         config = config or GenerationConfig()
         if config.bos_token_id is not None:
             bos = config.bos_token_id
-            prompts = [p if p[:1] == [bos] else [bos, *p] for p in self._encode(prompts)[1]]
-        _, _, _, sequences = self._prepare(prompts, sampling_params or config.request_params())
+            prompts = [p if p[:1] == [bos] else [bos, *p] for p in self.inputs.encode(prompts)[1]]
+        sequences = self.inputs.prepare(prompts, sampling_params or config.request_params()).sequences
         yield from self._stream(sequences, config, [""] * len(sequences), 0.0)
 
     def resume(self, state: SampleState, config: GenerationConfig | None = None) -> Iterator[SampleState]:
@@ -140,121 +141,34 @@ class LLM:
 
         The caches are rebuilt from the state's tokens; the generators continue from their saved
         states, so the tokens are those of a run that never stopped."""
-        sequences = state.requests(self.device)
-        for r in sequences:
-            r.bad_words_token_ids, guide = self._sampling_aids(r.params)
-            if guide is not None:
-                r.guide = guide.new_state()
-                r.guide.accept(r.output_token_ids)
+        sequences = self.inputs.restore(state)
         self.generator.set_state(unpack_generator(state.prng_key["default"], self.device).get_state())
         config = config or GenerationConfig()
         yield from self._stream(sequences, config, state.text, state.time_spent_computing)
 
-    def _stream(self, sequences: list[Request], config: GenerationConfig, previous: list[str],
+    def _stream(self, sequences: list[Sequence], config: GenerationConfig, previous: list[str],
                 elapsed: float) -> Iterator[SampleState]:
         start = time.perf_counter()
         pad = config.pad_token_id if config.pad_token_id is not None else 0
-        for requests in self.engine.generate(sequences, config.streaming_chunks, config.eos_token_ids):
-            texts = [self._stream_text(r) for r in requests]
-            yield SampleState.capture(requests, self.generator, previous, elapsed + time.perf_counter() - start,
+        for current in self.engine.generate(sequences, config.streaming_chunks, config.eos_token_ids):
+            texts = [self._stream_text(s) for s in current]
+            yield SampleState.capture(current, self.generator, previous, elapsed + time.perf_counter() - start,
                                       texts, pad)
             previous = texts
 
-    def _stream_text(self, request: Request) -> str:
+    def _stream_text(self, s: Sequence) -> str:
         """A sequence's text so far; while it runs, without a trailing incomplete character."""
-        if request.text is not None:
-            return request.text
-        text = self.detokenize(request.output_token_ids, request.params)
-        return text if request.finished else text.rstrip("\ufffd")
+        if s.text is not None:
+            return s.text
+        text = self.detokenize(s.output_token_ids, s.params)
+        return text if s.finished else text.rstrip("\ufffd")
 
-    def _prepare(self, prompts, sampling_params):
-        """Encode and check everything; make the sequences (n or best_of per prompt)."""
-        texts, token_ids = self._encode(prompts)
-        params = self._params(sampling_params, len(token_ids))
-        sequences = []
-        for i, (ids, p) in enumerate(zip(token_ids, params)):
-            if p.truncate_prompt_tokens is not None:
-                ids = token_ids[i] = ids[-p.truncate_prompt_tokens:]
-            sequences.extend(self.make_sequences(ids, p, i))
-        return texts, token_ids, params, sequences
-
-    def _params(self, sampling_params, count: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * count
-        params = list(sampling_params)
-        if len(params) != count:
-            raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
-        if not all(isinstance(p, SamplingParams) for p in params):
-            raise TypeError("sampling_params must be SamplingParams or a list of them")
-        return params
-
-    def make_sequences(self, ids: list[int], p: SamplingParams, index: int = 0) -> list[Request]:
-        """The engine's sequences (n or best_of) for one prompt of token ids, checked against the
-        models (vocabulary, context length, tokenizer needs): a ValueError names what does not fit.
-        `index` is the prompt's place in its batch, used in messages and to group its sequences."""
-        vocab = self.target.model.vocab_size
-        p.token_ids_in_vocabulary(vocab)
-        if not ids:
-            raise ValueError(f"prompt {index} is empty: it needs at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): {bad[:5]}")
-        limit = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
-        max_tokens = p.max_tokens if p.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit or max_tokens < 1:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens and max_tokens={p.max_tokens}: "
-                             f"together more than the model's context of {limit} tokens")
-        if self.precompile is not None:
-            try:
-                self.precompile.bucket(len(ids))
-            except ValueError as error:
-                raise ValueError(f"prompt {index}: {error}") from None
-        needs_tokenizer = [name for name, used in (("stop", p.stop), ("bad_words", p.bad_words),
-                                                   ("guided_decoding", p.guided_decoding)) if used]
-        if needs_tokenizer and self.tokenizer is None:
-            raise ValueError(f"SamplingParams.{needs_tokenizer[0]} needs a tokenizer, and the model has none")
-        bad_words, guide = self._sampling_aids(p)
-        if guide is not None and p.allowed_token_ids:
-            first = guide.new_state().allowed_for_block([])[0]  # [vocab] bool: the grammar's first mask
-            if not first[p.allowed_token_ids].any():
-                raise ValueError("SamplingParams.allowed_token_ids and guided_decoding leave no token allowed "
-                                 "at the first position")
-        return [Request(ids, p, max_tokens, index, s, _generator(p.seed, s, self.device), bad_words,
-                        guide.new_state() if guide else None) for s in range(p.sampled_sequences)]
-
-    def _encode(self, prompts: PromptType | Sequence[PromptType]) -> tuple[list[str | None], list[list[int]]]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        texts, token_ids = [], []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"prompt {i} is text but the model has no tokenizer; pass token ids")
-                ids = self.tokenizer(prompt)["input_ids"]
-                texts.append(prompt)
-            else:
-                ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
-                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                    raise TypeError(f"prompt {i} must be a string, a list of token ids or "
-                                    f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
-                texts.append(None)
-            token_ids.append(list(ids))
-        return texts, token_ids
-
-    def _sampling_aids(self, p: SamplingParams) -> tuple[list[list[int]], object]:
-        """The tokenizer's share of a request: its bad words' token ids and its compiled grammar."""
-        bad_words = _bad_words_token_ids(self.tokenizer, p.bad_words) if p.bad_words else []
-        guide = None
-        if p.guided_decoding is not None:
-            from speculative.sampling.guided import Guide  # llguidance only where guided decoding is used
-            guide = Guide.compile(p.guided_decoding, self.tokenizer, self.target.model.vocab_size)
-        return bad_words, guide
+    def make_sequences(self, ids: list[int], p: SamplingParams, index: int = 0) -> list[Sequence]:
+        """The engine's sequences for one prompt of token ids (InputProcessor.sequences)."""
+        return self.inputs.sequences(ids, p, index)
 
     def _output(self, index: int, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                sequences: list[Request]) -> RequestOutput:
+                sequences: list[Sequence]) -> RequestOutput:
         if params.sampled_sequences > params.n:  # best_of: the n most likely sequences
             sequences = sorted(sequences, key=lambda r: r.cumulative_logprob, reverse=True)[: params.n]
         completions = []
@@ -279,24 +193,6 @@ class LLM:
             return self.tokenizer.decode(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
                                      spaces_between_special_tokens=params.spaces_between_special_tokens)
-
-
-def _generator(seed: int | None, sample_index: int, device: torch.device) -> torch.Generator | None:
-    """Sequence s of a seeded prompt draws from its own generator; sequence 0 from the seed itself."""
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed if sample_index == 0 else (seed * 1_000_003 + sample_index) % 2**63)
-
-
-def _bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """Each bad word's tokenization, alone and after a space (as it appears mid-text), as vLLM does."""
-    found: list[list[int]] = []
-    for word in words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            if ids and ids not in found:
-                found.append(ids)
-    return found
 
 
 def _check_same_vocabulary(target, draft) -> None:

@@ -1,24 +1,18 @@
-"""Shapes to pre-compile or warm up for (after EasyDeL's vInferencePreCompileConfig, seed 003), text only."""
+"""Shapes to pre-compile or warm up for (after EasyDeL's vInferencePreCompileConfig), text only."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from speculative.fields import DictRoundTrip, check, is_int
+
 _FIELDS = ("batch_size", "prefill_length", "required_props")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"PreCompileConfig.{name} must be {allowed}; got {value!r}")
+_check = functools.partial(check, owner="PreCompileConfig")
 
 
 def _json_able(value: object) -> bool:
@@ -29,7 +23,7 @@ def _json_able(value: object) -> bool:
 
 
 @dataclass
-class PreCompileConfig:
+class PreCompileConfig(DictRoundTrip):
     """One compilation scenario, or several when a field is a list.
 
     batch_size: sequences per batch: an integer >= 1 or a non-empty list of them.
@@ -53,7 +47,7 @@ class PreCompileConfig:
         for name, none_ok in (("batch_size", False), ("prefill_length", True)):
             value = getattr(self, name)
             items = value if isinstance(value, list) else [value]
-            ints = len(items) > 0 and all(_is_int(v) and v >= 1 for v in items)
+            ints = len(items) > 0 and all(is_int(v) and v >= 1 for v in items)
             allowed = ("None, " if none_ok else "") + "an integer >= 1 or a non-empty list of them"
             _check((none_ok and value is None) or ints, name, value, allowed)
         props = self.required_props
@@ -97,9 +91,9 @@ class PreCompileConfig:
         every prompt of up to max_prefill_length tokens fits a bucket. batch_size and required_props are
         kept as given and pair with the buckets by index (see the class docstring).
         """
-        _check(_is_int(min_prefill_length) and min_prefill_length >= 1, "min_prefill_length",
+        _check(is_int(min_prefill_length) and min_prefill_length >= 1, "min_prefill_length",
                min_prefill_length, "an integer >= 1")
-        _check(_is_int(max_prefill_length) and max_prefill_length >= min_prefill_length, "max_prefill_length",
+        _check(is_int(max_prefill_length) and max_prefill_length >= min_prefill_length, "max_prefill_length",
                max_prefill_length, f"an integer >= min_prefill_length ({min_prefill_length})")
         low, high = ((n - 1).bit_length() for n in (min_prefill_length, max_prefill_length))  # ceil(log2)
         lengths = [1 << e for e in range(low, high + 1)]
@@ -108,7 +102,7 @@ class PreCompileConfig:
     def bucket(self, prefill_length: int) -> int:
         """The smallest prefill bucket (over all scenarios) >= prefill_length; prefill_length itself when
         this config has no prefill_length. ValueError when it is not an integer >= 1 or fits no bucket."""
-        _check(_is_int(prefill_length) and prefill_length >= 1, "bucket() prefill_length", prefill_length,
+        _check(is_int(prefill_length) and prefill_length >= 1, "bucket() prefill_length", prefill_length,
                "an integer >= 1")
         if self.prefill_length is None:
             return prefill_length
@@ -119,29 +113,5 @@ class PreCompileConfig:
                          f"the largest is {buckets[-1]}")
 
     def extract(self) -> dict[str, Any]:
-        """The fields as a new dict (deep copies: editing it leaves the config unchanged)."""
-        return {name: copy.deepcopy(getattr(self, name)) for name in _FIELDS}
-
-    def to_dict(self) -> dict[str, Any]:
-        """Same as extract(): a JSON-able dict that from_dict() turns back into an equal config."""
-        return self.extract()
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PreCompileConfig:
-        """Build (and validate) a config from a dict; unknown keys raise ValueError."""
-        if unknown := sorted(set(data) - set(_FIELDS)):
-            raise ValueError(f"PreCompileConfig has no field(s) {unknown}; the fields are {list(_FIELDS)}")
-        return cls(**copy.deepcopy(dict(data)))
-
-    def to_json(self, **kwargs: Any) -> str:
-        """json.dumps(to_dict(), **kwargs)."""
-        return json.dumps(self.to_dict(), **kwargs)
-
-    @classmethod
-    def from_json(cls, text: str) -> PreCompileConfig:
-        """The inverse of to_json()."""
-        return cls.from_dict(json.loads(text))
-
-    def replace(self, **changes: Any) -> PreCompileConfig:
-        """A new, re-validated config with the given fields changed."""
-        return dataclasses.replace(self, **changes)
+        """The fields as a new dict (deep copies: editing it leaves the config unchanged): to_dict()."""
+        return self.to_dict()

@@ -1,6 +1,6 @@
 """SamplingParams: how one request is sampled, with vLLM's names, meanings and ranges.
 
-Follows the OpenAI completions API and vLLM (seed 004). Every field is validated at construction,
+Follows the OpenAI completions API and vLLM's SamplingParams. Every field is validated at construction,
 and a bad value raises a ValueError that names the field and its allowed range. Checks that need the
 model (token ids inside the vocabulary, prompt length against the context) happen in `LLM.generate`,
 before any work starts.
@@ -8,13 +8,18 @@ before any work starts.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from speculative.fields import DictRoundTrip, check, is_int, is_number
+
 if TYPE_CHECKING:
     from speculative.sampling.guided import GuidedDecodingParams
+
+_check = functools.partial(check, owner="SamplingParams")
 
 LogitsProcessor = Callable[..., Any]
 """vLLM's signatures: fn(output_token_ids, logits) or fn(prompt_token_ids, output_token_ids, logits),
@@ -22,7 +27,7 @@ with logits [vocab] for one position; returns the new logits [vocab]."""
 
 
 @dataclass
-class SamplingParams:
+class SamplingParams(DictRoundTrip):
     """Sampling parameters for one request (vLLM's fields; see each for its range).
 
     n: sequences returned for the prompt. >= 1.
@@ -91,40 +96,40 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
         self.logits_processors = list(self.logits_processors or [])
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n), "best_of",
+        _check(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(self.best_of is None or (is_int(self.best_of) and self.best_of >= self.n), "best_of",
                self.best_of, f"None or an integer >= n ({self.n})")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2.0 <= value <= 2.0, name, value, "in [-2, 2]")
-        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
+            _check(is_number(value) and -2.0 <= value <= 2.0, name, value, "in [-2, 2]")
+        _check(is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
                "repetition_penalty", self.repetition_penalty, "a finite number > 0")
-        _check(_is_number(self.temperature) and 0.0 <= self.temperature < math.inf,
+        _check(is_number(self.temperature) and 0.0 <= self.temperature < math.inf,
                "temperature", self.temperature, "a finite number >= 0")
-        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+        _check(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
                "top_k", self.top_k, "-1 (disabled) or an integer >= 1")
-        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
+        _check(is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        _check(self.seed is None or is_int(self.seed), "seed", self.seed, "an integer or None")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "a list of integers >= 0")
         _check(all(isinstance(w, str) and w for w in self.bad_words), "bad_words", self.bad_words,
                "a list of non-empty strings")
         for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "None or an integer >= 1")
         limit = "max_tokens" if self.max_tokens is None else f"max_tokens ({self.max_tokens})"
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or math.inf),
+        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or math.inf),
                "min_tokens", self.min_tokens, f"an integer in [0, {limit}]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value >= 0), name, value, "None or an integer >= 0")
+            _check(value is None or (is_int(value) and value >= 0), name, value, "None or an integer >= 0")
         _check(all(callable(f) for f in self.logits_processors), "logits_processors",
                self.logits_processors, "a list of callables")
-        _check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+        _check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
                                                        and self.truncate_prompt_tokens >= 1),
                "truncate_prompt_tokens", self.truncate_prompt_tokens, "None or an integer >= 1")
         if self.guided_decoding is not None:
@@ -132,13 +137,13 @@ class SamplingParams:
         _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                "guided_decoding", self.guided_decoding, "a GuidedDecodingParams or None")
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-            _is_int(t) and t >= 0 and _is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items())),
+            is_int(t) and t >= 0 and is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items())),
                "logit_bias", self.logit_bias, "a dict of token id (>= 0) -> finite bias")
         if self.logit_bias:
             self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
         _check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple))
                                                   and len(self.allowed_token_ids) > 0
-                                                  and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+                                                  and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
                "allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of integers >= 0")
         _check(not (self.stop and not self.detokenize), "stop", self.stop,
                "empty when detokenize is False (stop strings are matched in the text)")
@@ -175,7 +180,7 @@ class SamplingParams:
             data["guided_decoding"] = GuidedDecodingParams(**data["guided_decoding"])
         if data.get("logit_bias"):
             data["logit_bias"] = {int(t): b for t, b in data["logit_bias"].items()}
-        return cls(**data)
+        return super().from_dict(data)
 
     def token_ids_in_vocabulary(self, vocab_size: int) -> None:
         """Raise if a token id field names an id outside [0, vocab_size)."""
@@ -185,14 +190,3 @@ class SamplingParams:
             _check(not bad, name, bad[:5], f"token ids in [0, {vocab_size})")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check(ok: bool, name: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {allowed}; got {value!r}")

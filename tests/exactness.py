@@ -1,10 +1,10 @@
-"""Greedy exactness checks shared by tests: token-identical, or a proven near-tie (DESIGN.md section 7)."""
+"""Greedy exactness checks shared by tests: token-identical, or a proven near-tie (bench/exactness.py)."""
 
 from __future__ import annotations
 
 import torch
 
-NEAR_TIE = 1e-4
+from speculative.bench.exactness import compare
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
@@ -18,15 +18,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int |
 
 def assert_greedy_equal(model, prompt: list[int], got: list[int], expected: list[int]) -> None:
     """got must equal expected, except after a first difference where the target's two best logits
-    are within NEAR_TIE of each other and got picked one of them."""
-    if got == expected:
-        return
-    i = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-    assert i < min(len(got), len(expected)), f"lengths differ without a token difference: {got} vs {expected}"
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + expected[:i]])).logits[0, -1].double()
-    top2 = logits.topk(2)
-    gap = float(top2.values[0] - top2.values[1])
-    assert gap < NEAR_TIE and got[i] in top2.indices.tolist(), (
-        f"greedy output differs at token {i}: got {got[i]}, expected {expected[i]}; "
-        f"top-2 logit gap {gap:.3g} is no near-tie\n got      {got}\n expected {expected}")
+    are within NEAR_TIE of each other and got picked one of them (bench/exactness.py's rule)."""
+    verdict = compare(model, prompt, got, expected)
+    assert verdict != "different", f"greedy output differs, and not at a near-tie:\n got      {got}\n expected {expected}"

@@ -9,6 +9,8 @@ import torch
 from scipy.stats import chisquare
 
 from speculative.acceptance import (
+    AcceptanceRule,
+    GreedyAcceptance,
     RejectionSampler,
     TypicalAcceptanceSampler,
     greedy_accept,
@@ -463,3 +465,78 @@ def test_typical_constructor_range_errors(threshold, alpha, pattern):
 def test_typical_constructor_accepts_bounds():
     TypicalAcceptanceSampler(0.0, 0.0)
     TypicalAcceptanceSampler(1.0, 5.0, strict_mode=True)
+
+
+# ---- the AcceptanceRule protocol: what the engine is given -------------------------------------------
+
+def _strategy(temperatures: list[float], vocab: int, seed: int = 0):
+    from speculative.sampling import SampleStrategy
+    from speculative.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=t, seed=seed + row) for row, t in enumerate(temperatures)]
+    generators = [torch.Generator().manual_seed(seed + row) for row in range(len(params))]
+    return SampleStrategy(params, vocab, torch.device("cpu"), torch.Generator(), generators=generators)
+
+
+@pytest.mark.parametrize("rule", [GreedyAcceptance(), RejectionSampler(), TypicalAcceptanceSampler(0.09, 0.3)])
+def test_every_rule_is_an_acceptance_rule_with_the_output_layout(rule):
+    assert isinstance(rule, AcceptanceRule)
+    assert rule.lossless == (not isinstance(rule, TypicalAcceptanceSampler))
+    logits = torch.randn(3, 4, 11, generator=_gen(0))  # [B, k + 1, V]
+    drafts = torch.tensor([[1, 2, 3], [-1, -1, -1], [logits[2, 0].argmax().item(), 5, -1]])
+    out = rule.verify(logits, drafts, None, _strategy([0.0] * 3, 11), None)
+    assert out.shape == (3, 4) and out.dtype == I64
+    for row in out.tolist():  # accepted drafts, one more token, then -1
+        n = sum(t >= 0 for t in row)
+        assert n >= 1 and all(t >= 0 for t in row[:n]) and all(t == -1 for t in row[n:])
+
+
+def test_lossless_rules_on_a_greedy_batch_keep_the_drafts_equal_to_the_processed_argmax():
+    logits = torch.randn(2, 4, 9, generator=_gen(1))
+    argmax = logits.argmax(-1)  # [B, k + 1]
+    drafts = torch.stack([argmax[0, :3], torch.tensor([argmax[1, 0], (argmax[1, 1] + 1) % 9, argmax[1, 2]])])
+    want = greedy_accept(argmax, drafts)
+    assert want[1].tolist() == [argmax[1, 0].item(), argmax[1, 1].item(), -1, -1]
+    for rule in (GreedyAcceptance(), RejectionSampler()):
+        assert torch.equal(rule.verify(logits, drafts, None, _strategy([0.0, 0.0], 9), None), want)
+
+
+def test_greedy_acceptance_refuses_a_sampled_row():
+    with pytest.raises(ValueError, match="temperature 0"):
+        GreedyAcceptance().verify(torch.randn(1, 2, 5), torch.tensor([[1]]), None, _strategy([0.8], 5), None)
+
+
+def test_rejection_rule_draws_from_each_rows_own_generator():
+    """A row's draws come from its own generator (bonus, uniforms, noise in that order): the same
+    row alone or beside another gives the same tokens."""
+    logits = torch.randn(2, 4, 13, generator=_gen(2))
+    drafts = torch.randint(0, 13, (2, 3), generator=_gen(3))
+    draft_probs = torch.softmax(torch.randn(2, 3, 13, generator=_gen(4)), -1)
+    both = RejectionSampler().verify(logits, drafts, draft_probs, _strategy([1.0, 1.0], 13, seed=7), None)
+    alone = RejectionSampler().verify(logits[1:], drafts[1:], draft_probs[1:], _strategy([1.0], 13, seed=8), None)
+    assert torch.equal(both[1:], alone)
+
+
+def test_engine_takes_its_rule():
+    """The engine verifies through the rule it is given: greedy acceptance gives the default's tokens,
+    a rule that rejects every draft gives them too, one target token a step."""
+    from conftest import noisy_copy, tiny_model
+
+    from speculative import LLM, SamplingParams, SpeculativeConfig
+
+    class RejectAll:
+        lossless = True
+
+        def verify(self, logits, draft_token_ids, draft_probs, strategy, context):
+            first = strategy.argmax(logits[:, :1], context)  # [B, 1]: the target's own first token
+            return torch.cat([first, torch.full_like(draft_token_ids, -1)], dim=1)
+
+    target = tiny_model("llama")
+    llm = LLM(target, draft_model=noisy_copy(target, 0.02), speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = llm.generate([[3, 4, 5]], params)[0].outputs[0].token_ids
+    for rule in (GreedyAcceptance(), RejectAll()):
+        llm.engine.rule = rule
+        out = llm.generate([[3, 4, 5]], params)[0]
+        assert out.outputs[0].token_ids == want
+    assert out.metrics.num_accepted == 0 and out.metrics.num_steps == 11

@@ -11,12 +11,11 @@ from conftest import noisy_copy, tiny_model
 from torch._dynamo.utils import counters
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.models.base import decode
 from speculative.models.compiled import SPAN_MULTIPLE, CompiledCausalLM
-from speculative.inference import ModelInferencer
 from speculative.models.llama import NativeCausalLM
 from speculative.models.packed import STATIC_ROWS_MAX
 from speculative.precompile import PreCompileConfig
-from speculative.sampling import SampleStrategy
 
 # lengths 3 .. 70: spans of these prompts plus 24 tokens cross multiples of SPAN_MULTIPLE
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 5, [3, 4, 5] * 20 + [8] * 10]
@@ -97,7 +96,7 @@ def test_batch_one_verifications_have_a_graph_per_query_length_and_prefills_shar
 @pytest.mark.parametrize("query_tokens", [1, 2])
 def test_greedy_decode_is_one_call_and_equals_stepping(pair, query_tokens) -> None:
     """A draft's greedy steps from its query (1 token, or 2 after a whole block was kept): one compiled
-    call, the tokens and logits of a prefill of the query and one-token steps."""
+    call, the tokens and logits of the eager model's forward of the query and one-token steps."""
     target, _ = pair
     native = NativeCausalLM.from_hf(target)
     compiled = CompiledCausalLM(native)
@@ -109,16 +108,10 @@ def test_greedy_decode_is_one_call_and_equals_stepping(pair, query_tokens) -> No
     for cache in (eager_cache, compiled_cache):  # all but each row's last tokens, which the query feeds
         native.forward(ids, cache, num_tokens=lengths - query_tokens)
     query = ids.gather(1, lengths[:, None] - query_tokens + torch.arange(query_tokens))
-    strategy = SampleStrategy.greedy(2, native.vocab_size)
-    first = ModelInferencer(native).prefill(query, eager_cache, strategy, all_logits=False)
-    rest = ModelInferencer(native).decode(first.token_ids, eager_cache, 5, strategy)  # crosses a multiple
-    calls = []
-    greedy_decode = compiled.greedy_decode
-    compiled.greedy_decode = lambda *args: calls.append(args[2]) or greedy_decode(*args)
-    got = ModelInferencer(compiled).decode(query, compiled_cache, 6, strategy)
-    assert calls == [6]
-    assert torch.equal(got.token_ids, torch.cat([first.token_ids, rest.token_ids], dim=1))
-    assert (got.token_logits - torch.cat([first.token_logits, rest.token_logits], dim=1)).abs().max() < 1e-5
+    want_ids, want_logits = decode(native, query, eager_cache, 6)  # crosses a multiple
+    got_ids, got_logits = compiled.greedy_decode(query, compiled_cache, 6)
+    assert torch.equal(got_ids, want_ids)
+    assert (got_logits - want_logits).abs().max() < 1e-5
     assert torch.equal(compiled_cache.lengths, eager_cache.lengths)
     assert compiled_cache.lengths.tolist() == (lengths + 5).tolist()
 

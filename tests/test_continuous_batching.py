@@ -50,7 +50,7 @@ def test_rows_admitted_mid_run_give_their_tokens_alone(setup: str) -> None:
     engine.step()
     engine.add(sequences[3])
     steps = 0
-    while engine.requests:
+    while engine.sequences:
         engine.step()
         steps += 1
         assert steps < 100
@@ -69,8 +69,8 @@ def test_aborted_rows_leave_and_the_rest_are_unchanged(setup: str) -> None:
     engine.add(first + kept)
     engine.step()
     engine.abort(first)
-    assert engine.requests == kept
-    while engine.requests:
+    assert engine.sequences == kept
+    while engine.sequences:
         engine.step()
     assert first[0].finish_reason == "abort" and kept[0].output_token_ids == expected[0]
 
@@ -88,7 +88,7 @@ def test_a_row_whose_processor_raises_fails_alone() -> None:
     good = llm.make_sequences(PROMPTS[0], _params()[0], 0)
     bad = llm.make_sequences(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20, logits_processors=[broken]), 1)
     engine.add(good + bad)
-    while engine.requests:
+    while engine.sequences:
         engine.step()
     assert bad[0].finish_reason == "error" and "processor exploded" in bad[0].error
     assert good[0].output_token_ids == expected[0]

@@ -1,4 +1,4 @@
-"""The seeds' contracts: Inferencer, Drafter, KV caches, proposers; and rows leaving the batch."""
+"""The public contracts: Inferencer, Drafter, KV caches, proposers; and rows leaving the batch."""
 
 from __future__ import annotations
 

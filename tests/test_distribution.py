@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_model
 from scipy.stats import chi2
 
-import speculative.engine.engine as engine_module
+import speculative.acceptance.rejection as rejection_module
 from speculative import LLM, SamplingParams, SpeculativeConfig
 
 VOCAB = 8
@@ -89,7 +89,7 @@ def test_speculative_sampling_matches_target(pair, temperature, top_k, k) -> Non
 @pytest.mark.parametrize("temperature,top_k,k", CASES)
 def test_broken_sampler_fails(pair, monkeypatch, temperature, top_k, k) -> None:
     target, draft = pair
-    monkeypatch.setattr(engine_module, "rejection_sample", accept_every_draft)
+    monkeypatch.setattr(rejection_module, "rejection_sample", accept_every_draft)
     prompt = [2, 3, 4, 5]
     llm = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=k), seed=11)
     params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=LENGTH, ignore_eos=True)

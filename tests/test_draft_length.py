@@ -95,7 +95,7 @@ def test_greedy_is_exact_whatever_k_each_step_has(method: str) -> None:
     for _ in range(3):
         engine.step()
     engine.add(sequences[1] + sequences[2])
-    while engine.requests:
+    while engine.sequences:
         engine.step()
     assert [g[0].output_token_ids for g in sequences] == expected
 

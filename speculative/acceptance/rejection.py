@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from speculative.sampling import SampleStrategy
+from speculative.sampling.context import TokenContext
+
 from ._checks import check_sampler_inputs
-from .greedy import assemble_output, count_accepted
+from .greedy import assemble_output, count_accepted, greedy_accept
 
 # Smallest Exp(1) sample we allow: keeps residual / noise finite.
 _MIN_NOISE = 1e-10
@@ -84,15 +87,32 @@ def rejection_sample(
 
 
 class RejectionSampler(torch.nn.Module):
-    """Module wrapper around :func:`rejection_sample` that draws missing randomness.
+    """Lossless acceptance: :func:`rejection_sample` as a module (vLLM's interface, `forward`) and
+    as the engine's AcceptanceRule (`verify`).
 
     ``strict_mode=True`` validates shapes, dtypes, device, id ranges and probability
     values on every call (this synchronises with the device).
     """
 
+    lossless = True
+
     def __init__(self, strict_mode: bool = False) -> None:
         super().__init__()
         self.strict_mode = strict_mode
+
+    def verify(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+               strategy: SampleStrategy, context: TokenContext | None) -> torch.Tensor:  # [B, k+1]
+        """AcceptanceRule.verify: q_i is each row's processed distribution at position i. A greedy
+        batch is the temperature-0 case, greedy acceptance on the processed argmax. Otherwise the
+        bonus is drawn from q_{k+1}, then the uniforms and the recovery noise, all from each row's
+        own generator (in that order)."""
+        if strategy.all_greedy:
+            return greedy_accept(strategy.argmax(logits, context), draft_token_ids)
+        k, vocab = draft_token_ids.shape[1], logits.shape[-1]
+        target_probs = strategy.probs(logits, context)  # [B, k + 1, V]
+        bonus = strategy.sample(target_probs[:, -1])[:, None]  # [B, 1]
+        return rejection_sample(target_probs[:, :k], bonus, draft_probs, draft_token_ids,
+                                strategy.random.uniform(k), strategy.random.exponential(vocab))
 
     def forward(
         self,

@@ -8,8 +8,33 @@ from __future__ import annotations
 
 import torch
 
+from speculative.sampling import SampleStrategy
+from speculative.sampling.context import TokenContext
+
 from ._checks import check_sampler_inputs
 from .greedy import assemble_output, count_accepted
+
+
+def typical_accept(
+    target_with_bonus_probs: torch.Tensor,  # [B, k+1, V]
+    bonus_token_ids: torch.Tensor,  # [B, 1] int64
+    draft_token_ids: torch.Tensor,  # [B, k] int64, -1 = no draft
+    posterior_threshold: float,
+    posterior_alpha: float,
+) -> torch.Tensor:  # [B, k+1] int64
+    """Typical acceptance (see TypicalAcceptanceSampler): accepted drafts, then argmax q at the first
+    rejection (or the bonus when all k were accepted), then -1 padding. Deterministic, not lossless."""
+    k = draft_token_ids.shape[1]
+    target_probs = target_with_bonus_probs[:, :k]  # [B, k, V]
+    valid = draft_token_ids >= 0  # [B, k]
+    q_x = target_probs.gather(-1, draft_token_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, k]
+    entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(dim=-1)  # [B, k]
+    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # [B, k]
+    num_accepted = count_accepted(valid & (q_x > threshold))  # [B, 1]
+    recovered = target_probs.max(dim=-1).indices  # [B, k], the first argmax
+    candidates = torch.cat([recovered, bonus_token_ids.to(torch.int64)], dim=1)  # [B, k+1]
+    next_ids = candidates.gather(1, num_accepted)  # [B, 1]
+    return assemble_output(draft_token_ids, num_accepted, next_ids)
 
 
 class TypicalAcceptanceSampler(torch.nn.Module):
@@ -27,7 +52,10 @@ class TypicalAcceptanceSampler(torch.nn.Module):
 
     This rule is NOT lossless: emitted text is not distributed as sampling from the
     target model. It is deterministic given the drafts (no randomness is drawn).
+    `forward` is vLLM's interface; `verify` the engine's AcceptanceRule.
     """
+
+    lossless = False
 
     def __init__(
         self, posterior_threshold: float, posterior_alpha: float, strict_mode: bool = False
@@ -56,17 +84,13 @@ class TypicalAcceptanceSampler(torch.nn.Module):
             check_sampler_inputs(
                 target_with_bonus_probs, bonus_token_ids, draft_probs, draft_token_ids
             )
-        k = draft_token_ids.shape[1]
-        target_probs = target_with_bonus_probs[:, :k]  # [B, k, V]
-        valid = draft_token_ids >= 0  # [B, k]
-        q_x = target_probs.gather(-1, draft_token_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(dim=-1)  # [B, k]
-        threshold = torch.clamp(
-            self.posterior_alpha * torch.exp(-entropy), max=self.posterior_threshold
-        )  # [B, k]
-        num_accepted = count_accepted(valid & (q_x > threshold))  # [B, 1]
+        return typical_accept(target_with_bonus_probs, bonus_token_ids, draft_token_ids,
+                              self.posterior_threshold, self.posterior_alpha)
 
-        recovered = target_probs.max(dim=-1).indices  # [B, k], the first argmax
-        candidates = torch.cat([recovered, bonus_token_ids.to(torch.int64)], dim=1)  # [B, k+1]
-        next_ids = candidates.gather(1, num_accepted)  # [B, 1]
-        return assemble_output(draft_token_ids, num_accepted, next_ids)
+    def verify(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+               strategy: SampleStrategy, context: TokenContext | None) -> torch.Tensor:  # [B, k+1]
+        """AcceptanceRule.verify: q_i is each row's processed distribution; the bonus is drawn from
+        q_{k+1} with the row's own generator."""
+        target_probs = strategy.probs(logits, context)  # [B, k + 1, V]
+        bonus = strategy.sample(target_probs[:, -1])[:, None]  # [B, 1]
+        return self.forward(target_probs, bonus, draft_probs, draft_token_ids)

@@ -2,8 +2,8 @@
 
 prompts.py  prompt sets (JSONL, Spec-Bench) and the bundled sets cut from the demo corpus
 methods.py  the decoding methods under test behind one `generate(prompts)` call
-timing.py   step times (T_1, T_v, T_d) and the speed bound of DESIGN.md section 4
-clock.py    the step times the runs paid: their own forwards and draftings, clocked
+timing.py   the speed bound E * T_1 / (k * T_d + T_v) and the efficiency against it
+clock.py    the step times the runs paid: our engine's step records, hooks on HF's models
 exactness.py  token-identity to the target's greedy output, near-ties proven
 measure.py  interleaved runs: the side-by-side table of a prompt set, the k and batch sweeps
 run.py      the configuration, the loaded pair, the methods and the order of the measurements

@@ -1,8 +1,8 @@
-"""Greedy exactness of a method's output against the target's own greedy output (DESIGN.md section 7).
+"""Greedy exactness of a method's output against the target's own greedy output.
 
 An output is identical when it equals the reference token for token, or when, at the first difference,
 the target's two best logits are within NEAR_TIE of each other and the output picked one of them (a
-float near-tie that another kernel may break the other way; tests/exactness.py applies the same rule).
+float near-tie that another kernel may break the other way). The tests hold outputs to the same rule.
 """
 
 from __future__ import annotations

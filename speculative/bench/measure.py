@@ -89,8 +89,8 @@ def engine_timings(runs: list[list[Generation]], tokens: list[int]) -> dict:
 def run_times(method: Method, runs: list[list[Generation]], baseline_runs: list[list[Generation]]) -> dict:
     """The step times of the bound as a method's runs paid them (clock.py): T_v and T_d from its own
     runs, T_1 from its engine's plain decoding's runs."""
-    own = run_step_times([g.calls for repeats in runs for g in repeats], method.k)
-    plain = run_step_times([g.calls for repeats in baseline_runs for g in repeats], 0)
+    own = run_step_times([g.calls for repeats in runs for g in repeats if g.calls is not None], method.k)
+    plain = run_step_times([g.calls for repeats in baseline_runs for g in repeats if g.calls is not None], 0)
     return {**own, "T_1": plain["T_1"]}
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculative.bench.clock import CallTimes, hf_recording, recording
+from speculative.bench.clock import CallTimes, hf_recording
 from speculative.bench.timing import synchronize
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
@@ -28,7 +28,7 @@ class Generation:
     num_steps: target forward passes: after the prefill (ours, vLLM v1's meaning), every call (HF).
     num_accepted: draft tokens kept; num_drafted: draft tokens proposed (None where unknown: HF).
     accepted_per_position / drafted_per_position: the same at draft positions 1..k (ours only).
-    calls: the wall times of the call's decoding forwards and draftings (clock.py; None off CPU).
+    calls: the times of the call's decoding forwards and draftings (clock.py; None for other engines).
     prefill_seconds / decode_seconds: the engine's own split of the call, where it reports one
     (llama.cpp: prompt_ms / predicted_ms); None otherwise.
     """
@@ -72,7 +72,7 @@ class OursMethod(Method):
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        with recording(self.llm) as calls:
+        with self.llm.engine.recording_steps() as steps:
             synchronize(self.llm.device)
             start = time.perf_counter()
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
@@ -83,7 +83,8 @@ class OursMethod(Method):
             [o.outputs[0].token_ids for o in outputs], seconds, sum(m.num_steps for m in metrics),
             sum(m.num_accepted for m in metrics), sum(m.num_drafted for m in metrics),
             [sum(c) for c in zip(*(m.accepted_per_position for m in metrics))] if self.k else [],
-            [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [], calls)
+            [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [],
+            CallTimes.from_steps(steps))
 
 
 @dataclass

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 METHOD_COLUMNS = ["method", "tok/s", "vs HF", "vs ours AR", "accept", "alpha", "mean len", "bound", "effic.",
-                  "effic. (timer)", "identical (ties)"]
-K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "effic. (timer)", "accept", "alpha", "mean len"]
+                  "identical (ties)"]
+K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "accept", "alpha", "mean len"]
 BATCH_COLUMNS = ["batch", "method", "tok/s", "identical (ties)"]
 
 
@@ -43,7 +43,7 @@ def method_rows(methods: dict) -> list[list[str]]:
     return [[e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"])]
             + ([_num(e.get("speedup_vs_llamacpp"))] if llamacpp else [])
             + [_num(e["acceptance_rate"]), _num(e["alpha"]), _num(e["mean_accepted_length"]), _num(e["bound"]),
-               _num(e["efficiency"]), _num(e.get("efficiency_timer")), _identical(e)]
+               _num(e["efficiency"]), _identical(e)]
             for e in methods.values() if e["status"] == "ok"]
 
 
@@ -82,7 +82,7 @@ def skipped_lines(methods: dict) -> list[str]:
 def k_rows(points: list[dict]) -> list[list[str]]:
     """One row per k of a k sweep."""
     return [[str(p["k"]), _num(p["speedup_vs_ours_ar"]), _num(p["bound"]), _num(p["efficiency"]),
-             _num(p.get("efficiency_timer")), _num(p["acceptance_rate"]), _num(p["alpha"]), _num(p["mean_accepted_length"])] for p in points]
+             _num(p["acceptance_rate"]), _num(p["alpha"]), _num(p["mean_accepted_length"])] for p in points]
 
 
 def batch_rows(rows: list[dict]) -> list[list[str]]:
@@ -95,29 +95,9 @@ def run_times_line(methods: dict) -> str:
     def ms(value) -> str:
         return "n/a" if value is None else f"{value * 1e3:.2f}"
 
-    parts = [f"{e['label']}: T_1 {ms(e['T_1'])}"
-             + (f", T_v {ms(e['T_v'])}, T_d {ms(e['T_d'])}" if e["drafter"] else "") + f" ({e['step_times']})"
-             for e in methods.values() if e["status"] == "ok" and e.get("step_times") and not e.get("adaptive")]
-    return "bound's step times, ms (runs: means of the runs' own calls; timer: StepTimer): " + "; ".join(parts)
-
-
-def step_times_line(times: dict, k: int) -> str:
-    """T_1, T_v, T_d and the n-gram proposal time, in milliseconds."""
-    t_d = "n/a" if times["t_d"] is None else f"{times['t_d'] * 1e3:.2f} ms"
-    return (f"step times (batch 1, cache of {times['context']} tokens, medians): T_1 {times['t_1'] * 1e3:.2f} ms, "
-            f"T_v(k={k}) {times['t_v'][k] * 1e3:.2f} ms, T_d {t_d}, "
-            f"n-gram proposal of {k} tokens {times['t_ngram'][k] * 1e3:.3f} ms")
-
-
-def _normalized(results: dict) -> dict:
-    """The results with int keys of T_v / n-gram times (JSON turns them into strings)."""
-    normalized = dict(results)
-    for key in ("step_times", "step_times_compiled"):
-        if key in results:
-            times = results[key]
-            normalized[key] = {**times, "t_v": {int(k): v for k, v in times["t_v"].items()},
-                               "t_ngram": {int(k): v for k, v in times["t_ngram"].items()}}
-    return normalized
+    parts = [f"{e['label']}: T_1 {ms(e['T_1'])}" + (f", T_v {ms(e['T_v'])}, T_d {ms(e['T_d'])}" if e["drafter"] else "")
+             for e in methods.values() if e["status"] == "ok" and e.get("bound") is not None]
+    return "bound's step times, ms (means of the runs' own calls): " + "; ".join(parts)
 
 
 def _rich_table(title: str, columns: list[str], rows: list[list[str]], caption: str | None = None) -> Table:
@@ -131,7 +111,6 @@ def _rich_table(title: str, columns: list[str], rows: list[list[str]], caption: 
 
 def print_tables(results: dict, console: Console) -> None:
     """The side-by-side tables, the sweeps and the step times on the terminal."""
-    results = _normalized(results)
     config = results["config"]
     for name, data in results["sets"].items():
         title = (f"{name}: {data['num_prompts']} prompts, {config['max_tokens']} tokens each, greedy, "
@@ -143,9 +122,6 @@ def print_tables(results: dict, console: Console) -> None:
                                                                               data["methods"])):
             if line:
                 console.print(line)
-    console.print(step_times_line(results["step_times"], config["k"]))
-    if "step_times_compiled" in results:
-        console.print("compiled " + step_times_line(results["step_times_compiled"], config["k"]))
     for name, sweeps in results["sweeps"]["k"].items():
         for drafter, points in sweeps.items():
             console.print(_rich_table(f"{name}: ours, {drafter}, speedup over ours AR against k", K_COLUMNS,
@@ -163,7 +139,6 @@ def _markdown_table(columns: list[str], rows: list[list[str]]) -> str:
 
 def markdown(results: dict, plots: list[str]) -> str:
     """report.md: what was run, on what, the tables, the plots and the notes."""
-    results = _normalized(results)
     config, m = results["config"], results["machine"]
     parts = [
         "# speculative bench",
@@ -181,8 +156,7 @@ def markdown(results: dict, plots: list[str]) -> str:
         "equals the measured mean accepted length (tokens per target step); bound = E * T_1 / (k * T_d + T_v), the speedup a drafter of per-token acceptance a reaches when a step costs k drafts and one verification, with a = alpha and "
         "the step times that the runs paid (means of the runs' own target forwards and draftings, T_1 from the "
         "engine's plain decoding; the line under each table gives them); efficiency = speedup over the engine's "
-        "own plain decoding (ours: ours AR; HF: HF generate) / bound; efficiency (timer): the same with "
-        "StepTimer's step times (section Step times) as a cross-check; "
+        "own plain decoding (ours: ours AR; HF: HF generate) / bound; "
         "identical: fraction of outputs token-identical to HF generate's greedy output, proven near-ties (top-2 "
         "logits within 1e-4 at the first difference) counted as identical, their number in brackets.",
     ]
@@ -195,9 +169,6 @@ def markdown(results: dict, plots: list[str]) -> str:
         skipped = skipped_lines(data["methods"])
         if skipped:
             parts.append("\n".join(f"- {line}" for line in skipped))
-    parts += ["## Step times (StepTimer)", step_times_line(results["step_times"], config["k"]) + "."]
-    if "step_times_compiled" in results:
-        parts += ["Compiled: " + step_times_line(results["step_times_compiled"], config["k"]) + "."]
     for name, sweeps in results["sweeps"]["k"].items():
         for drafter, points in sweeps.items():
             parts += [f"## k sweep: {name}, {drafter} ({config['sweep_prompts']} prompts)",

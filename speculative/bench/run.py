@@ -1,17 +1,15 @@
 """The benchmark run: configuration, the loaded pair, the methods, and the order of the measurements.
 
-DESIGN.md section 7: one process, same prompts and pair, warm-up discarded, runs interleaved, medians
-(measure.py). A speculative method's speed bound uses its measured tokens per step and the step times
-its runs paid (clock.py; StepTimer's, timing.py, off CPU and as a cross-check); its efficiency divides
-its speedup over its own engine's plain decoding (ours: our baseline; HF: HF `generate`) by that bound.
+One process, the same prompts and pair for every method, a warm-up run discarded, runs interleaved,
+medians (measure.py). A speculative method's speed bound (timing.py) uses its measured tokens per step
+and the step times its runs paid (clock.py); its efficiency divides its speedup over its own engine's
+plain decoding (ours: our baseline; HF: HF `generate`) by that bound.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -45,7 +43,7 @@ from speculative.bench.methods import (
 from speculative.bench.plots import write_plots
 from speculative.bench.prompts import BUNDLED_DIR, encode, load_jsonl
 from speculative.bench.report import print_tables, write_outputs
-from speculative.bench.timing import StepTimer, bound_figures
+from speculative.bench.timing import bound_figures
 from speculative.config import SpeculativeConfig
 from speculative.demo import DEMO_DIR
 from speculative.demo.model_card import machine
@@ -53,7 +51,6 @@ from speculative.llm import LLM
 from speculative.models.compiled import CompiledCausalLM, warm_up_pair
 from speculative.models.dtypes import cpu_features
 from speculative.precompile import PreCompileConfig
-from speculative.proposers import NgramProposer
 
 
 @dataclass
@@ -65,8 +62,7 @@ class BenchConfig:
     k: drafts per step of the side-by-side comparison; sweep_k: the k of the k sweep.
     batch_sizes: the batch-size sweep. max_tokens: tokens generated per prompt (EOS ignored).
     num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
-    repeats: timed runs per prompt and method; timing_repeats: rounds of the step-time loops, half before
-        and half after the runs, plus one after each prompt of the side-by-side runs.
+    repeats: timed runs per prompt and method.
     dtype / draft_dtype: the models' dtypes, ours and Hugging Face's alike (draft_dtype None: dtype).
     compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and every
         drafter's method at k; their graphs are compiled while the pair loads.
@@ -85,7 +81,6 @@ class BenchConfig:
     num_prompts: int | None = 12
     sweep_prompts: int = 4
     repeats: int = 1
-    timing_repeats: int = 20
     dtype: str = "float32"
     draft_dtype: str | None = None
     device: str = "cpu"
@@ -100,7 +95,7 @@ class BenchConfig:
         """The CI smoke test's settings: 2 prompts a set, 24 tokens, k sweep [1, k] on 1 prompt, batch
         sizes 1 and 2, 1 repeat."""
         return BenchConfig(**{**asdict(self), "sweep_k": [1, self.k], "batch_sizes": [1, 2], "max_tokens": 24,
-                              "num_prompts": 2, "sweep_prompts": 1, "repeats": 1, "timing_repeats": 5})
+                              "num_prompts": 2, "sweep_prompts": 1, "repeats": 1})
 
 
 class Pair:
@@ -190,11 +185,11 @@ NOTES = [
     "The bound's a is alpha, the per-token acceptance whose E = (1 - a^(k+1)) / (1 - a) equals the measured "
     "tokens per step; accepted / drafted (the acceptance rate column) counts drafts after a rejection as "
     "rejected and would understate E and the bound.",
-    "The bound's T_1, T_v and T_d are means over the runs' own calls (bench/clock.py): T_1 over the one-token "
-    "forwards of the engine's plain decoding, T_v over the method's verifications of k + 1 tokens, T_d its "
-    "drafting time per drafted token (HF prompt lookup's proposals are not clocked: StepTimer's). What keeps "
-    "an efficiency below 1 is then the engine's own work around those calls, and the prefill. Efficiency "
-    "(timer) is the same with StepTimer's step times, taken in loops of their own at one context length.",
+    "The bound's T_1, T_v and T_d are means over the runs' own calls (bench/clock.py: our engine's step "
+    "records, forward hooks on HF's models): T_1 over the one-token forwards of the engine's plain decoding, "
+    "T_v over the method's verifications of k + 1 tokens, T_d its drafting time per drafted token (HF prompt "
+    "lookup's proposals are not clocked: T_d = 0, an upper bound). What keeps an efficiency below 1 is then "
+    "the engine's own work around those calls, and the prefill.",
     "HF assisted generation and prompt lookup take batch 1 only: the batch sweep leaves them out.",
     "Ours n-gram verifies only what it proposed (a plain step where no row has a match) in greedy batches, "
     "which the bound, at T_v(k) for every step, does not count: its efficiency can exceed 1.",
@@ -280,7 +275,7 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     if config.compile:
         notes.append("Compiled methods (torch.compile of the native forward) share the eager models' weights; "
                      "every graph they use was compiled while the pair loaded. Their speedups are against the "
-                     "eager ours AR; their bound and efficiency use ours AR, compiled, and the compiled step times.")
+                     "eager ours AR; their bound and efficiency use ours AR, compiled, and their own step times.")
     ks = sorted(set(config.sweep_k) | {config.k})
     limits = [m.max_length for m in (pair.target, pair.draft) if m is not None]
     max_prompt = min(limits) - config.max_tokens - max(ks) - 2
@@ -289,14 +284,6 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
                          f"context of {min(limits)} tokens")
     sets = load_sets(config, pair.tokenizer, max_prompt, notes)
     names = list(sets)
-    context = int(statistics.median(len(p) for p in sets[names[0]])) + config.max_tokens // 2
-    proposer = NgramProposer(SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max)
-    timers = {"ours": StepTimer(pair.target, pair.draft, proposer, sets[names[0]][0], context, ks, config.seed)}
-    if config.compile:
-        timers["ours_compiled"] = StepTimer(pair.compiled_target, pair.compiled_draft, proposer, sets[names[0]][0],
-                                            context, ks, config.seed)
-    for timer in timers.values():
-        timer.sample(config.timing_repeats // 2)
     methods, skipped = build_methods(pair, servers)
     llama_cpp = None
     if any(m.engine == "llama.cpp" for m in methods):
@@ -308,22 +295,13 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
                      "llama_cpp": llama_cpp},
                      "memory_bound": memory_bound(weight_bytes(pair.hf_target), copy_bandwidth(pair.device)),
                      "sets": {}, "sweeps": {"k": {}}, "notes": notes,
-                     "seconds": {"loading and first step times": time.perf_counter() - clock}}
+                     "seconds": {"loading": time.perf_counter() - clock}}
     seconds = results["seconds"]
     references, runs = {}, {}
-    done = Counter()
-
-    def advance_and_time(phase: str, total: int) -> None:  # a round of step times after each prompt
-        advance(phase, total)
-        done[phase] += 1
-        if done[phase] % len(methods) == 0:
-            for timer in timers.values():
-                timer.sample(1)
-
     for name, prompts in sets.items():  # one warm-up per method, before its first timed run
         phase = f"{name}: methods side by side"
         with stopwatch(seconds, phase):
-            table, references[name], runs[name] = compare_methods(pair, methods, prompts, advance_and_time,
+            table, references[name], runs[name] = compare_methods(pair, methods, prompts, advance,
                                                                   phase, warmup=name == names[0])
         table.update({m: {**entry, "status": "skipped"} for m, entry in skipped.items()})
         results["sets"][name] = {"num_prompts": len(prompts), "methods": table}
@@ -340,24 +318,17 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
         results["sweeps"]["batch"] = sweep_batch(pair, batch_methods, sets[names[0]], references[names[0]],
                                                  runs[names[0]], advance, phase)
     results["sweeps"]["batch_set"] = names[0]
-    for timer in timers.values():
-        timer.sample(config.timing_repeats - config.timing_repeats // 2)
-    times = {engine: timer.times() for engine, timer in timers.items()}
-    results["step_times"] = asdict(times["ours"])
-    if config.compile:
-        results["step_times_compiled"] = asdict(times["ours_compiled"])
     entries = [e for data in results["sets"].values() for e in data["methods"].values() if e["status"] == "ok"]
     entries += [p for sweeps in results["sweeps"]["k"].values() for points in sweeps.values() for p in points]
     for entry in entries:
-        own = times.get(entry.get("engine"), times["ours"])  # HF's bound: our eager step times
         own_speedup, run_times = entry.pop("own_speedup"), entry.pop("run_times")
         if entry.get("engine") == "llama.cpp":  # its step times are not clocked: no bound
             entry.update(T_1=None, T_v=None, T_d=None, bound=None, efficiency=None)
             continue
         if entry.get("adaptive"):  # no single k: no bound, and alpha is not a per-token acceptance at k
-            entry.update(T_1=own.t_1, T_v=None, T_d=None, bound=None, efficiency=None, alpha=None)
+            entry.update(T_1=run_times["T_1"], T_v=None, T_d=None, bound=None, efficiency=None, alpha=None)
             continue
-        entry.update(bound_figures(entry["drafter"], entry["k"], entry["alpha"], own_speedup, own, run_times))
+        entry.update(bound_figures(entry["drafter"], entry["k"], entry["alpha"], own_speedup, run_times))
     results["seconds"]["total"] = time.perf_counter() - clock
     return results
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 
 import torch
 from torch import Tensor
 
-from speculative.engine.request import Request
+from speculative.engine.sequence import Sequence
 from speculative.kv_cache import KVCache
 from speculative.proposers.base import Proposer
 from speculative.sampling import SampleStrategy
@@ -21,7 +21,7 @@ PREFILL_PADDING = 16
 MAX_PREFILL_GROUPS = 8
 
 
-def prefill_groups(lengths: Sequence[int]) -> list[list[int]]:
+def prefill_groups(lengths: Seq[int]) -> list[list[int]]:
     """The rows (indices into `lengths`, the prompts' lengths) of each prefill forward, longest first:
     rows of similar lengths share a forward, right-padded to the longest of them, so that little
     compute goes to padding (module constants)."""
@@ -45,32 +45,32 @@ class Batch:
     host_lengths mirrors lengths on the host, host_stop_ids stop_ids (a set per row).
     """
 
-    def __init__(self, requests: list[Request], eos_token_ids: list[int], k: int, vocab_size: int,
+    def __init__(self, sequences: list[Sequence], eos_token_ids: list[int], k: int, vocab_size: int,
                  device: torch.device, generator: torch.Generator) -> None:
-        self.requests = list(requests)
+        self.sequences = list(sequences)
         self.eos_token_ids = list(eos_token_ids)
-        for r in requests:
-            if len(r.metrics.drafted_per_position) != k:
-                r.metrics.drafted_per_position = [0] * k
-                r.metrics.accepted_per_position = [0] * k
-        contexts = [r.prompt_token_ids + r.output_token_ids for r in requests]
+        for s in sequences:
+            if len(s.metrics.drafted_per_position) != k:
+                s.metrics.drafted_per_position = [0] * k
+                s.metrics.accepted_per_position = [0] * k
+        contexts = [s.prompt_token_ids + s.output_token_ids for s in sequences]
         self.host_lengths = [len(c) for c in contexts]
-        self.capacity = max(len(r.prompt_token_ids) + r.max_tokens for r in requests) + k + 1
-        self.tokens = torch.zeros(len(requests), self.capacity + k + 1, dtype=torch.long, device=device)
+        self.capacity = max(len(s.prompt_token_ids) + s.max_tokens for s in sequences) + k + 1
+        self.tokens = torch.zeros(len(sequences), self.capacity + k + 1, dtype=torch.long, device=device)
         for row, context in enumerate(contexts):
             self.tokens[row, : len(context)] = torch.tensor(context)
         self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=device)
-        self.prompt_lengths = torch.tensor([len(r.prompt_token_ids) for r in requests], dtype=torch.long,
+        self.prompt_lengths = torch.tensor([len(s.prompt_token_ids) for s in sequences], dtype=torch.long,
                                            device=device)
-        stops = [sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(eos_token_ids)))
-                 for r in requests]
+        stops = [sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(eos_token_ids)))
+                 for s in sequences]
         width = max(1, max(len(s) for s in stops))
         self.stop_ids = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=device)
         self.host_stop_ids = [frozenset(s) for s in stops]
-        self.strategy = SampleStrategy([r.params for r in requests], vocab_size, device, generator,
-                                       generators=[r.generator for r in requests], stop_ids=self.stop_ids,
-                                       bad_words=[r.bad_words_token_ids for r in requests],
-                                       guides=[r.guide for r in requests])
+        self.strategy = SampleStrategy([s.params for s in sequences], vocab_size, device, generator,
+                                       generators=[s.generator for s in sequences], stop_ids=self.stop_ids,
+                                       bad_words=[s.bad_words_token_ids for s in sequences],
+                                       guides=[s.guide for s in sequences])
 
     def context(self, block: Tensor | None = None) -> TokenContext | None:
         """The TokenContext of a forward whose positions are separated by `block` [B, q - 1] (None:
@@ -78,12 +78,12 @@ class Batch:
         if not self.strategy.needs_context:
             return None
         if block is None:
-            block = self.tokens.new_empty((len(self.requests), 0))
+            block = self.tokens.new_empty((len(self.sequences), 0))
         return TokenContext(self.tokens, self.lengths, self.prompt_lengths, block, self.strategy.vocab_size)
 
     def append(self, other: Batch) -> None:
         """Add `other`'s rows (same k, vocabulary and device) after these; caches are the caller's."""
-        self.requests += other.requests
+        self.sequences += other.sequences
         self.host_lengths += other.host_lengths
         self.host_stop_ids += other.host_stop_ids
         self.eos_token_ids += [t for t in other.eos_token_ids if t not in self.eos_token_ids]
@@ -97,7 +97,7 @@ class Batch:
 
     def select(self, rows: list[int], caches: list[KVCache], proposer: Proposer | None) -> None:
         """Keep only `rows` (host indices, repeats allowed: a repeated row is copied) everywhere."""
-        self.requests = [self.requests[i] for i in rows]
+        self.sequences = [self.sequences[i] for i in rows]
         self.host_lengths = [self.host_lengths[i] for i in rows]
         self.host_stop_ids = [self.host_stop_ids[i] for i in rows]
         self.strategy.select_rows(rows)

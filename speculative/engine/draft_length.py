@@ -1,8 +1,8 @@
 """Adaptive draft length: the k of each step, from measured acceptance and measured step times.
 
 With c_i the chance that draft i is accepted once drafts 1..i-1 were (measured per position), a step
-that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (DESIGN.md
-section 4's bound, with a per-position acceptance). It costs t_B(k), measured for the batch size B:
+that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (Leviathan et
+al. 2023's expected tokens per step, with a per-position acceptance). It costs t_B(k), measured for the batch size B:
 the whole step's wall time (drafting, verification, acceptance, the host sync), an exponential moving
 average for each k tried, the line through them for k not tried. The step drafts
 k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculation switched off for

@@ -1,20 +1,25 @@
 """The speculative step loop over a batch of sequences.
 
-One step, for all active rows at once (B rows, k draft tokens, V vocabulary):
+One step (`Engine.step`), for all active rows at once (B rows, k draft tokens, V vocabulary):
   1. the proposer drafts x_1..x_k after each row's context ([B, k], -1 where it has nothing);
-  2. the target scores [last token, x_1..x_k] in one forward: logits [B, k+1, V], processed at each
-     position with that position's own context (prompt + output + the drafts before it);
+  2. the target scores [last token, x_1..x_k] in one forward: logits [B, k+1, V];
   3. the acceptance rule keeps a prefix of the drafts and adds one token of the target's own
-     (recovered or bonus): [B, k+1] with -1 padding;
+     (recovered or bonus): [B, k+1] with -1 padding (acceptance/base.py); with no drafts the target
+     samples its one token;
   4. EOS, stop tokens and max_tokens cut each row's block; the blocks are appended to the context;
-  5. both KV caches are rolled back to the kept context (a length change), and finished rows leave
-     the batch so that they stop costing compute.
+  5. finished rows leave the batch, so that they stop costing compute, and both KV caches are rolled
+     back to the kept context (a length change).
 The one host-device synchronisation of a step is the read of the blocks (and drafts) in (4), where
 the cut is then worked out on the host (rows with a grammar or user logits processors add one to
 read the drafts).
-Cache invariant between steps: the target's cache holds the context minus its last token.
-With no proposer the same loop is plain autoregressive decoding (k = 0): the baseline.
-The prefill runs once per prompt; a prompt's n / best_of sequences then copy its cache rows.
+
+Cache invariant between steps: the target's cache holds each row's context minus its last token, so
+that the next step's query starts with that token. Rolling back to `lengths - 1` after a commit keeps
+it: the cache then holds the context before the step, plus the verified tokens that were kept but the
+last; rejected drafts' entries are beyond the new length and are overwritten by the next step.
+
+With no proposer the same loop is plain autoregressive decoding (k = 0): the baseline. The prefill
+runs once per prompt; a prompt's n / best_of sequences then copy its cache rows.
 
 Continuous batching: `add` prefills new sequences into caches of their own and then appends their
 rows to the running batch (and its caches), `step` advances every running row, `abort` drops rows;
@@ -24,21 +29,35 @@ a server's scheduler calls these between steps. `generate` is the same loop for 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speculative.acceptance import TypicalAcceptanceSampler, greedy_accept, rejection_sample
+from speculative.acceptance import AcceptanceRule, RejectionSampler
 from speculative.engine import logprobs as L
 from speculative.engine.batch import Batch, prefill_groups
 from speculative.engine.draft_length import DraftLength
-from speculative.engine.request import Request, StopStrings
+from speculative.engine.sequence import Sequence, StopStrings
+from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
 from speculative.proposers.base import Proposer
 from speculative.sampling_params import SamplingParams
+
+
+class Commit(NamedTuple):
+    """What one commit did: the sequences it finished; per row, the drafts it kept and the drafts it
+    was given; whether some row kept its whole block (the proposer's cue, see Proposer.on_commit)."""
+
+    finished: list[Sequence]
+    accepted: list[int]
+    drafted: list[int]
+    whole_block_kept: bool
 
 
 class Engine:
@@ -49,21 +68,20 @@ class Engine:
     num_speculative_tokens: k per step (ignored without a proposer).
     eos_token_ids: tokens that finish a row unless its params say ignore_eos.
     generator: the generator of rows without one of their own.
-    typical: a TypicalAcceptanceSampler to use instead of the lossless rejection rule.
-    adaptive: choose k per step in [0, num_speculative_tokens] (`draft_length.DraftLength`).
+    rule: the acceptance rule (default: lossless rejection sampling, greedy acceptance on greedy rows).
     decode: (token ids, SamplingParams or None) -> text, for stop strings and log-probability
         tokens; None when there is no tokenizer.
+    adaptive: choose k per step in [0, num_speculative_tokens] (`draft_length.DraftLength`).
     """
 
     def __init__(self, target: LanguageModel, proposer: Proposer | None, num_speculative_tokens: int,
-                 eos_token_ids: Sequence[int], generator: torch.Generator,
-                 typical: TypicalAcceptanceSampler | None = None,
+                 eos_token_ids: Seq[int], generator: torch.Generator, rule: AcceptanceRule | None = None,
                  decode: Callable[[list[int], SamplingParams | None], str] | None = None,
                  adaptive: bool = False) -> None:
         self.target = target
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
-        self.typical = typical
+        self.rule = rule if rule is not None else RejectionSampler()
         self.eos_token_ids = list(eos_token_ids)
         self.generator = generator
         self.decode = decode
@@ -72,19 +90,20 @@ class Engine:
         self.cache: KVCache | None = None
         self.stop_strings: dict[int, StopStrings] = {}
         self.num_top, self.want_logprobs = 0, False
+        self.step_stats: list[StepStats] | None = None  # collected while `recording_steps` is open
 
     @property
-    def requests(self) -> list[Request]:
+    def sequences(self) -> list[Sequence]:
         """The sequences in the running batch."""
-        return self.batch.requests if self.batch is not None else []
+        return self.batch.sequences if self.batch is not None else []
 
-    def run(self, requests: list[Request]) -> None:
+    def run(self, sequences: list[Sequence]) -> None:
         """Generate every sequence to completion, filling in its outputs and metrics."""
-        for _ in self.generate(requests):
+        for _ in self.generate(sequences):
             pass
 
-    def generate(self, requests: list[Request], chunk_steps: int | None = None,
-                 eos_token_ids: Sequence[int] | None = None) -> Iterator[list[Request]]:
+    def generate(self, sequences: list[Sequence], chunk_steps: int | None = None,
+                 eos_token_ids: Seq[int] | None = None) -> Iterator[list[Sequence]]:
         """Generate the sequences, yielding them all after every `chunk_steps` target steps (the
         prefill included) and once more when every one has finished.
 
@@ -96,14 +115,14 @@ class Engine:
         """
         self.reset()
         try:
-            self.add([r for r in requests if not r.finished], eos_token_ids)
+            self.add([s for s in sequences if not s.finished], eos_token_ids)
             steps = 1
             while self.batch is not None:
                 if chunk_steps is not None and steps % chunk_steps == 0:
-                    yield requests
+                    yield sequences
                 self.step()
                 steps += 1
-            yield requests
+            yield sequences
         finally:
             self.reset()
 
@@ -114,8 +133,18 @@ class Engine:
         if self.proposer is not None:
             self.proposer.select_rows(torch.empty(0, dtype=torch.long, device=self.target.device))
 
+    @contextmanager
+    def recording_steps(self) -> Iterator[list[StepStats]]:
+        """Within the block, every step appends its StepStats to the yielded list (prefills are not
+        steps). Recording adds no host-device synchronisation (see stats.py)."""
+        self.step_stats = recorded = []
+        try:
+            yield recorded
+        finally:
+            self.step_stats = None
+
     @torch.inference_mode()
-    def add(self, requests: list[Request], eos_token_ids: Sequence[int] | None = None) -> list[Request]:
+    def add(self, sequences: list[Sequence], eos_token_ids: Seq[int] | None = None) -> list[Sequence]:
         """Admit sequences to the running batch (continuous batching): prefill new ones, each
         sampling its first token, or rebuild the caches of resumed ones from their tokens.
 
@@ -123,23 +152,21 @@ class Engine:
         new sequences are lost. Returns the new sequences that already finished (one token was
         enough, or they failed).
         """
-        if not requests:
+        if not sequences:
             return []
         start = time.perf_counter()
-        for r in requests:
-            r.start_time = start
+        for s in sequences:
+            s.start_time = start
+            if s.params.stop:
+                self.stop_strings[id(s)] = StopStrings(s, lambda ids, p=s.params: self.decode(ids, p))
         eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        batch = Batch(requests, eos, self.k, self.target.vocab_size, self.target.device, self.generator)
-        for r in requests:
-            if r.params.stop:
-                self.stop_strings[id(r)] = StopStrings(r, lambda ids, p=r.params: self.decode(ids, p))
-        self._want_logprobs(self.requests + requests)
-        if any(r.output_token_ids for r in requests):
-            cache = self._rebuild_cache(batch)
-            finished = []
+        batch = Batch(sequences, eos, self.k, self.target.vocab_size, self.target.device, self.generator)
+        self._want_logprobs(self.sequences + sequences)
+        if any(s.output_token_ids for s in sequences):
+            cache, finished = self._rebuild_cache(batch), []
         else:
             cache, finished = self._prefill(batch)
-        if not batch.requests:
+        if not batch.sequences:
             return finished
         if self.proposer is not None:
             if self.batch is not None:
@@ -153,58 +180,214 @@ class Engine:
         return finished
 
     @torch.inference_mode()
-    def step(self) -> list[Request]:
-        """One speculative (or plain) step of every running row; returns the sequences it finished."""
-        if self.batch is None:
+    def step(self) -> list[Sequence]:
+        """One speculative (or plain) step of every running row (module docstring, 1-5); returns the
+        sequences it finished."""
+        batch = self.batch
+        if batch is None:
             return []
-        finished = self._step(self.batch)
-        if not self.batch.requests:
+        start, rows, clock = time.perf_counter(), len(batch.sequences), StepClock(self.target.device)
+        k = self.draft_length.choose(rows) if self.proposer is not None else 0
+        draft_ids, draft_probs = self._propose(batch, k)  # [B, j] (-1: none), [B, j, V] or None
+        clock.mark()
+        last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
+        logits = self.target.forward(torch.cat([last, draft_ids.clamp(min=0)], dim=1), self.cache)  # [B, j+1, V]
+        clock.mark()
+        if draft_ids.shape[1]:
+            emitted = self.rule.verify(logits, draft_ids, draft_probs, batch.strategy, batch.context(draft_ids))
+        else:  # plain step: the target's own token
+            emitted = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
+        commit = self._commit(batch, emitted, logits, draft_ids, first_token=False)  # the step's sync
+        self._settle(batch, self.cache, self.proposer, commit)
+        seconds = time.perf_counter() - start
+        if self.proposer is not None:
+            self.draft_length.observe(rows, draft_ids.shape[1], seconds, commit.accepted, commit.drafted)
+        if self.step_stats is not None:
+            propose_s, verify_s = clock.intervals()
+            self.step_stats.append(StepStats(rows, k, 1 + draft_ids.shape[1], sum(commit.drafted),
+                                             sum(commit.accepted), propose_s, verify_s, seconds))
+        if not batch.sequences:
             self.reset()
-        return finished
+        return commit.finished
 
-    def abort(self, requests: list[Request], reason: str = "abort") -> None:
+    def _propose(self, batch: Batch, k: int) -> tuple[Tensor, Tensor | None]:
+        """The step's drafts: token ids [B, j] (-1 where a row has nothing) and the distributions
+        they were drawn from ([B, j, V], or None for a deterministic proposer); j = 0 for a plain step.
+
+        A proposal narrower than k (no row had more) is verified as it is when a lossless rule meets
+        a greedy batch, which draws no randomness (an empty one is then a plain step). Otherwise it is
+        padded back to k: random draws are made per position of k, so a seeded row's output does not
+        depend on its neighbours.
+        """
+        if k == 0:
+            return batch.tokens.new_empty((len(batch.sequences), 0)), None
+        draft_ids, draft_probs = self.proposer.propose(batch.tokens, batch.lengths, k, batch.strategy)
+        j = draft_ids.shape[1]
+        if j < k and not (self.rule.lossless and batch.strategy.all_greedy):
+            draft_ids = F.pad(draft_ids, (0, k - j), value=-1)
+            if draft_probs is not None:
+                draft_probs = F.pad(draft_probs, (0, 0, 0, k - j))
+        return draft_ids, draft_probs
+
+    def _commit(self, batch: Batch, emitted: Tensor, logits: Tensor, draft_ids: Tensor | None,
+                first_token: bool) -> Commit:
+        """Cut each row's block at its stop token or max_tokens and append it: to the batch's tokens
+        and to each sequence's record (tokens, log-probabilities, figures, finish).
+
+        emitted: [B, m] tokens of this step, -1 padded; logits: [B, m, V] the target's raw logits
+        they were chosen from; draft_ids: [B, j] the step's drafts, or None for the prefill's first
+        token (not a step of the metrics). A row whose own host-side work (stop strings, grammar,
+        log-probability tokens) raises fails alone: finish_reason "error".
+        The blocks (and drafts) come to the host in the step's one sync; the cut is worked out there,
+        row by row, where a handful of tokens costs less than the tensor ops that would do it.
+        """
+        width = emitted.shape[1]
+        host = (emitted if draft_ids is None else torch.cat([emitted, draft_ids], dim=1)).tolist()  # the sync
+        cuts = [self._cut(batch, row, values[:width]) for row, values in enumerate(host)]
+        kept = torch.tensor([n for n, _ in cuts], dtype=torch.long, device=emitted.device)  # [B]
+        positions = torch.arange(width, device=emitted.device)
+        batch.tokens.scatter_(1, batch.lengths[:, None] + positions, emitted.clamp(min=0))
+        batch.lengths += kept
+        accepted = [sum(t >= 0 for t in values[:width]) - 1 for values in host]
+        drafted = [sum(t >= 0 for t in values[width:]) for values in host]
+        scores = [t.tolist() for t in L.token_logprobs(logits, emitted, self.num_top)] if self.want_logprobs else None
+        now = time.perf_counter()
+        failures = batch.strategy.take_failures()  # {row: error} from per-row processing this step
+        finished = []
+        for row, (s, values, (n, stop)) in enumerate(zip(batch.sequences, host, cuts)):
+            batch.host_lengths[row] += n
+            try:
+                if row in failures:
+                    raise failures[row]
+                self._record(s, values[:n], stop, accepted[row], drafted[row], batch.eos_token_ids,
+                             [t[row][:n] for t in scores] if scores is not None else None, first_token)
+            except Exception as error:  # noqa: BLE001 - the row's own work failed: it fails alone
+                s.finish_reason, s.error = "error", f"{type(error).__name__}: {error}"
+            if first_token:
+                s.metrics.first_token_s = now - s.start_time
+            if s.finished:
+                s.metrics.elapsed_s = now - s.start_time
+                self.stop_strings.pop(id(s), None)
+                finished.append(s)
+        return Commit(finished, accepted, drafted, any(n == width for n, _ in cuts))
+
+    @staticmethod
+    def _settle(batch: Batch, cache: KVCache, proposer: Proposer | None, commit: Commit) -> None:
+        """After a commit: finished rows leave the batch, the cache and the proposer; the cache is rolled
+        back to the invariant (module docstring) and the proposer told what was kept."""
+        if commit.finished:
+            gone = {id(s) for s in commit.finished}
+            batch.select([i for i, s in enumerate(batch.sequences) if id(s) not in gone], [cache], proposer)
+        if batch.sequences:
+            max_length = max(batch.host_lengths)
+            cache.rollback(batch.lengths - 1, max_length - 1)
+            if proposer is not None:
+                proposer.on_commit(batch.lengths, max_length, commit.whole_block_kept)
+
+    @staticmethod
+    def _cut(batch: Batch, row: int, block: list[int]) -> tuple[int, bool]:
+        """How many tokens of a row's block (-1 padded) it keeps: up to and including its first stop
+        token, and no more than its max_tokens leaves; and whether a stop token ended it."""
+        s, stops = batch.sequences[row], batch.host_stop_ids[row]
+        room = s.max_tokens - (batch.host_lengths[row] - len(s.prompt_token_ids))
+        emitted = sum(t >= 0 for t in block)
+        first_stop = next((i for i, t in enumerate(block[:emitted]) if t in stops), emitted)
+        kept = min(emitted, first_stop + 1, room)
+        return kept, first_stop < kept
+
+    def _record(self, s: Sequence, new: list[int], stop: bool, accepted: int, drafted: int,
+                eos_token_ids: list[int], scores: list[list] | None, first_token: bool) -> None:
+        """One row's share of a commit, on the host: its new tokens, figures and finish."""
+        n = len(new)
+        s.output_token_ids.extend(new)
+        if scores is not None:
+            self._add_logprobs(s, new, scores)
+        if s.guide is not None:
+            s.guide.accept(new)
+        m = s.metrics
+        m.num_generated += n
+        if not first_token:
+            m.num_steps += 1
+            m.num_drafted += drafted
+            m.num_accepted += accepted
+            for i in range(drafted):
+                m.drafted_per_position[i] += 1
+            for i in range(accepted):
+                m.accepted_per_position[i] += 1
+        checker = self.stop_strings.get(id(s))
+        if checker is not None and checker.extend(n):
+            s.finish_reason, s.text = "stop", checker.text
+            m.num_generated = len(s.output_token_ids)
+        elif stop:
+            last = s.output_token_ids[-1]
+            s.finish_reason = "stop"
+            s.stop_reason = None if last in eos_token_ids else last
+        elif m.num_generated >= s.max_tokens:
+            s.finish_reason = "length"
+
+    def _add_logprobs(self, s: Sequence, new: list[int], scores: list[list]) -> None:
+        chosen = scores[0]
+        s.cumulative_logprob = (s.cumulative_logprob or 0.0) + sum(chosen)
+        if s.params.logprobs is not None:
+            entries = L.as_dicts(new, *scores, s.params.logprobs, self._decode_token)
+            s.logprobs = (s.logprobs or []) + entries
+
+    def abort(self, sequences: list[Sequence], reason: str = "abort") -> None:
         """Drop these sequences from the running batch, marking them finished with `reason`."""
-        gone = {id(r) for r in requests}
-        for r in requests:
-            if not r.finished:
-                r.finish_reason = reason
-            self.stop_strings.pop(id(r), None)
+        gone = {id(s) for s in sequences}
+        for s in sequences:
+            if not s.finished:
+                s.finish_reason = reason
+            self.stop_strings.pop(id(s), None)
         if self.batch is None:
             return
-        keep = [i for i, r in enumerate(self.batch.requests) if id(r) not in gone]
-        if len(keep) < len(self.batch.requests):
+        keep = [i for i, s in enumerate(self.batch.sequences) if id(s) not in gone]
+        if len(keep) < len(self.batch.sequences):
             self.batch.select(keep, [self.cache], self.proposer)
-            if not self.batch.requests:
+            if not self.batch.sequences:
                 self.reset()
 
-    def _want_logprobs(self, requests: list[Request]) -> None:
-        self.num_top = max([r.params.logprobs or 0 for r in requests])
-        self.want_logprobs = any(r.params.logprobs is not None or r.params.sampled_sequences > r.params.n
-                                 for r in requests)
+    def _want_logprobs(self, sequences: list[Sequence]) -> None:
+        self.num_top = max([s.params.logprobs or 0 for s in sequences])
+        self.want_logprobs = any(s.params.logprobs is not None or s.params.sampled_sequences > s.params.n
+                                 for s in sequences)
 
     def _rebuild_cache(self, batch: Batch) -> KVCache:
         """Resume: the target's cache computed again from the tokens (all but the last), sampling
         nothing."""
         lengths = batch.lengths
-        cache = self.target.new_cache(len(batch.requests), batch.capacity)
+        cache = self.target.new_cache(len(batch.sequences), batch.capacity)
         self.target.forward(batch.tokens[:, : max(batch.host_lengths) - 1], cache, num_tokens=lengths - 1,
                             logits_indices=torch.zeros_like(lengths)[:, None])
         return cache
 
-    def _prefill(self, batch: Batch) -> tuple[KVCache, list[Request]]:
-        """The target's prefill of each prompt; its sequences copy the cache; each samples a first
-        token. Returns the new cache and the sequences that finished with that token.
+    def _prefill(self, batch: Batch) -> tuple[KVCache, list[Sequence]]:
+        """The target's prefill of each prompt (its first sequence's row); the prompt's other sequences
+        copy its cache row; each samples a first token. Returns the new cache and the sequences that
+        finished with that token."""
+        sequences = batch.sequences
+        heads = [row for row, s in enumerate(sequences) if row == 0 or s.prompt_index != sequences[row - 1].prompt_index]
+        all_logits = any(s.params.prompt_logprobs is not None for s in sequences)
+        logits, cache, order = self._prefill_prompts(batch, heads, all_logits)  # [P, 1 or width, V]
+        if all_logits:
+            logits = self._prompt_logprobs(batch, heads, order, logits)
+        rows = [order[sum(h <= row for h in heads) - 1] for row in range(len(sequences))]  # row -> its cache row
+        if rows != list(range(len(rows))):
+            index = torch.tensor(rows, dtype=torch.long, device=batch.tokens.device)
+            cache.select_rows(index)
+            logits = logits[index]
+        first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
+        commit = self._commit(batch, first, logits, None, first_token=True)
+        self._settle(batch, cache, None, commit)
+        return cache, commit.finished
+
+    def _prefill_prompts(self, batch: Batch, heads: list[int], all_logits: bool) -> tuple[Tensor, KVCache, list[int]]:
+        """The target on each prompt (batch rows `heads`). Returns its logits ([P, 1, V] at each prompt's
+        last token; [P, width, V] with all_logits), its cache and, per prompt, its row in them.
 
         On a CPU, prompts of different lengths are prefilled in a few forwards of similar lengths
-        (`prefill_groups`), not all padded to the longest; elsewhere, and when prompt log-probabilities
+        (`prefill_groups`), not all padded to the longest; elsewhere, and when every position's logits
         are wanted, in one forward."""
-        requests = batch.requests
-        heads, expand = [], []  # the first row of each prompt; row -> its prompt's index in heads
-        for row, r in enumerate(requests):
-            if row == 0 or r.prompt_index != requests[row - 1].prompt_index:
-                heads.append(row)
-            expand.append(len(heads) - 1)
-        all_logits = any(r.params.prompt_logprobs is not None for r in requests)
         prompt_lengths = [batch.host_lengths[h] for h in heads]
         groups = (prefill_groups(prompt_lengths) if self.target.device.type == "cpu" and not all_logits
                   else [list(range(len(heads)))])
@@ -220,176 +403,25 @@ class Engine:
                 cache = part
             else:
                 cache.append_rows(part)
-        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
-        cache_row = {prompt: row for row, prompt in enumerate(i for group in groups for i in group)}
-        expand = [cache_row[i] for i in expand]  # row -> its prompt's row in the cache
-        if all_logits:
-            index = torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)
-            last = (batch.lengths[index] - 1)[:, None]
-            for row, head in enumerate(heads):
-                r = requests[head]
-                if r.params.prompt_logprobs is not None:
-                    found = L.prompt_logprobs(logits[row], r.prompt_token_ids, r.params.prompt_logprobs,
-                                              self._decode_token)
-                    for other in requests[head: head + expand.count(row)]:
-                        other.prompt_logprobs = found
-            logits = logits.gather(1, last[:, :, None].expand(-1, -1, logits.shape[-1]))
-        if expand != list(range(len(expand))):
-            rows = torch.tensor(expand, dtype=torch.long, device=batch.tokens.device)
-            cache.select_rows(rows)
-            logits = logits[rows]
-        first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
-        return cache, self._commit(batch, cache, None, first, logits, None)
+        order = [0] * len(heads)
+        for row, prompt in enumerate(i for group in groups for i in group):
+            order[prompt] = row
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]), cache, order
 
-    def _step(self, batch: Batch) -> list[Request]:
-        start, rows = time.perf_counter(), len(batch.requests)
-        k = self.draft_length.choose(rows) if self.proposer is not None else 0
-        finished, k = self._speculate(batch, k) if k else (self._plain(batch), 0)
-        if self.proposer is not None:
-            self.draft_length.observe(rows, k, time.perf_counter() - start, *self.step_counts)
-        return finished
-
-    def _plain(self, batch: Batch) -> list[Request]:
-        """One token per row from the target alone (k = 0)."""
-        last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
-        logits = self.target.forward(last, self.cache)  # [B, 1, V]
-        tokens = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]
-        return self._commit(batch, self.cache, self.proposer, tokens, logits, None, counted=True)
-
-    def _speculate(self, batch: Batch, k: int) -> tuple[list[Request], int]:
-        """Draft k tokens per row, verify them in one target forward, keep a prefix and one more.
-        Returns the finished sequences and the number of drafts verified per row.
-
-        A proposal narrower than k (no row had more) is verified as it is when the batch is greedy,
-        and a plain step is taken when it is empty. A sampled batch pads it back to k: its random
-        draws are made per position of k, so a seeded row's output does not depend on its neighbours.
-        """
-        strategy = batch.strategy
-        greedy = self.typical is None and strategy.all_greedy
-        last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
-        proposal = self.proposer.propose(batch.tokens, batch.lengths, k, strategy)
-        draft_ids = proposal.token_ids  # [B, j], j <= k, -1 = nothing proposed
-        if greedy:
-            if draft_ids.shape[1] == 0:
-                return self._plain(batch), 0
-            k = draft_ids.shape[1]
-        elif draft_ids.shape[1] < k:
-            draft_ids = F.pad(draft_ids, (0, k - draft_ids.shape[1]), value=-1)
-            if proposal.probs is not None:
-                proposal = proposal._replace(probs=F.pad(proposal.probs, (0, 0, 0, k - proposal.probs.shape[1])))
-        query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, k + 1]
-        logits = self.target.forward(query, self.cache)  # [B, k + 1, V]
-        context = batch.context(draft_ids)
-        if greedy:
-            out = greedy_accept(strategy.argmax(logits, context), draft_ids)
-        else:
-            target_probs = strategy.probs(logits, context)  # [B, k + 1, V]
-            bonus = strategy.sample(target_probs[:, -1])[:, None]  # [B, 1]
-            if self.typical is not None:
-                out = self.typical(target_probs, bonus, proposal.probs, draft_ids)
-            else:
-                out = rejection_sample(target_probs[:, :k], bonus, proposal.probs, draft_ids,
-                                       strategy.random.uniform(k), strategy.random.exponential(logits.shape[-1]))
-        return self._commit(batch, self.cache, self.proposer, out, logits, draft_ids, counted=True), k
-
-    def _commit(self, batch: Batch, cache: KVCache, proposer: Proposer | None, emitted: Tensor, logits: Tensor,
-                draft_ids: Tensor | None, counted: bool = False) -> list[Request]:
-        """Cut each row's block at its stop token or max_tokens, append it, roll the caches back,
-        drop the rows that finished (returned).
-
-        emitted: [B, m] tokens of this step, -1 padded; logits: [B, m, V] the target's raw logits
-        they were chosen from; draft_ids: [B, k], or None for a step without drafts; counted: a
-        step of the metrics (the prefill's first token is not one). A row whose own host-side work
-        (stop strings, grammar, log-probability tokens) raises fails alone: finish_reason "error".
-        The blocks (and drafts) come to the host in the step's one sync; the cut is worked out there,
-        row by row, where a handful of tokens costs less than the tensor ops that would do it.
-        """
-        width = emitted.shape[1]
-        host = (emitted if draft_ids is None else torch.cat([emitted, draft_ids], dim=1)).tolist()  # the sync
-        cuts = [self._cut(batch, row, values[:width]) for row, values in enumerate(host)]
-        kept = torch.tensor([n for n, _ in cuts], dtype=torch.long, device=emitted.device)  # [B]
-        positions = torch.arange(width, device=emitted.device)
-        batch.tokens.scatter_(1, batch.lengths[:, None] + positions, emitted.clamp(min=0))
-        batch.lengths += kept
-        accepted = [sum(t >= 0 for t in values[:width]) - 1 for values in host]
-        drafted = [sum(t >= 0 for t in values[width:]) for values in host]
-        self.step_counts = (accepted, drafted)
-        scores = [t.tolist() for t in L.token_logprobs(logits, emitted, self.num_top)] if self.want_logprobs else None
-        now = time.perf_counter()
-        failures = batch.strategy.take_failures()  # {row: error} from per-row processing this step
-        finished = []
-        for row, (request, values, (n, stop)) in enumerate(zip(batch.requests, host, cuts)):
-            batch.host_lengths[row] += n
-            try:
-                if row in failures:
-                    raise failures[row]
-                self._record(request, values[:n], stop, accepted[row], drafted[row], batch.eos_token_ids,
-                             [s[row][:n] for s in scores] if scores is not None else None, counted)
-            except Exception as error:  # noqa: BLE001 - the row's own work failed: it fails alone
-                request.finish_reason, request.error = "error", f"{type(error).__name__}: {error}"
-            if not counted:  # the prefill's token: the first
-                request.metrics.first_token_s = now - request.start_time
-            if request.finished:
-                request.metrics.elapsed_s = now - request.start_time
-                self.stop_strings.pop(id(request), None)
-                finished.append(request)
-        if finished:
-            gone = {id(r) for r in finished}
-            batch.select([i for i, r in enumerate(batch.requests) if id(r) not in gone], [cache], proposer)
-        if batch.requests:
-            max_length = max(batch.host_lengths)
-            cache.rollback(batch.lengths - 1, max_length - 1)
-            if proposer is not None:  # whether some row kept its whole block
-                proposer.accept(batch.lengths, max_length, any(n == width for n, _ in cuts))
-        return finished
-
-    @staticmethod
-    def _cut(batch: Batch, row: int, block: list[int]) -> tuple[int, bool]:
-        """How many tokens of a row's block (-1 padded) it keeps: up to and including its first stop
-        token, and no more than its max_tokens leaves; and whether a stop token ended it."""
-        request, stops = batch.requests[row], batch.host_stop_ids[row]
-        room = request.max_tokens - (batch.host_lengths[row] - len(request.prompt_token_ids))
-        emitted = sum(t >= 0 for t in block)
-        first_stop = next((i for i, t in enumerate(block[:emitted]) if t in stops), emitted)
-        kept = min(emitted, first_stop + 1, room)
-        return kept, first_stop < kept
-
-    def _record(self, request: Request, new: list[int], stop: bool, accepted: int, drafted: int,
-                eos_token_ids: list[int], scores: list[list] | None, counted: bool) -> None:
-        """One row's share of a commit, on the host: its new tokens, figures and finish."""
-        n = len(new)
-        request.output_token_ids.extend(new)
-        if scores is not None:
-            self._add_logprobs(request, new, scores)
-        if request.guide is not None:
-            request.guide.accept(new)
-        m = request.metrics
-        m.num_generated += n
-        if counted:
-            m.num_steps += 1
-            m.num_drafted += drafted
-            m.num_accepted += accepted
-            for i in range(drafted):
-                m.drafted_per_position[i] += 1
-            for i in range(accepted):
-                m.accepted_per_position[i] += 1
-        checker = self.stop_strings.get(id(request))
-        if checker is not None and checker.extend(n):
-            request.finish_reason, request.text = "stop", checker.text
-            m.num_generated = len(request.output_token_ids)
-        elif stop:
-            last = request.output_token_ids[-1]
-            request.finish_reason = "stop"
-            request.stop_reason = None if last in eos_token_ids else last
-        elif m.num_generated >= request.max_tokens:
-            request.finish_reason = "length"
-
-    def _add_logprobs(self, request: Request, new: list[int], scores: list[list]) -> None:
-        chosen = scores[0]
-        request.cumulative_logprob = (request.cumulative_logprob or 0.0) + sum(chosen)
-        if request.params.logprobs is not None:
-            entries = L.as_dicts(new, *scores, request.params.logprobs, self._decode_token)
-            request.logprobs = (request.logprobs or []) + entries
+    def _prompt_logprobs(self, batch: Batch, heads: list[int], order: list[int], logits: Tensor) -> Tensor:
+        """Fill in prompt_logprobs of the sequences that asked, from every prompt position's logits
+        ([P, width, V], one forward: `order` is the identity); returns the last position's [P, 1, V]."""
+        ends = heads[1:] + [len(batch.sequences)]
+        for prompt, (head, end) in enumerate(zip(heads, ends)):
+            first = batch.sequences[head]
+            if first.params.prompt_logprobs is not None:
+                found = L.prompt_logprobs(logits[order[prompt]], first.prompt_token_ids, first.params.prompt_logprobs,
+                                          self._decode_token)
+                for s in batch.sequences[head:end]:
+                    s.prompt_logprobs = found
+        index = torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)
+        last = (batch.lengths[index] - 1)[:, None, None].expand(-1, 1, logits.shape[-1])  # [P, 1, V]
+        return logits.gather(1, last)
 
     def _decode_token(self, token: int) -> str | None:
         return self.decode([token], None) if self.decode is not None else None

@@ -1,4 +1,4 @@
-"""SampleState: a generation between two chunks, enough to stream it and to resume it (seed 003).
+"""SampleState: a generation between two chunks, enough to stream it and to resume it (after EasyDeL's SampleState).
 
 Serialized form (to_dict / to_json): plain JSON. Token tensors are lists of ints per sequence
 (`sequences` is ragged; `padded_length` is the width a padded [num_sequences, padded_length] tensor
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,14 +18,15 @@ from typing import Any
 import torch
 
 from speculative.engine.outputs import SpeculationMetrics
-from speculative.engine.request import Request
+from speculative.fields import DictRoundTrip
+from speculative.engine.sequence import Sequence
 from speculative.sampling_params import SamplingParams
 
 KV_CACHE_NOTE = "not stored: rebuilt from `sequences` by one prefill per model when resumed"
 
 
 @dataclass
-class SampleState:
+class SampleState(DictRoundTrip):
     """The state of a generation after a chunk of steps.
 
     current_length: [num_sequences] prompt + output tokens of each sequence.
@@ -76,64 +76,42 @@ class SampleState:
         """Every sequence has finished."""
         return all(self.is_sequence_finished)
 
-    def replace(self, **changes: Any) -> SampleState:
-        """A copy with the given fields replaced."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SampleState:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"SampleState.from_dict: unknown fields {sorted(unknown)}")
-        return cls(**data)
-
-    def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
-
-    @classmethod
-    def from_json(cls, text: str) -> SampleState:
-        return cls.from_dict(json.loads(text))
-
-    @classmethod
-    def capture(cls, requests: list[Request], default: torch.Generator, previous_text: list[str],
+    def capture(cls, sequences: list[Sequence], default: torch.Generator, previous_text: list[str],
                 elapsed_s: float, texts: list[str], pad_token_id: int = 0) -> SampleState:
-        """The state of `requests` (all sequences of the generation) now; texts: their texts now,
+        """The state of `sequences` (all sequences of the generation) now; texts: their texts now,
         previous_text: as of the previous state."""
-        generated = sum(len(r.output_token_ids) for r in requests)
-        lengths = [len(r.prompt_token_ids) + len(r.output_token_ids) for r in requests]
+        generated = sum(len(s.output_token_ids) for s in sequences)
+        lengths = [len(s.prompt_token_ids) + len(s.output_token_ids) for s in sequences]
         return cls(
             current_length=lengths,
-            sequences=[r.prompt_token_ids + r.output_token_ids for r in requests],
-            running_token=[(r.output_token_ids or r.prompt_token_ids)[-1] for r in requests],
-            is_sequence_finished=[r.finished for r in requests],
-            prng_key={"default": _pack(default), "sequences": [_pack(r.generator) for r in requests]},
+            sequences=[s.prompt_token_ids + s.output_token_ids for s in sequences],
+            running_token=[(s.output_token_ids or s.prompt_token_ids)[-1] for s in sequences],
+            is_sequence_finished=[s.finished for s in sequences],
+            prng_key={"default": _pack(default), "sequences": [_pack(s.generator) for s in sequences]},
             tokens_per_second=generated / elapsed_s if elapsed_s > 0 else -math.inf,
             generated_tokens=generated,
             padded_length=max(lengths),
             time_spent_computing=elapsed_s,
-            prompt_lengths=[len(r.prompt_token_ids) for r in requests],
-            prompt_indices=[r.prompt_index for r in requests],
-            sample_indices=[r.sample_index for r in requests],
-            sampling_params=[r.params.to_dict() for r in requests],
-            finish_reasons=[r.finish_reason for r in requests],
-            stop_reasons=[r.stop_reason for r in requests],
+            prompt_lengths=[len(s.prompt_token_ids) for s in sequences],
+            prompt_indices=[s.prompt_index for s in sequences],
+            sample_indices=[s.sample_index for s in sequences],
+            sampling_params=[s.params.to_dict() for s in sequences],
+            finish_reasons=[s.finish_reason for s in sequences],
+            stop_reasons=[s.stop_reason for s in sequences],
             text=texts,
             new_text=[t[len(p):] if t.startswith(p) else t for t, p in zip(texts, previous_text)],
-            metrics=[dataclasses.asdict(r.metrics) for r in requests],
+            metrics=[dataclasses.asdict(s.metrics) for s in sequences],
             pad_token_id=pad_token_id,
         )
 
-    def requests(self, device: torch.device) -> list[Request]:
+    def to_sequences(self, device: torch.device) -> list[Sequence]:
         """The sequences as engine records, generators restored, ready to resume."""
         out = []
         for i, length in enumerate(self.prompt_lengths):
             params = SamplingParams.from_dict(self.sampling_params[i])
-            r = Request(self.sequences[i][:length], params, params.max_tokens, self.prompt_indices[i],
-                        self.sample_indices[i], unpack_generator(self.prng_key["sequences"][i], device))
+            r = Sequence(self.sequences[i][:length], params, params.max_tokens, self.prompt_indices[i],
+                         self.sample_indices[i], unpack_generator(self.prng_key["sequences"][i], device))
             r.output_token_ids = self.sequences[i][length:]
             r.finish_reason, r.stop_reason = self.finish_reasons[i], self.stop_reasons[i]
             r.metrics = SpeculationMetrics(**self.metrics[i])

@@ -37,7 +37,7 @@ import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.base import LanguageModel
+from speculative.models.base import LanguageModel, decode, decode_steps
 from speculative.models.bucketed import BucketedModel, warm_up
 from speculative.models.gemv import GEMV_PASS
 from speculative.models.llama import SMALL_CALL_ROWS, NativeCausalLM
@@ -169,7 +169,7 @@ class CompiledCausalLM:
         steps through `forward`, as `forward` would run it.
         """
         if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
-            return _greedy_steps(lambda ids, _: self.forward(ids, cache), steps, input_ids)
+            return decode(self, input_ids, cache, steps)
         compiled = self._greedy.get(steps)
         if compiled is None:
             compiled = self._greedy[steps] = torch.compile(_greedy_run(self.model.run, steps),
@@ -182,20 +182,6 @@ class CompiledCausalLM:
 
         written = input_ids.shape[1] + steps - 1
         return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=written)
-
-
-def _greedy_steps(step: Callable[[Tensor, int], Tensor], steps: int,
-                  input_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy decoding for `steps` steps from input_ids [batch, q], `step(tokens, i)` giving logits
-    [batch, n, vocab] of step i whose last position's argmax is the next token: the tokens [batch,
-    steps] and their logits [batch, steps, vocab]."""
-    tokens, logits, current = [], [], input_ids
-    for i in range(steps):
-        out = step(current, i)[:, -1]
-        current = out.max(dim=-1).indices[:, None]
-        tokens.append(current)
-        logits.append(out)
-    return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
 
 
 def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -212,7 +198,7 @@ def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[T
                            torch.full_like(last, positions.shape[1] - 1))
             return run(ids, last + i, keys, values, key_positions, None)
 
-        return _greedy_steps(step, steps, input_ids)
+        return decode_steps(step, steps, input_ids)
     return greedy
 
 

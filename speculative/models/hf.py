@@ -14,8 +14,10 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
+from speculative.kv_cache import RowLengths
 
-class HFKVCache:
+
+class HFKVCache(RowLengths):
     """A `DynamicCache` plus the per-row validity mask and lengths of the engine's KVCache protocol.
 
     valid: [batch, slots] bool, which physical slots hold a row's context.
@@ -28,14 +30,6 @@ class HFKVCache:
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.max_length = max_length
         self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-
-    @property
-    def lengths(self) -> Tensor:
-        return self._lengths
-
-    @property
-    def batch_size(self) -> int:
-        return self._lengths.shape[0]
 
     def rollback(self, lengths: Tensor, max_length: int | None = None) -> None:
         logical_index = self.valid.cumsum(dim=1)  # [batch, slots], 1-based rank among valid slots

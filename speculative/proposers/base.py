@@ -25,7 +25,7 @@ class Proposal(NamedTuple):
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Proposes k tokens per row from the context; told what was kept after verification.
+    """Proposes k tokens per row from the context; told by `on_commit` what each step kept.
 
     The context of the batch is `tokens` [batch, capacity] int64 with `lengths` [batch]: row b's
     context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
@@ -41,9 +41,10 @@ class Proposer(Protocol):
         """Propose `num_tokens` tokens after each row's context."""
         ...
 
-    def accept(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
-        """The rows' contexts now have `lengths` ([batch]; host max `max_length`) tokens. Called
-        after every step, also after steps that drafted nothing (plain steps, k = 0).
+    def on_commit(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
+        """The engine committed a step: the rows' contexts now have `lengths` ([batch]; host max
+        `max_length`) tokens. Called after every step, also after steps that drafted nothing (plain
+        steps, k = 0).
         whole_block_kept: whether some row (finished ones included) kept every token of the step;
         False means every row rejected one of its drafts or was cut short."""
         ...

@@ -15,19 +15,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from speculative.inference import ModelInferencer
-from speculative.models.base import LanguageModel
+from speculative.models.base import LanguageModel, decode
 from speculative.proposers.base import Proposal
-from speculative.proposers.drafter import Drafter
 from speculative.sampling import SampleStrategy
 
 
 class DraftModelProposer:
-    """Proposes tokens sampled from a draft model with each row's own sampling parameters."""
+    """Proposes tokens sampled from a draft model with each row's own sampling parameters (temperature,
+    min_p, top-k, top-p: the rule only needs the distribution each draft was drawn from). Drafting
+    never stops early at EOS (that would need a host sync per token); a greedy batch on a model with
+    `greedy_decode` (CompiledCausalLM) drafts all k tokens in one call of it."""
 
     def __init__(self, model: LanguageModel) -> None:
         self.model = model
-        self.drafter = Drafter(ModelInferencer(model))  # no EOS: drafting never syncs to stop early
         self.cache = None
         self.missing = 1  # the context's last tokens that the next proposal feeds (1 or 2) ...
         self.behind = 0  # ... and before them, tokens the cache lacks after plain steps
@@ -47,13 +47,16 @@ class DraftModelProposer:
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
                 strategy: SampleStrategy) -> Proposal:
         fed = self.missing + self.behind
-        query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))
-        out = self.drafter.draft(query, self.cache, num_tokens, strategy)
+        query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))  # [B, fed]
+        greedy_decode = getattr(self.model, "greedy_decode", None)
+        if strategy.all_greedy and greedy_decode is not None:
+            token_ids, logits = greedy_decode(query, self.cache, num_tokens)
+        else:
+            token_ids, logits = decode(self.model, query, self.cache, num_tokens, strategy.next_tokens)
         self.behind, self._proposed = 0, True
-        probs = None if strategy.all_greedy else strategy.probs(out.token_logits)
-        return Proposal(out.token_ids, probs)
+        return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(logits))
 
-    def accept(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
+    def on_commit(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
         if self._proposed:  # the cache holds the context before the step and the drafts but the last
             self.missing = 2 if whole_block_kept else 1
             self.cache.rollback(lengths - self.missing, max_length - self.missing)

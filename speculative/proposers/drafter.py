@@ -1,4 +1,5 @@
-"""Drafter: token drafting delegated to an Inferencer (naive_speculate's contract)."""
+"""Drafter: token drafting delegated to an Inferencer (a simple interface for drafting by hand; the
+engine's DraftModelProposer calls its model directly)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from speculative.inference import Inferencer, ModelInferencer
+from speculative.inference import Inferencer
 from speculative.kv_cache import KVCache
 from speculative.sampling import SampleStrategy
 
@@ -31,20 +32,16 @@ class Drafter:
 
     def draft(self, query_token_ids: Tensor, kv_cache: KVCache, num_draft_tokens: int,
               sample_strategy: SampleStrategy) -> DraftOut:
-        """Feed query_token_ids [batch, q >= 1] and draft up to num_draft_tokens (> 0) tokens.
+        """Feed query_token_ids [batch, q >= 1] (a prefill) and draft up to num_draft_tokens (> 0)
+        tokens, the first from the prefill, the rest from a decode.
 
         kv_cache gains the query and every drafted token but the last. Drafting stops early only
-        where the inferencer stops at EOS. A ModelInferencer decodes from the whole query in one call
-        (on a compiled model, greedy: one graph for all k steps); another Inferencer gets a prefill of
-        the query, then a decode of the rest.
+        where the inferencer stops at EOS.
         """
         if query_token_ids.shape[1] < 1:
             raise ValueError("query_token_ids must hold at least one token per row")
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1; got {num_draft_tokens}")
-        if isinstance(self.inferencer, ModelInferencer):  # its decode takes the query too: one call
-            out = self.inferencer.decode(query_token_ids, kv_cache, num_draft_tokens, sample_strategy)
-            return DraftOut(out.token_ids, out.token_logits)
         first = self.inferencer.prefill(query_token_ids, kv_cache, sample_strategy)
         last = first.token_logits[:, -1:]
         if num_draft_tokens == 1:

@@ -53,7 +53,7 @@ class NgramProposer:
         width = int(usable.sum(dim=1).max())  # the longest row's proposal: no wider verification
         return Proposal(token_ids[:, :width], None)
 
-    def accept(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
+    def on_commit(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
         pass
 
     def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:

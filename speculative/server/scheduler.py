@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from speculative.engine.outputs import Logprob, SpeculationMetrics
-from speculative.engine.request import Request
+from speculative.engine.sequence import Sequence
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 from speculative.server.metrics import ServerMetrics
@@ -78,30 +78,30 @@ class _Sent:
 class RequestStream:
     """The updates of one request, as an async iterator that ends after the final one."""
 
-    def __init__(self, job: _Job, scheduler: Scheduler) -> None:
-        self.request_id = job.request_id
-        self._job = job
+    def __init__(self, request: Request, scheduler: Scheduler) -> None:
+        self.request_id = request.request_id
+        self._request = request
         self._scheduler = scheduler
 
     async def __aiter__(self) -> AsyncIterator[RequestUpdate]:
         while True:
-            update = await self._job.queue.get()
+            update = await self._request.queue.get()
             yield update
             if update.finished or update.error is not None:
                 return
 
     def abort(self) -> None:
         """The client is gone: its rows leave the batch at the next step. Idempotent, thread-safe."""
-        self._scheduler._abort(self._job)
+        self._scheduler._abort(self._request)
 
 
 @dataclass
-class _Job:
+class Request:
     """One HTTP request: its sequences (n or best_of of them) and what its handler has been sent."""
 
     request_id: str
     number: int
-    sequences: list[Request]
+    sequences: list[Sequence]
     queue: asyncio.Queue
     arrival: float
     sent: list[_Sent]
@@ -134,10 +134,10 @@ class Scheduler:
         self.metrics = metrics or ServerMetrics()
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._waiting: deque[_Job] = deque()
-        self._running: list[_Job] = []
-        self._num_running = 0  # sequences of the _running jobs (read from other threads)
-        self._aborted: list[_Job] = []
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._num_running = 0  # sequences of the _running requests (read from other threads)
+        self._aborted: list[Request] = []
         self._numbers = itertools.count()
         self._accepting = True
         self._stopping = False
@@ -170,7 +170,7 @@ class Scheduler:
         if len(sequences) > self.max_num_seqs:
             raise ValueError(f"the request needs {len(sequences)} sequences (n / best_of), more than the "
                              f"server's max_num_seqs={self.max_num_seqs}")
-        job = _Job(request_id, next(self._numbers), sequences, asyncio.Queue(), time.perf_counter(),
+        request = Request(request_id, next(self._numbers), sequences, asyncio.Queue(), time.perf_counter(),
                    [_Sent(accepted_per_position=[0] * self.engine.k) for _ in sequences])
         with self._lock:
             queued = sum(len(j.sequences) for j in self._waiting) + len(sequences)
@@ -178,9 +178,9 @@ class Scheduler:
                 raise QueueFull(f"the server is full: {self._num_running} sequences running (max_num_seqs="
                                 f"{self.max_num_seqs}) and the queue is at max_waiting={self.max_waiting}; "
                                 "retry later")
-            self._waiting.append(job)
+            self._waiting.append(request)
         self._wake.set()
-        return RequestStream(job, self)
+        return RequestStream(request, self)
 
     async def shutdown(self, timeout: float) -> None:
         """Stop taking requests, let queued and running ones finish for at most `timeout` seconds
@@ -194,15 +194,15 @@ class Scheduler:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
-    def _abort(self, job: _Job) -> None:
+    def _abort(self, request: Request) -> None:
         with self._lock:
-            if job.aborted or job.done:
+            if request.aborted or request.done:
                 return
-            job.aborted = True
-            if job in self._waiting:
-                self._waiting.remove(job)
+            request.aborted = True
+            if request in self._waiting:
+                self._waiting.remove(request)
             else:
-                self._aborted.append(job)
+                self._aborted.append(request)
         self._wake.set()
 
     # The engine thread.
@@ -212,9 +212,9 @@ class Scheduler:
             with self._lock:
                 aborted, self._aborted = self._aborted, []
                 admitted = self._admit() if not self._stopping else []
-            for job in aborted:
-                if not job.done:
-                    self._finish(job, "abort")
+            for request in aborted:
+                if not request.done:
+                    self._finish(request, "abort")
             if self._stopping:
                 self._fail_all("the server shut down before this request finished")
                 self._set_gauges()
@@ -234,70 +234,70 @@ class Scheduler:
                 continue
             self._publish(list(self._running), time.perf_counter() - start)
 
-    def _admit(self) -> list[_Job]:
-        """Move waiting jobs that fit into the running batch (under the lock), oldest first."""
+    def _admit(self) -> list[Request]:
+        """Move waiting requests that fit into the running batch (under the lock), oldest first."""
         admitted, room = [], self.max_num_seqs - self.num_running
         while self._waiting and len(self._waiting[0].sequences) <= room:
-            job = self._waiting.popleft()
-            room -= len(job.sequences)
-            admitted.append(job)
+            request = self._waiting.popleft()
+            room -= len(request.sequences)
+            admitted.append(request)
         self._running.extend(admitted)
         self._num_running = sum(len(j.sequences) for j in self._running)
         return admitted
 
-    def _add(self, jobs: list[_Job]) -> None:
-        """Prefill the jobs together; if that raises, one at a time, so that a failing one fails alone."""
-        for job in jobs:
-            for r in job.sequences:
-                r.prompt_index = job.number  # the engine shares one prefill per prompt index
-            self.metrics.prompt_tokens.inc(len(job.sequences[0].prompt_token_ids))
+    def _add(self, requests: list[Request]) -> None:
+        """Prefill the requests together; if that raises, one at a time, so that a failing one fails alone."""
+        for request in requests:
+            for r in request.sequences:
+                r.prompt_index = request.number  # the engine shares one prefill per prompt index
+            self.metrics.prompt_tokens.inc(len(request.sequences[0].prompt_token_ids))
         start = time.perf_counter()
         try:
-            self.engine.add([r for job in jobs for r in job.sequences])
+            self.engine.add([r for request in requests for r in request.sequences])
         except Exception as error:  # noqa: BLE001
-            if len(jobs) == 1:
-                self._fail(jobs[0], f"{type(error).__name__}: {error}")
+            if len(requests) == 1:
+                self._fail(requests[0], f"{type(error).__name__}: {error}")
                 return
-            for job in jobs:
-                self._add([job])
+            for request in requests:
+                self._add([request])
             return
-        self._publish(jobs, time.perf_counter() - start)
+        self._publish(requests, time.perf_counter() - start)
 
-    def _publish(self, jobs: list[_Job], elapsed: float) -> None:
-        """Hand each job what its sequences gained; retire the finished and failed ones."""
+    def _publish(self, requests: list[Request], elapsed: float) -> None:
+        """Hand each request what its sequences gained; retire the finished and failed ones."""
         now = time.perf_counter()
-        for job in jobs:
-            if job.done:
+        for request in requests:
+            if request.done:
                 continue
-            errors = [r.error for r in job.sequences if r.error is not None]
+            errors = [r.error for r in request.sequences if r.error is not None]
             if errors:
-                self._fail(job, errors[0])
+                self._fail(request, errors[0])
                 continue
-            deltas = self._deltas(job)
+            deltas = self._deltas(request)
             gained = sum(len(d.token_ids) for d in deltas)
-            self._count(job, gained, elapsed, now)
-            finished = all(r.finished for r in job.sequences)
+            self._count(request, gained, elapsed, now)
+            finished = all(r.finished for r in request.sequences)
             if not deltas and not finished:
                 continue
             if finished:
-                self._retire(job)
-                self.metrics.e2e_latency.observe(now - job.arrival)
-                self.metrics.requests_finished.labels(finished_reason=_reason(job)).inc()
-            self._send(job, RequestUpdate(deltas, finished, len(job.sequences[0].prompt_token_ids),
-                                          sum(len(r.output_token_ids) for r in job.sequences),
-                                          _metrics(job) if finished else None))
+                self._retire(request)
+                self.metrics.e2e_latency.observe(now - request.arrival)
+                self.metrics.requests_finished.labels(finished_reason=_reason(request)).inc()
+            self._send(request, RequestUpdate(deltas, finished, len(request.sequences[0].prompt_token_ids),
+                                          sum(len(r.output_token_ids) for r in request.sequences),
+                                          _metrics(request) if finished else None))
 
-    def _deltas(self, job: _Job) -> list[SequenceDelta]:
+    def _deltas(self, request: Request) -> list[SequenceDelta]:
         """Each sequence's new text and tokens. best_of > n sends the best n whole, at the end."""
-        params = job.params
+        params = request.params
         if params.sampled_sequences > params.n:
-            if not all(r.finished for r in job.sequences):
+            if not all(r.finished for r in request.sequences):
                 return []
-            best = sorted(job.sequences, key=lambda r: r.cumulative_logprob or 0.0, reverse=True)[: params.n]
+            best = sorted(request.sequences, key=lambda r: r.cumulative_logprob or 0.0, reverse=True)[: params.n]
             return [SequenceDelta(i, self._text(r), list(r.output_token_ids), r.logprobs, r.finish_reason,
                                   r.stop_reason) for i, r in enumerate(best)]
         deltas = []
-        for i, (r, sent) in enumerate(zip(job.sequences, job.sent)):
+        for i, (r, sent) in enumerate(zip(request.sequences, request.sent)):
             if sent.finished:
                 continue
             text = self._text(r)
@@ -310,7 +310,7 @@ class Scheduler:
             deltas.append(SequenceDelta(i, new_text, new_ids, logprobs, r.finish_reason, r.stop_reason))
         return deltas
 
-    def _text(self, r: Request) -> str:
+    def _text(self, r: Sequence) -> str:
         """A sequence's text so far; while it runs, without a trailing incomplete character nor the
         characters that could still turn out to begin a stop string."""
         if r.text is not None:
@@ -323,18 +323,18 @@ class Scheduler:
             text = text[: max(0, len(text) - max(len(s) for s in r.params.stop) + 1)]
         return text
 
-    def _count(self, job: _Job, gained: int, elapsed: float, now: float) -> None:
-        """Token, latency and speculation metrics of what a job gained in one step."""
+    def _count(self, request: Request, gained: int, elapsed: float, now: float) -> None:
+        """Token, latency and speculation metrics of what a request gained in one step."""
         m = self.metrics
         if gained:
             m.generation_tokens.inc(gained)
-            if job.first_token_time is None:
-                job.first_token_time = now
-                m.time_to_first_token.observe(now - job.arrival)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                m.time_to_first_token.observe(now - request.arrival)
             else:
                 for _ in range(gained):
                     m.inter_token_latency.observe(elapsed / gained)
-        for r, sent in zip(job.sequences, job.sent):
+        for r, sent in zip(request.sequences, request.sent):
             s = r.metrics
             drafts = s.drafted_per_position[0] if s.drafted_per_position else 0
             m.num_drafts.inc(drafts - sent.drafts)
@@ -346,46 +346,46 @@ class Scheduler:
             sent.drafts, sent.drafted, sent.accepted = drafts, s.num_drafted, s.num_accepted
             sent.accepted_per_position = list(s.accepted_per_position)
 
-    def _finish(self, job: _Job, reason: str) -> None:
-        """Drop a running job's rows (an aborted client, or a failure)."""
-        self._retire(job)
-        self.engine.abort([r for r in job.sequences if not r.finished], reason)
+    def _finish(self, request: Request, reason: str) -> None:
+        """Drop a running request's rows (an aborted client, or a failure)."""
+        self._retire(request)
+        self.engine.abort([r for r in request.sequences if not r.finished], reason)
         self.metrics.requests_finished.labels(finished_reason=reason).inc()
 
-    def _retire(self, job: _Job) -> None:
-        job.done = True
-        if job in self._running:
-            self._running.remove(job)
+    def _retire(self, request: Request) -> None:
+        request.done = True
+        if request in self._running:
+            self._running.remove(request)
             self._num_running = sum(len(j.sequences) for j in self._running)
 
-    def _fail(self, job: _Job, error: str) -> None:
-        self._finish(job, "error")
-        self._send(job, RequestUpdate([], True, len(job.sequences[0].prompt_token_ids), 0, None, error))
+    def _fail(self, request: Request, error: str) -> None:
+        self._finish(request, "error")
+        self._send(request, RequestUpdate([], True, len(request.sequences[0].prompt_token_ids), 0, None, error))
 
     def _fail_all(self, error: str) -> None:
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
-        for job in waiting + list(self._running):
-            self._fail(job, error)
+        for request in waiting + list(self._running):
+            self._fail(request, error)
         self.engine.reset()
 
-    def _send(self, job: _Job, update: RequestUpdate) -> None:
-        if not job.aborted and self._loop is not None:
-            self._loop.call_soon_threadsafe(job.queue.put_nowait, update)
+    def _send(self, request: Request, update: RequestUpdate) -> None:
+        if not request.aborted and self._loop is not None:
+            self._loop.call_soon_threadsafe(request.queue.put_nowait, update)
 
     def _set_gauges(self) -> None:
         self.metrics.running.set(self.num_running)
         self.metrics.waiting.set(self.num_waiting)
 
 
-def _reason(job: _Job) -> str:
-    reasons = {r.finish_reason for r in job.sequences}
+def _reason(request: Request) -> str:
+    reasons = {r.finish_reason for r in request.sequences}
     return "length" if reasons == {"length"} else "stop"
 
 
-def _metrics(job: _Job) -> SpeculationMetrics:
-    total = SpeculationMetrics(drafted_per_position=[0] * len(job.sequences[0].metrics.drafted_per_position),
-                               accepted_per_position=[0] * len(job.sequences[0].metrics.accepted_per_position))
-    for r in job.sequences:
+def _metrics(request: Request) -> SpeculationMetrics:
+    total = SpeculationMetrics(drafted_per_position=[0] * len(request.sequences[0].metrics.drafted_per_position),
+                               accepted_per_position=[0] * len(request.sequences[0].metrics.accepted_per_position))
+    for r in request.sequences:
         total.merge(r.metrics)
     return total

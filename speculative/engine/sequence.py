@@ -12,8 +12,8 @@ from speculative.sampling_params import SamplingParams
 
 
 @dataclass
-class Request:
-    """One sequence being generated (a prompt with n > 1 has several, sharing its prefill).
+class Sequence:
+    """One sequence being generated: a prompt with n > 1 (or best_of) has several, sharing its prefill.
 
     prompt_index / sample_index: which prompt, and which of its sampled sequences.
     max_tokens: resolved (never None). generator: this sequence's own generator, or None.
@@ -47,18 +47,18 @@ class Request:
 
 
 class StopStrings:
-    """Finds a request's stop strings in its text as it grows, across step boundaries."""
+    """Finds a sequence's stop strings in its text as it grows, across step boundaries."""
 
-    def __init__(self, request: Request, decode) -> None:
-        self.request = request
+    def __init__(self, sequence: Sequence, decode) -> None:
+        self.sequence = sequence
         self.decode = decode  # list[int] -> str
-        self.stops = request.params.stop
+        self.stops = sequence.params.stop
         self.longest = max(len(s) for s in self.stops)
-        self.text = decode(request.output_token_ids) if request.output_token_ids else ""
+        self.text = decode(sequence.output_token_ids) if sequence.output_token_ids else ""
 
     def extend(self, num_new: int) -> bool:
         """Check the text after `num_new` more tokens; on a match cut tokens and text, return True."""
-        ids = self.request.output_token_ids
+        ids = self.sequence.output_token_ids
         old_length = len(self.text)
         text = self.decode(ids)
         start = max(0, old_length - self.longest + 1)
@@ -72,8 +72,8 @@ class StopStrings:
         while keep < len(ids) and len(self.decode(ids[:keep])) < end:
             keep += 1
         del ids[keep:]
-        if self.request.logprobs is not None:
-            del self.request.logprobs[keep:]
-        self.text = text[: end if self.request.params.include_stop_str_in_output else index]
-        self.request.stop_reason = stop
+        if self.sequence.logprobs is not None:
+            del self.sequence.logprobs[keep:]
+        self.text = text[: end if self.sequence.params.include_stop_str_in_output else index]
+        self.sequence.stop_reason = stop
         return True

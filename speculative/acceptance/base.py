@@ -1,0 +1,42 @@
+"""The one interface of every acceptance rule the engine is given.
+
+A speculative step hands the rule the target's raw logits at the k + 1 verified positions, the k
+drafts and the distributions they were drawn from; the rule returns, per row, the drafts it keeps,
+one token of the target's own (recovered at the first rejection, or the bonus after the last draft)
+and -1 padding: int64 [B, k + 1]. The rule turns logits into distributions through the batch's
+SampleStrategy (every processor of each row's SamplingParams, each position with its own context)
+and draws its randomness from the strategy's per-row generators, so a seeded row's output does not
+depend on its neighbours. The tensor algorithms themselves are pure functions beside each rule
+(`greedy_accept`, `rejection_sample`, `typical_accept`), with their randomness passed in.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from speculative.sampling import SampleStrategy
+from speculative.sampling.context import TokenContext
+
+
+@runtime_checkable
+class AcceptanceRule(Protocol):
+    """Decides which drafts of a step each row keeps."""
+
+    lossless: bool
+    """Whether the output is distributed exactly as the target's own (greedy: token-identical)."""
+
+    def verify(self, logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
+               strategy: SampleStrategy, context: TokenContext | None) -> Tensor:
+        """The kept tokens of each row.
+
+        logits: [B, k + 1, V] the target's raw logits at the last context token and at each draft.
+        draft_token_ids: [B, k] int64, -1 where the proposer had nothing (never accepted).
+        draft_probs: [B, k, V] the distributions the drafts were drawn from, or None for a
+            deterministic proposer (one-hot at each draft).
+        strategy: the batch's sampling (processors, temperatures, per-row generators).
+        context: the positions' contexts for context-dependent processors (None when none is used).
+        Returns int64 [B, k + 1]: accepted drafts, one more token, then -1.
+        """
+        ...
