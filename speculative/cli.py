@@ -11,6 +11,7 @@ from transformers.utils import logging as transformers_logging
 from speculative.config import GenerationConfig, SpeculativeConfig
 from speculative.demo import DEMO_DIR
 from speculative.engine.outputs import SpeculationMetrics
+from speculative.extras import needs_extra
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
@@ -181,9 +182,10 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
 def bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rich.console import Console
+    with needs_extra("bench", "speculative bench"):
+        from rich.console import Console
 
-    from speculative.bench.run import BenchConfig, run_and_report
+        from speculative.bench.run import BenchConfig, run_and_report
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
     fields = ("model", "draft_model", "prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts",
@@ -204,10 +206,11 @@ def bench(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     """Build the LLM, the scheduler and the app, and serve until SIGTERM or SIGINT: from then on new
     requests get 503 while running ones have --shutdown-timeout seconds to finish."""
-    import uvicorn
+    with needs_extra("server", "speculative serve"):
+        import uvicorn
 
-    from speculative.server.app import create_app
-    from speculative.server.scheduler import Scheduler
+        from speculative.server.app import create_app
+        from speculative.server.scheduler import Scheduler
 
     model, draft, name = args.model, args.draft_model, args.served_model_name or args.model
     if model is None:
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()
     try:
         return {"bench": bench, "serve": serve}.get(args.command, generate)(args)
-    except (ValueError, TypeError, OSError) as error:
+    except (ValueError, TypeError, OSError, ModuleNotFoundError) as error:  # bad input, a missing extra
         print(f"speculative: error: {error}", file=sys.stderr)
         return 2
 
