@@ -66,3 +66,11 @@ def test_draft_dtype_flag(model_dirs) -> None:
     assert "[draft_model, k=4]" in result.stdout
     result = run(base + ["--draft-dtype", "int8"])
     assert result.returncode == 2 and "draft_dtype must be 'auto'" in result.stderr
+
+
+def test_python_dash_m_speculative_is_the_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "speculative", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: speculative ")
+    assert "{generate,bench,serve}" in result.stdout
