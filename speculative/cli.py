@@ -9,7 +9,7 @@ import sys
 from transformers.utils import logging as transformers_logging
 
 from speculative.config import GenerationConfig, SpeculativeConfig
-from speculative.demo import DEMO_DIR
+from speculative.demo import DEMO_DIR, DEMO_DIR_ENV
 from speculative.engine.outputs import SpeculationMetrics
 from speculative.extras import needs_extra
 from speculative.llm import LLM
@@ -57,10 +57,10 @@ def _add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark ours against Hugging Face's decoding, side by side",
                                 description="Every method on the same prompts in one process; writes results.json, "
                                             "report.md and plots. Flags left out take the defaults (or --quick's).")
-    bench.add_argument("--model", help="target model (default: the demo pair's models/demo/target)")
-    bench.add_argument("--draft-model", help="draft model (default with the demo target: models/demo/draft)")
+    bench.add_argument("--model", help="target model (default: the demo pair's target)")
+    bench.add_argument("--draft-model", help="draft model (default with the demo target: the demo pair's draft)")
     bench.add_argument("--prompts", action="append", help="a JSONL prompt set (repeat; default: the bundled "
-                       "benchmarks/code.jsonl and edit.jsonl)")
+                       "code and edit sets)")
     bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
     bench.add_argument("--sweep-k", type=int, nargs="+", help="k values of the k sweep (1 .. 8)")
     bench.add_argument("--batch-size", dest="batch_sizes", type=int, nargs="+", help="batch sizes (1 4 8)")
@@ -129,13 +129,7 @@ def _add_serve_parser(commands) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    model, draft = args.model, args.draft_model
-    if model is None:  # the demo pair, speculating with its draft unless told otherwise
-        if not (DEMO_DIR / "target").is_dir():
-            raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model (train the pair with "
-                          f"`python -m speculative.demo.train --out models/demo`)")
-        model = str(DEMO_DIR / "target")
-        draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
+    model, draft = _models(args.model, args.draft_model, args.ngram)
     config = _speculative_config(args, draft)
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
               device=args.device, model_impl=args.model_impl, compile=args.compile,
@@ -188,17 +182,13 @@ def bench(args: argparse.Namespace) -> int:
         from speculative.bench.run import BenchConfig, run_and_report
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
-    fields = ("model", "draft_model", "prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts",
-              "sweep_prompts", "repeats", "timing_repeats", "dtype", "draft_dtype", "device", "model_impl", "seed",
-              "compile", "llama_cpp", "llama_cpp_build", "gguf_cache")
+    config.model, config.draft_model = _models(args.model, args.draft_model)
+    fields = ("prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts", "sweep_prompts", "repeats",
+              "timing_repeats", "dtype", "draft_dtype", "device", "model_impl", "seed", "compile", "llama_cpp",
+              "llama_cpp_build", "gguf_cache")
     for name in fields:
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
-    if args.model is not None and args.draft_model is None:
-        config.draft_model = None
-    if args.model is None and not (DEMO_DIR / "target").is_dir():
-        raise OSError(f"the demo pair is not at {DEMO_DIR} (train it with `python -m speculative.demo.train "
-                      f"--out models/demo`), or pass --model and --draft-model")
     run_and_report(config, Path(args.out), Console() if sys.stdout.isatty() else Console(width=130))
     return 0
 
@@ -212,12 +202,8 @@ def serve(args: argparse.Namespace) -> int:
         from speculative.server.app import create_app
         from speculative.server.scheduler import Scheduler
 
-    model, draft, name = args.model, args.draft_model, args.served_model_name or args.model
-    if model is None:
-        if not (DEMO_DIR / "target").is_dir():
-            raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model")
-        model, name = str(DEMO_DIR / "target"), name or "speculative-demo"
-        draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
+    model, draft = _models(args.model, args.draft_model, args.ngram)
+    name = args.served_model_name or args.model or "speculative-demo"
     for flag in ("max_prompt_tokens", "max_model_len"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
@@ -256,6 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError, ModuleNotFoundError) as error:  # bad input, a missing extra
         print(f"speculative: error: {error}", file=sys.stderr)
         return 2
+
+
+def _models(model: str | None, draft: str | None, ngram: bool = False) -> tuple[str, str | None]:
+    """(target, draft) of --model and --draft-model; without --model the demo pair, speculating with its
+    draft unless --draft-model or --ngram says otherwise (OSError saying how to get it where it is not)."""
+    if model is not None:
+        return model, draft
+    if not (DEMO_DIR / "target").is_dir():
+        raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model, set {DEMO_DIR_ENV} to the pair's "
+                      f"folder, or train it with `python -m speculative.demo.train --out models/demo`")
+    return str(DEMO_DIR / "target"), draft or (None if ngram else str(DEMO_DIR / "draft"))
 
 
 def _speculative_config(args: argparse.Namespace, draft: str | None) -> SpeculativeConfig | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -70,7 +71,29 @@ def test_draft_dtype_flag(model_dirs) -> None:
 
 def test_python_dash_m_speculative_is_the_command() -> None:
     result = subprocess.run([sys.executable, "-m", "speculative", "--help"], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: speculative ")
     assert "{generate,bench,serve}" in result.stdout
+
+
+def test_demo_pair_from_the_environment(model_dirs) -> None:
+    """SPECULATIVE_DEMO_DIR names the demo pair's folder; where it holds none, the error says what to do."""
+    folder = str(Path(model_dirs["target"]).parent)
+    argv = [sys.executable, "-m", "speculative", "generate", "--prompt", "ab", "--max-tokens", "4"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False,
+                            env={**os.environ, "SPECULATIVE_DEMO_DIR": folder})
+    assert result.returncode == 0, result.stderr
+    assert "[draft_model, k=4]" in result.stdout
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False,
+                            env={**os.environ, "SPECULATIVE_DEMO_DIR": str(Path(folder) / "nothing")})
+    assert result.returncode == 2
+    assert "pass --model, set SPECULATIVE_DEMO_DIR to the pair's folder, or train it with " \
+           "`python -m speculative.demo.train --out models/demo`" in result.stderr
+
+
+def test_demo_dir_of_a_checkout(monkeypatch) -> None:
+    from speculative import demo
+
+    monkeypatch.delenv("SPECULATIVE_DEMO_DIR", raising=False)
+    assert demo._demo_dir() == README.parent / "models" / "demo"

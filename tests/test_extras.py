@@ -26,11 +26,12 @@ def test_bench_names_the_bench_extra(hide_module, capsys, missing) -> None:
             f"(no module named '{missing}") in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("missing, module, extra", [("llguidance", "speculative.sampling.guided", "guided"),
-                                                    ("fastapi", "speculative.server.app", "server"),
-                                                    ("prometheus_client", "speculative.server.metrics", "server"),
-                                                    ("matplotlib", "speculative.bench.plots", "bench"),
-                                                    ("rich", "speculative.bench.report", "bench")])
+MODULES = [("llguidance", "speculative.sampling.guided", "guided"), ("fastapi", "speculative.server.app", "server"),
+           ("prometheus_client", "speculative.server.metrics", "server"),
+           ("matplotlib", "speculative.bench.plots", "bench"), ("rich", "speculative.bench.report", "bench")]
+
+
+@pytest.mark.parametrize("missing, module, extra", MODULES)
 def test_modules_name_their_extra(hide_module, missing, module, extra) -> None:
     hide_module(missing, module)
     with pytest.raises(ModuleNotFoundError, match=rf"needs the {extra} extra: pip install "
