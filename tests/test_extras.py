@@ -26,9 +26,13 @@ def test_bench_names_the_bench_extra(hide_module, capsys, missing) -> None:
             f"(no module named '{missing}") in capsys.readouterr().err
 
 
-MODULES = [("llguidance", "speculative.sampling.guided", "guided"), ("fastapi", "speculative.server.app", "server"),
-           ("prometheus_client", "speculative.server.metrics", "server"),
-           ("matplotlib", "speculative.bench.plots", "bench"), ("rich", "speculative.bench.report", "bench")]
+MODULES = [  # (missing module, module importing it, its extra)
+    ("llguidance", "speculative.sampling.guided", "guided"),
+    ("fastapi", "speculative.server.app", "server"),
+    ("prometheus_client", "speculative.server.metrics", "server"),
+    ("matplotlib", "speculative.bench.plots", "bench"),
+    ("rich", "speculative.bench.report", "bench"),
+]
 
 
 @pytest.mark.parametrize("missing, module, extra", MODULES)
