@@ -21,16 +21,9 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculative", description="Fast, exact speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text from prompts and print acceptance figures")
-    gen.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
-    drafter = gen.add_mutually_exclusive_group()
-    drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
-    drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
-    gen.add_argument("--adaptive", action="store_true",
-                       help="choose k per step in [0, -k] from measured acceptance and step times")
-    gen.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
-                     help="rejection is lossless; typical is not")
+    engine = _engine_flags()
+    gen = commands.add_parser("generate", parents=[engine],
+                              help="generate text from prompts and print acceptance figures")
     gen.add_argument("--prompt", action="append", help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--streaming-chunks", type=int, default=1, help="target steps between printed chunks")
@@ -39,18 +32,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None, help="per-request seed")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    gen.add_argument("--draft-dtype", help="the draft model's dtype (default: --dtype); on a CPU a float32 "
-                     "draft beside a bfloat16 target can be faster")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
     gen.add_argument("--compile", action="store_true", help="run the native forward compiled (torch.compile; "
                      "the first call of each kind compiles, a minute or more on a small CPU)")
-    gen.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the target's "
-                     "and the draft's projections (CPU, native forward; int4: bfloat16 models)")
     _add_bench_parser(commands)
-    _add_serve_parser(commands)
+    _add_serve_parser(commands, engine)
     return parser
+
+
+def _engine_flags() -> argparse.ArgumentParser:
+    """The flags `generate` and `serve` share: the pair, the drafter, the acceptance rule and how the
+    models run (a parent parser)."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
+    drafter = flags.add_mutually_exclusive_group()
+    drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
+    drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
+    flags.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
+    flags.add_argument("--adaptive", action="store_true",
+                       help="choose k per step in [0, -k] from measured acceptance and step times")
+    flags.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
+                       help="rejection is lossless; typical is not")
+    flags.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    flags.add_argument("--draft-dtype", help="the draft model's dtype (default: --dtype); on a CPU a float32 "
+                       "draft beside a bfloat16 target can be faster")
+    flags.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    flags.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
+    flags.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the "
+                       "target's and the draft's projections (CPU, native forward; int4: bfloat16 models)")
+    return flags
 
 
 def _add_bench_parser(commands) -> None:
@@ -58,7 +67,7 @@ def _add_bench_parser(commands) -> None:
                                 description="Every method on the same prompts in one process; writes results.json, "
                                             "report.md and plots. Flags left out take the defaults (or --quick's).")
     bench.add_argument("--model", help="target model (default: the demo pair's target)")
-    bench.add_argument("--draft-model", help="draft model (default with the demo target: the demo pair's draft)")
+    bench.add_argument("--draft-model", help="draft model (default with the demo target: the demo's draft)")
     bench.add_argument("--prompts", action="append", help="a JSONL prompt set (repeat; default: the bundled "
                        "code and edit sets)")
     bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
@@ -90,19 +99,11 @@ def _add_bench_parser(commands) -> None:
                        "points, well under a minute on 2 CPU cores")
 
 
-def _add_serve_parser(commands) -> None:
-    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
+    serve = commands.add_parser("serve", parents=[engine],
+                                help="serve the model over an OpenAI-compatible HTTP API",
                                 description="POST /v1/completions and /v1/chat/completions (streaming or not), "
                                             "GET /v1/models, /health and /metrics, with continuous batching.")
-    serve.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
-    drafter = serve.add_mutually_exclusive_group()
-    drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
-    drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
-    serve.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
-    serve.add_argument("--adaptive", action="store_true",
-                       help="choose k per step in [0, -k] from measured acceptance and step times")
-    serve.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
-                       help="rejection is lossless; typical is not")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("SPECULATIVE_API_KEY"),
@@ -116,13 +117,6 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default: the context)")
     serve.add_argument("--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' "
                                                          "context)")
-    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    serve.add_argument("--draft-dtype", help="the draft model's dtype (default: --dtype); on a CPU a float32 "
-                     "draft beside a bfloat16 target can be faster")
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
-    serve.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the target's "
-                       "and the draft's projections (CPU, native forward; int4: bfloat16 models)")
     serve.add_argument("--seed", type=int, default=0, help="seeds requests that have no seed of their own")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM or SIGINT")
@@ -183,9 +177,9 @@ def bench(args: argparse.Namespace) -> int:
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
     config.model, config.draft_model = _models(args.model, args.draft_model)
-    fields = ("prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts", "sweep_prompts", "repeats",
-              "timing_repeats", "dtype", "draft_dtype", "device", "model_impl", "seed", "compile", "llama_cpp",
-              "llama_cpp_build", "gguf_cache")
+    fields = ("prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts", "sweep_prompts",
+              "repeats", "timing_repeats", "dtype", "draft_dtype", "device", "model_impl", "seed", "compile",
+              "llama_cpp", "llama_cpp_build", "gguf_cache")
     for name in fields:
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
