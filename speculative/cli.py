@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import time
 
 from transformers.utils import logging as transformers_logging
 
@@ -16,6 +18,8 @@ from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "def fibonacci(n):"
+WARM_UP_TOKENS = 8
+"""Tokens of `generate`'s warm-up call, which pays the first call's one-time costs (and compilation)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,15 +127,19 @@ def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    model, draft = _models(args.model, args.draft_model, args.ngram)
-    config = _speculative_config(args, draft)
-    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
-              device=args.device, model_impl=args.model_impl, compile=args.compile,
-              quantization=args.quantization)
-    print(_dtypes(llm), file=sys.stderr)
+    """Load the pair, warm it up on the prompts (WARM_UP_TOKENS tokens), then generate: stream one
+    prompt's text, or print each completion of several; each with its figures (`_figures`)."""
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    model, draft = _models(args.model, args.draft_model, args.ngram)
+    config = _speculative_config(args, draft)
+    llm = _load(args, model, draft, config, compile=args.compile)
     prompts = args.prompt or [DEFAULT_PROMPT]
+    start = time.perf_counter()
+    llm.generate(prompts, dataclasses.replace(params, max_tokens=WARM_UP_TOKENS, ignore_eos=True))
+    cost = "warm-up and compilation" if args.compile else "warm-up"
+    print(f"speculative: first call ({WARM_UP_TOKENS} tokens, {cost}) in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr, flush=True)
     if len(prompts) > 1:
         for output in llm.generate(prompts, params):
             print(f"{output.prompt}{output.outputs[0].text}\n")
@@ -143,6 +151,20 @@ def generate(args: argparse.Namespace) -> int:
     print("\n")
     print(_figures(SpeculationMetrics(**state.metrics[0]), state.finish_reasons[0], config))
     return 0
+
+
+def _load(args: argparse.Namespace, model: str, draft: str | None, config: SpeculativeConfig | None,
+          **options) -> LLM:
+    """The LLM of the engine flags (and `options`, LLM's keywords); says on stderr which dtypes its models
+    run in and how long loading them took ("speculative: loaded target and draft in 2.1 s")."""
+    start = time.perf_counter()
+    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
+              device=args.device, model_impl=args.model_impl, quantization=args.quantization, **options)
+    loaded = time.perf_counter() - start
+    print(_dtypes(llm), file=sys.stderr)
+    print(f"speculative: loaded {'target and draft' if llm.draft is not None else 'target'} in {loaded:.1f} s",
+          file=sys.stderr, flush=True)
+    return llm
 
 
 def _dtypes(llm: LLM) -> str:
@@ -157,9 +179,12 @@ def _dtypes(llm: LLM) -> str:
 
 
 def _figures(m: SpeculationMetrics, finish_reason: str | None, config: SpeculativeConfig | None) -> str:
+    """A completion's figures: tokens, steps and finish; the time to its first token (the prefill) and
+    the decoding speed after it; with a drafter, the acceptance."""
     method = f"{config.method}, k={config.num_speculative_tokens}" if config else "autoregressive"
-    lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, {m.tokens_per_second:.1f} tokens/s, "
-             f"finish: {finish_reason}"]
+    lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, finish: {finish_reason}",
+             f"time to first token {1000 * m.first_token_s:.1f} ms, decoding {m.decode_tokens_per_second:.1f} "
+             f"tokens/s"]
     if config:
         per_position = " ".join(f"{a:.2f}" for a in m.acceptance_per_position)
         lines.append(f"acceptance rate {m.acceptance_rate:.2f} ({m.num_accepted}/{m.num_drafted} drafts), "
@@ -203,10 +228,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
-    config = _speculative_config(args, draft)
-    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
-              device=args.device, seed=args.seed, model_impl=args.model_impl, quantization=args.quantization)
-    print(_dtypes(llm), file=sys.stderr, flush=True)
+    llm = _load(args, model, draft, _speculative_config(args, draft), seed=args.seed)
     context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
     if args.max_model_len is not None and args.max_model_len > context:
         raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of {context}")

@@ -31,8 +31,14 @@ def test_readme_generate_command(model_dirs) -> None:
     result = run(argv + ["--max-tokens", "12"])
     assert result.returncode == 0, result.stderr
     assert "def fibonacci(n):" in result.stdout
-    assert re.search(r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d", result.stdout)
-    assert "[draft_model, k=4]" in result.stdout
+    assert re.search(r"\[draft_model, k=4\] 12 tokens in \d+ steps, finish: length\n"
+                     r"time to first token \d+\.\d ms, decoding \d+\.\d tokens/s\n"
+                     r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d",
+                     result.stdout)
+    # what the first call costs once, apart from the figures above
+    once = (r"^speculative: loaded target and draft in \d+\.\d s\n"
+            r"speculative: first call \(8 tokens, warm-up\) in \d+\.\d s$")
+    assert re.search(once, result.stderr, re.MULTILINE), result.stderr
 
 
 def test_readme_first_command_on_the_demo_pair() -> None:
@@ -50,7 +56,9 @@ def test_ngram_and_plain(model_dirs) -> None:
         result = run(["speculative", "generate", "--model", model_dirs["target"], "--prompt", "ab ab ab",
                       "--max-tokens", "8", *extra])
         assert result.returncode == 0, result.stderr
-        assert tag in result.stdout
+        assert tag in result.stdout and "time to first token" in result.stdout
+        assert "speculative: loaded target in" in result.stderr
+    assert "acceptance rate" not in result.stdout  # autoregressive: nothing drafted
 
 
 def test_bad_flag_is_a_clear_error(model_dirs) -> None:
