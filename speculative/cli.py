@@ -7,8 +7,11 @@ import dataclasses
 import os
 import sys
 import time
+from pathlib import Path
 
+import jinja2
 from transformers.utils import logging as transformers_logging
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from speculative.config import GenerationConfig, SpeculativeConfig
 from speculative.demo import DEMO_DIR, DEMO_DIR_ENV
@@ -121,6 +124,8 @@ def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default: the context)")
     serve.add_argument("--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' "
                                                          "context)")
+    serve.add_argument("--chat-template", metavar="TEMPLATE", help="the Jinja chat template of "
+                       "/v1/chat/completions, or the path of a file holding it (default: the tokenizer's)")
     serve.add_argument("--seed", type=int, default=0, help="seeds requests that have no seed of their own")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM or SIGINT")
@@ -193,8 +198,6 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
 
 
 def bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     with needs_extra("bench", "speculative bench"):
         from rich.console import Console
 
@@ -213,29 +216,11 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Build the LLM, the scheduler and the app, and serve until SIGTERM or SIGINT: from then on new
-    requests get 503 while running ones have --shutdown-timeout seconds to finish."""
+    """Serve `serve_app(args)` until SIGTERM or SIGINT: from then on new requests get 503 while running
+    ones have --shutdown-timeout seconds to finish."""
     with needs_extra("server", "speculative serve"):
         import uvicorn
-
-        from speculative.server.app import create_app
-        from speculative.server.scheduler import Scheduler
-
-    model, draft = _models(args.model, args.draft_model, args.ngram)
-    name = args.served_model_name or args.model or "speculative-demo"
-    for flag in ("max_prompt_tokens", "max_model_len"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
-    llm = _load(args, model, draft, _speculative_config(args, draft), seed=args.seed)
-    context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
-    if args.max_model_len is not None and args.max_model_len > context:
-        raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of {context}")
-    scheduler = Scheduler(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
-    app = create_app(scheduler, model_name=name, tokenizer=llm.tokenizer, api_key=args.api_key,
-                     max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len or context,
-                     shutdown_timeout=args.shutdown_timeout)
+    app = serve_app(args)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     stop = server.handle_exit
@@ -247,6 +232,53 @@ def serve(args: argparse.Namespace) -> int:
     server.handle_exit = drain
     server.run()
     return 0
+
+
+def serve_app(args: argparse.Namespace):
+    """The app `speculative serve` runs (FastAPI, not started): the flags checked, --chat-template
+    before the models load, then the LLM (with the template as its tokenizer's), its scheduler and the
+    OpenAI-compatible app. ValueError naming the flag for a bad value."""
+    with needs_extra("server", "speculative serve"):
+        from speculative.server.app import create_app
+        from speculative.server.scheduler import Scheduler
+
+    model, draft = _models(args.model, args.draft_model, args.ngram)
+    name = args.served_model_name or args.model or "speculative-demo"
+    for flag in ("max_prompt_tokens", "max_model_len"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
+    template = None if args.chat_template is None else _chat_template(args.chat_template)
+    llm = _load(args, model, draft, _speculative_config(args, draft), seed=args.seed)
+    if template is not None:
+        if llm.tokenizer is None:
+            raise ValueError(f"--chat-template needs the model's tokenizer, and {model} has none")
+        llm.tokenizer.chat_template = template
+    context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of {context}")
+    scheduler = Scheduler(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
+    return create_app(scheduler, model_name=name, tokenizer=llm.tokenizer, api_key=args.api_key,
+                      max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len or context,
+                      shutdown_timeout=args.shutdown_timeout)
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template's template: the text of the file that `value` names, else `value` itself.
+    ValueError naming the flag when it is not valid Jinja (compiled as transformers compiles chat
+    templates, by rendering a one-message chat; errors that only the tokenizer's variables or real
+    messages would avoid are left to the requests, which get them as 400s)."""
+    template = Path(value).read_text(encoding="utf-8") if os.path.isfile(value) else value
+    try:
+        render_jinja_template([[{"role": "user", "content": "hello"}]], chat_template=template,
+                              add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {error.message} (line {error.lineno}); "
+                         f"give a template or the path of a file holding one") from None
+    except jinja2.TemplateError:
+        pass
+    return template
 
 
 def main(argv: list[str] | None = None) -> int:
