@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine = _engine_flags()
     gen = commands.add_parser("generate", parents=[engine],
                               help="generate text from prompts and print acceptance figures")
-    gen.add_argument("--prompt", action="append", help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})")
+    gen.add_argument("--prompt", action="append",
+                     help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--streaming-chunks", type=int, default=1, help="target steps between printed chunks")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -71,8 +72,9 @@ def _engine_flags() -> argparse.ArgumentParser:
 
 def _add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark ours against Hugging Face's decoding, side by side",
-                                description="Every method on the same prompts in one process; writes results.json, "
-                                            "report.md and plots. Flags left out take the defaults (or --quick's).")
+                                description="Every method on the same prompts in one process; writes "
+                                            "results.json, report.md and plots. Flags left out take the "
+                                            "defaults (or --quick's).")
     bench.add_argument("--model", help="target model (default: the demo pair's target)")
     bench.add_argument("--draft-model", help="draft model (default with the demo target: the demo's draft)")
     bench.add_argument("--prompts", action="append", help="a JSONL prompt set (repeat; default: the bundled "
@@ -94,23 +96,26 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--seed", type=int)
     bench.add_argument("--compile", action="store_true", default=None,
                        help="also measure ours compiled (torch.compile): autoregressive, each drafter at k")
-    bench.add_argument("--llama-cpp", metavar="DIR", help="also measure llama.cpp: a llama.cpp checkout whose "
-                       "--llama-cpp-build folder holds bin/llama-server (without it the llama.cpp methods are "
-                       "skipped); the pair must be local folders")
-    bench.add_argument("--llama-cpp-build", metavar="NAME", help="build folder under --llama-cpp, or an absolute "
-                       "path (build)")
-    bench.add_argument("--gguf-cache", metavar="DIR", help="where the pair's GGUF files for llama.cpp are kept "
-                       "(~/.cache/speculative/gguf)")
+    bench.add_argument("--llama-cpp", metavar="DIR",
+                       help="also measure llama.cpp: a llama.cpp checkout whose --llama-cpp-build folder "
+                            "holds bin/llama-server (without it the llama.cpp methods are skipped); the pair "
+                            "must be local folders")
+    bench.add_argument("--llama-cpp-build", metavar="NAME",
+                       help="build folder under --llama-cpp, or an absolute path (build)")
+    bench.add_argument("--gguf-cache", metavar="DIR",
+                       help="where the pair's GGUF files for llama.cpp are kept (~/.cache/speculative/gguf)")
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
-    bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep "
-                       "points, well under a minute on 2 CPU cores")
+    bench.add_argument("--quick", action="store_true",
+                       help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep points, well under a minute "
+                            "on 2 CPU cores")
 
 
 def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
     serve = commands.add_parser("serve", parents=[engine],
                                 help="serve the model over an OpenAI-compatible HTTP API",
-                                description="POST /v1/completions and /v1/chat/completions (streaming or not), "
-                                            "GET /v1/models, /health and /metrics, with continuous batching.")
+                                description="POST /v1/completions and /v1/chat/completions (streaming or "
+                                            "not), GET /v1/models, /health and /metrics, with continuous "
+                                            "batching.")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("SPECULATIVE_API_KEY"),
@@ -163,12 +168,13 @@ def _load(args: argparse.Namespace, model: str, draft: str | None, config: Specu
     """The LLM of the engine flags (and `options`, LLM's keywords); says on stderr which dtypes its models
     run in and how long loading them took ("speculative: loaded target and draft in 2.1 s")."""
     start = time.perf_counter()
-    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
-              device=args.device, model_impl=args.model_impl, quantization=args.quantization, **options)
+    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype,
+              draft_dtype=args.draft_dtype, device=args.device, model_impl=args.model_impl,
+              quantization=args.quantization, **options)
     loaded = time.perf_counter() - start
+    models = "target and draft" if llm.draft is not None else "target"
     print(_dtypes(llm), file=sys.stderr)
-    print(f"speculative: loaded {'target and draft' if llm.draft is not None else 'target'} in {loaded:.1f} s",
-          file=sys.stderr, flush=True)
+    print(f"speculative: loaded {models} in {loaded:.1f} s", file=sys.stderr, flush=True)
     return llm
 
 
@@ -187,9 +193,9 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
     """A completion's figures: tokens, steps and finish; the time to its first token (the prefill) and
     the decoding speed after it; with a drafter, the acceptance."""
     method = f"{config.method}, k={config.num_speculative_tokens}" if config else "autoregressive"
-    lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, finish: {finish_reason}",
-             f"time to first token {1000 * m.first_token_s:.1f} ms, decoding {m.decode_tokens_per_second:.1f} "
-             f"tokens/s"]
+    decoding = f"decoding {m.decode_tokens_per_second:.1f} tokens/s"
+    speed = f"time to first token {1000 * m.first_token_s:.1f} ms, {decoding}"
+    lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, finish: {finish_reason}", speed]
     if config:
         per_position = " ".join(f"{a:.2f}" for a in m.acceptance_per_position)
         lines.append(f"acceptance rate {m.acceptance_rate:.2f} ({m.num_accepted}/{m.num_drafted} drafts), "
@@ -257,7 +263,8 @@ def serve_app(args: argparse.Namespace):
         llm.tokenizer.chat_template = template
     context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
     if args.max_model_len is not None and args.max_model_len > context:
-        raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of {context}")
+        raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of "
+                         f"{context}")
     scheduler = Scheduler(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
     return create_app(scheduler, model_name=name, tokenizer=llm.tokenizer, api_key=args.api_key,
                       max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len or context,
@@ -274,8 +281,8 @@ def _chat_template(value: str) -> str:
         render_jinja_template([[{"role": "user", "content": "hello"}]], chat_template=template,
                               add_generation_prompt=True)
     except jinja2.TemplateSyntaxError as error:
-        raise ValueError(f"--chat-template is not a valid Jinja template: {error.message} (line {error.lineno}); "
-                         f"give a template or the path of a file holding one") from None
+        raise ValueError(f"--chat-template is not a valid Jinja template: {error.message} (line "
+                         f"{error.lineno}); give a template or the path of a file holding one") from None
     except jinja2.TemplateError:
         pass
     return template

@@ -45,9 +45,9 @@ def test_modules_name_their_extra(hide_module, missing, module, extra) -> None:
 
 
 def test_other_missing_modules_pass_unchanged() -> None:
-    with pytest.raises(ModuleNotFoundError, match="No module named 'no_such_module'"):
-        with needs_extra("bench", "speculative bench"):
-            import no_such_module  # noqa: F401
-    with pytest.raises(ValueError, match="extra must be one of server, bench, guided; got 'gpu'"):
-        with needs_extra("gpu", "x"):
-            pass
+    with (pytest.raises(ModuleNotFoundError, match="No module named 'no_such_module'"),
+          needs_extra("bench", "speculative bench")):
+        import no_such_module  # noqa: F401
+    with (pytest.raises(ValueError, match="extra must be one of server, bench, guided; got 'gpu'"),
+          needs_extra("gpu", "x")):
+        pass

@@ -21,7 +21,8 @@ def serve_app(*flags: str):
 
 def chat(url: str, model: str, max_tokens: int = 8):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=max_tokens, temperature=0)
+    return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=max_tokens,
+                                          temperature=0)
 
 
 def test_chat_on_the_demo_server_with_no_flags() -> None:
