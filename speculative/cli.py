@@ -137,18 +137,18 @@ def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    """Load the pair, warm it up on the prompts (WARM_UP_TOKENS tokens), then generate: stream one
-    prompt's text, or print each completion of several; each with its figures (`_figures`)."""
+    """Load the pair, warm it up on the prompts (WARM_UP_TOKENS tokens, at most --max-tokens), then
+    generate: stream one prompt's text, or print each completion of several; each with its figures."""
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     model, draft = _models(args.model, args.draft_model, args.ngram)
     config = _speculative_config(args, draft)
     llm = _load(args, model, draft, config, compile=args.compile)
     prompts = args.prompt or [DEFAULT_PROMPT]
-    start = time.perf_counter()
-    llm.generate(prompts, dataclasses.replace(params, max_tokens=WARM_UP_TOKENS, ignore_eos=True))
+    warm_up, start = min(WARM_UP_TOKENS, params.max_tokens), time.perf_counter()
+    llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_up, ignore_eos=True))
     cost = "warm-up and compilation" if args.compile else "warm-up"
-    print(f"speculative: first call ({WARM_UP_TOKENS} tokens, {cost}) in {time.perf_counter() - start:.1f} s",
+    print(f"speculative: first call ({warm_up} tokens, {cost}) in {time.perf_counter() - start:.2f} s",
           file=sys.stderr, flush=True)
     if len(prompts) > 1:
         for output in llm.generate(prompts, params):
@@ -166,7 +166,7 @@ def generate(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace, model: str, draft: str | None, config: SpeculativeConfig | None,
           **options) -> LLM:
     """The LLM of the engine flags (and `options`, LLM's keywords); says on stderr which dtypes its models
-    run in and how long loading them took ("speculative: loaded target and draft in 2.1 s")."""
+    run in and how long loading them took ("speculative: loaded target and draft in 2.10 s")."""
     start = time.perf_counter()
     llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype,
               draft_dtype=args.draft_dtype, device=args.device, model_impl=args.model_impl,
@@ -174,7 +174,7 @@ def _load(args: argparse.Namespace, model: str, draft: str | None, config: Specu
     loaded = time.perf_counter() - start
     models = "target and draft" if llm.draft is not None else "target"
     print(_dtypes(llm), file=sys.stderr)
-    print(f"speculative: loaded {models} in {loaded:.1f} s", file=sys.stderr, flush=True)
+    print(f"speculative: loaded {models} in {loaded:.2f} s", file=sys.stderr, flush=True)
     return llm
 
 

@@ -36,8 +36,8 @@ def test_readme_generate_command(model_dirs) -> None:
                      r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d",
                      result.stdout)
     # what the first call costs once, apart from the figures above
-    once = (r"^speculative: loaded target and draft in \d+\.\d s\n"
-            r"speculative: first call \(8 tokens, warm-up\) in \d+\.\d s$")
+    once = (r"^speculative: loaded target and draft in \d+\.\d\d s\n"
+            r"speculative: first call \(8 tokens, warm-up\) in \d+\.\d\d s$")
     assert re.search(once, result.stderr, re.MULTILINE), result.stderr
 
 
