@@ -1,4 +1,4 @@
-"""Regenerate the bundled prompt sets `code.jsonl` and `edit.jsonl` beside this script.
+"""Regenerate the bundled prompt sets `code.jsonl` and `edit.jsonl` in speculative/bench/prompt_sets/.
 
     python benchmarks/make_prompts.py [--count 20]
 
@@ -8,7 +8,6 @@ Deterministic for a given Python standard library (the demo corpus); see `specul
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from speculative.bench.prompts import write_bundled
 
@@ -17,7 +16,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=20, help="prompts per set")
     args = parser.parse_args()
-    for name, path in write_bundled(Path(__file__).resolve().parent, args.count).items():
+    for name, path in write_bundled(count=args.count).items():
         print(f"{name}: {sum(1 for _ in path.open())} prompts -> {path}")
 
 

@@ -7,7 +7,7 @@
 benchmarks/forward_times.py times them), eager and compiled, every mode and kind in turn in each
 round; medians over rounds of each round's median, with the minimum. Also the bytes of the tensors
 the model holds, before and after quantizing.
-`generate`: the demo pair on the first prompts of benchmarks/code.jsonl, 128 tokens each (EOS
+`generate`: the demo pair on the first prompts of the bundled code set, 128 tokens each (EOS
 ignored, greedy, k=4), plain (the target alone) and speculative (with the draft), eager and compiled;
 one prompt of every configuration in turn; tokens/s of each round (medians, min-max), acceptance
 and tokens per step, and whether speculative output equals plain output.
@@ -24,17 +24,17 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.bench.prompts import BUNDLED_DIR
 from speculative.demo import DEMO_DIR
 from speculative.models.compiled import CompiledCausalLM
 from speculative.models.loading import load_model
 from speculative.models.quantization import tensor_bytes
 
-PROMPTS = Path(__file__).parent / "code.jsonl"
+PROMPTS = BUNDLED_DIR / "code.jsonl"
 
 
 def _busy_seconds() -> tuple[float, float]:

@@ -3,34 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import time
+from pathlib import Path
 
+import jinja2
 from transformers.utils import logging as transformers_logging
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from speculative.config import GenerationConfig, SpeculativeConfig
-from speculative.demo import DEMO_DIR
+from speculative.demo import DEMO_DIR, DEMO_DIR_ENV
 from speculative.engine.outputs import SpeculationMetrics
+from speculative.extras import needs_extra
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "def fibonacci(n):"
+WARM_UP_TOKENS = 8
+"""Tokens of `generate`'s warm-up call, which pays the first call's one-time costs (and compilation)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculative", description="Fast, exact speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="generate text from prompts and print acceptance figures")
-    gen.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
-    drafter = gen.add_mutually_exclusive_group()
-    drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
-    drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
-    gen.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
-    gen.add_argument("--adaptive", action="store_true",
-                       help="choose k per step in [0, -k] from measured acceptance and step times")
-    gen.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
-                     help="rejection is lossless; typical is not")
-    gen.add_argument("--prompt", action="append", help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})")
+    engine = _engine_flags()
+    gen = commands.add_parser("generate", parents=[engine],
+                              help="generate text from prompts and print acceptance figures")
+    gen.add_argument("--prompt", action="append",
+                     help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--streaming-chunks", type=int, default=1, help="target steps between printed chunks")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -38,28 +40,45 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None, help="per-request seed")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    gen.add_argument("--draft-dtype", help="the draft model's dtype (default: --dtype); on a CPU a float32 "
-                     "draft beside a bfloat16 target can be faster")
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
     gen.add_argument("--compile", action="store_true", help="run the native forward compiled (torch.compile; "
                      "the first call of each kind compiles, a minute or more on a small CPU)")
-    gen.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the target's "
-                     "and the draft's projections (CPU, native forward; int4: bfloat16 models)")
     _add_bench_parser(commands)
-    _add_serve_parser(commands)
+    _add_serve_parser(commands, engine)
     return parser
+
+
+def _engine_flags() -> argparse.ArgumentParser:
+    """The flags `generate` and `serve` share: the pair, the drafter, the acceptance rule and how the
+    models run (a parent parser)."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
+    drafter = flags.add_mutually_exclusive_group()
+    drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
+    drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
+    flags.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
+    flags.add_argument("--adaptive", action="store_true",
+                       help="choose k per step in [0, -k] from measured acceptance and step times")
+    flags.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
+                       help="rejection is lossless; typical is not")
+    flags.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    flags.add_argument("--draft-dtype", help="the draft model's dtype (default: --dtype); on a CPU a float32 "
+                       "draft beside a bfloat16 target can be faster")
+    flags.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    flags.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
+    flags.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the "
+                       "target's and the draft's projections (CPU, native forward; int4: bfloat16 models)")
+    return flags
 
 
 def _add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark ours against Hugging Face's decoding, side by side",
-                                description="Every method on the same prompts in one process; writes results.json, "
-                                            "report.md and plots. Flags left out take the defaults (or --quick's).")
-    bench.add_argument("--model", help="target model (default: the demo pair's models/demo/target)")
-    bench.add_argument("--draft-model", help="draft model (default with the demo target: models/demo/draft)")
+                                description="Every method on the same prompts in one process; writes "
+                                            "results.json, report.md and plots. Flags left out take the "
+                                            "defaults (or --quick's).")
+    bench.add_argument("--model", help="target model (default: the demo pair's target)")
+    bench.add_argument("--draft-model", help="draft model (default with the demo target: the demo's draft)")
     bench.add_argument("--prompts", action="append", help="a JSONL prompt set (repeat; default: the bundled "
-                       "benchmarks/code.jsonl and edit.jsonl)")
+                       "code and edit sets)")
     bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
     bench.add_argument("--sweep-k", type=int, nargs="+", help="k values of the k sweep (1 .. 8)")
     bench.add_argument("--batch-size", dest="batch_sizes", type=int, nargs="+", help="batch sizes (1 4 8)")
@@ -74,31 +93,26 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--seed", type=int)
     bench.add_argument("--compile", action="store_true", default=None,
                        help="also measure ours compiled (torch.compile): autoregressive, each drafter at k")
-    bench.add_argument("--llama-cpp", metavar="DIR", help="also measure llama.cpp: a llama.cpp checkout whose "
-                       "--llama-cpp-build folder holds bin/llama-server (without it the llama.cpp methods are "
-                       "skipped); the pair must be local folders")
-    bench.add_argument("--llama-cpp-build", metavar="NAME", help="build folder under --llama-cpp, or an absolute "
-                       "path (build)")
-    bench.add_argument("--gguf-cache", metavar="DIR", help="where the pair's GGUF files for llama.cpp are kept "
-                       "(~/.cache/speculative/gguf)")
+    bench.add_argument("--llama-cpp", metavar="DIR",
+                       help="also measure llama.cpp: a llama.cpp checkout whose --llama-cpp-build folder "
+                            "holds bin/llama-server (without it the llama.cpp methods are skipped); the pair "
+                            "must be local folders")
+    bench.add_argument("--llama-cpp-build", metavar="NAME",
+                       help="build folder under --llama-cpp, or an absolute path (build)")
+    bench.add_argument("--gguf-cache", metavar="DIR",
+                       help="where the pair's GGUF files for llama.cpp are kept (~/.cache/speculative/gguf)")
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
-    bench.add_argument("--quick", action="store_true", help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep "
-                       "points, well under a minute on 2 CPU cores")
+    bench.add_argument("--quick", action="store_true",
+                       help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep points, well under a minute "
+                            "on 2 CPU cores")
 
 
-def _add_serve_parser(commands) -> None:
-    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                                description="POST /v1/completions and /v1/chat/completions (streaming or not), "
-                                            "GET /v1/models, /health and /metrics, with continuous batching.")
-    serve.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
-    drafter = serve.add_mutually_exclusive_group()
-    drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
-    drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
-    serve.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
-    serve.add_argument("--adaptive", action="store_true",
-                       help="choose k per step in [0, -k] from measured acceptance and step times")
-    serve.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
-                       help="rejection is lossless; typical is not")
+def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
+    serve = commands.add_parser("serve", parents=[engine],
+                                help="serve the model over an OpenAI-compatible HTTP API",
+                                description="POST /v1/completions and /v1/chat/completions (streaming or "
+                                            "not), GET /v1/models, /health and /metrics, with continuous "
+                                            "batching.")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("SPECULATIVE_API_KEY"),
@@ -112,34 +126,27 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default: the context)")
     serve.add_argument("--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' "
                                                          "context)")
-    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    serve.add_argument("--draft-dtype", help="the draft model's dtype (default: --dtype); on a CPU a float32 "
-                     "draft beside a bfloat16 target can be faster")
-    serve.add_argument("--device", default="cpu")
-    serve.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
-    serve.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the target's "
-                       "and the draft's projections (CPU, native forward; int4: bfloat16 models)")
+    serve.add_argument("--chat-template", metavar="TEMPLATE", help="the Jinja chat template of "
+                       "/v1/chat/completions, or the path of a file holding it (default: the tokenizer's)")
     serve.add_argument("--seed", type=int, default=0, help="seeds requests that have no seed of their own")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds running requests get to finish after SIGTERM or SIGINT")
 
 
 def generate(args: argparse.Namespace) -> int:
-    model, draft = args.model, args.draft_model
-    if model is None:  # the demo pair, speculating with its draft unless told otherwise
-        if not (DEMO_DIR / "target").is_dir():
-            raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model (train the pair with "
-                          f"`python -m speculative.demo.train --out models/demo`)")
-        model = str(DEMO_DIR / "target")
-        draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
-    config = _speculative_config(args, draft)
-    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
-              device=args.device, model_impl=args.model_impl, compile=args.compile,
-              quantization=args.quantization)
-    print(_dtypes(llm), file=sys.stderr)
+    """Load the pair, warm it up on the prompts (WARM_UP_TOKENS tokens, at most --max-tokens), then
+    generate: stream one prompt's text, or print each completion of several; each with its figures."""
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    model, draft = _models(args.model, args.draft_model, args.ngram)
+    config = _speculative_config(args, draft)
+    llm = _load(args, model, draft, config, compile=args.compile)
     prompts = args.prompt or [DEFAULT_PROMPT]
+    warm_up, start = min(WARM_UP_TOKENS, params.max_tokens), time.perf_counter()
+    llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_up, ignore_eos=True))
+    cost = "warm-up and compilation" if args.compile else "warm-up"
+    print(f"speculative: first call ({warm_up} tokens, {cost}) in {time.perf_counter() - start:.2f} s",
+          file=sys.stderr, flush=True)
     if len(prompts) > 1:
         for output in llm.generate(prompts, params):
             print(f"{output.prompt}{output.outputs[0].text}\n")
@@ -151,6 +158,21 @@ def generate(args: argparse.Namespace) -> int:
     print("\n")
     print(_figures(SpeculationMetrics(**state.metrics[0]), state.finish_reasons[0], config))
     return 0
+
+
+def _load(args: argparse.Namespace, model: str, draft: str | None, config: SpeculativeConfig | None,
+          **options) -> LLM:
+    """The LLM of the engine flags (and `options`, LLM's keywords); says on stderr which dtypes its models
+    run in and how long loading them took ("speculative: loaded target and draft in 2.10 s")."""
+    start = time.perf_counter()
+    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype,
+              draft_dtype=args.draft_dtype, device=args.device, model_impl=args.model_impl,
+              quantization=args.quantization, **options)
+    loaded = time.perf_counter() - start
+    models = "target and draft" if llm.draft is not None else "target"
+    print(_dtypes(llm), file=sys.stderr)
+    print(f"speculative: loaded {models} in {loaded:.2f} s", file=sys.stderr, flush=True)
+    return llm
 
 
 def _dtypes(llm: LLM) -> str:
@@ -165,9 +187,12 @@ def _dtypes(llm: LLM) -> str:
 
 
 def _figures(m: SpeculationMetrics, finish_reason: str | None, config: SpeculativeConfig | None) -> str:
+    """A completion's figures: tokens, steps and finish; the time to its first token (the prefill) and
+    the decoding speed after it; with a drafter, the acceptance."""
     method = f"{config.method}, k={config.num_speculative_tokens}" if config else "autoregressive"
-    lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, {m.tokens_per_second:.1f} tokens/s, "
-             f"finish: {finish_reason}"]
+    decoding = f"decoding {m.decode_tokens_per_second:.1f} tokens/s"
+    speed = f"time to first token {1000 * m.first_token_s:.1f} ms, {decoding}"
+    lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, finish: {finish_reason}", speed]
     if config:
         per_position = " ".join(f"{a:.2f}" for a in m.acceptance_per_position)
         lines.append(f"acceptance rate {m.acceptance_rate:.2f} ({m.num_accepted}/{m.num_drafted} drafts), "
@@ -176,58 +201,29 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
 
 
 def bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    with needs_extra("bench", "speculative bench"):
+        from rich.console import Console
 
-    from rich.console import Console
-
-    from speculative.bench.run import BenchConfig, run_and_report
+        from speculative.bench.run import BenchConfig, run_and_report
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
-    fields = ("model", "draft_model", "prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts",
-              "sweep_prompts", "repeats", "dtype", "draft_dtype", "device", "model_impl", "seed",
-              "compile", "llama_cpp", "llama_cpp_build", "gguf_cache")
+    config.model, config.draft_model = _models(args.model, args.draft_model)
+    fields = ("prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts", "sweep_prompts",
+              "repeats", "dtype", "draft_dtype", "device", "model_impl", "seed", "compile",
+              "llama_cpp", "llama_cpp_build", "gguf_cache")
     for name in fields:
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
-    if args.model is not None and args.draft_model is None:
-        config.draft_model = None
-    if args.model is None and not (DEMO_DIR / "target").is_dir():
-        raise OSError(f"the demo pair is not at {DEMO_DIR} (train it with `python -m speculative.demo.train "
-                      f"--out models/demo`), or pass --model and --draft-model")
     run_and_report(config, Path(args.out), Console() if sys.stdout.isatty() else Console(width=130))
     return 0
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Build the LLM, the scheduler and the app, and serve until SIGTERM or SIGINT: from then on new
-    requests get 503 while running ones have --shutdown-timeout seconds to finish."""
-    import uvicorn
-
-    from speculative.server.app import create_app
-    from speculative.server.scheduler import Scheduler
-
-    model, draft, name = args.model, args.draft_model, args.served_model_name or args.model
-    if model is None:
-        if not (DEMO_DIR / "target").is_dir():
-            raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model")
-        model, name = str(DEMO_DIR / "target"), name or "speculative-demo"
-        draft = draft or (None if args.ngram else str(DEMO_DIR / "draft"))
-    for flag in ("max_prompt_tokens", "max_model_len"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
-    config = _speculative_config(args, draft)
-    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype, draft_dtype=args.draft_dtype,
-              device=args.device, seed=args.seed, model_impl=args.model_impl, quantization=args.quantization)
-    print(_dtypes(llm), file=sys.stderr, flush=True)
-    context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
-    if args.max_model_len is not None and args.max_model_len > context:
-        raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of {context}")
-    scheduler = Scheduler(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
-    app = create_app(scheduler, model_name=name, tokenizer=llm.tokenizer, api_key=args.api_key,
-                     max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len or context,
-                     shutdown_timeout=args.shutdown_timeout)
+    """Serve `serve_app(args)` until SIGTERM or SIGINT: from then on new requests get 503 while running
+    ones have --shutdown-timeout seconds to finish."""
+    with needs_extra("server", "speculative serve"):
+        import uvicorn
+    app = serve_app(args)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     stop = server.handle_exit
@@ -241,15 +237,74 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_app(args: argparse.Namespace):
+    """The app `speculative serve` runs (FastAPI, not started): the flags checked, --chat-template
+    before the models load, then the LLM (with the template as its tokenizer's), its scheduler and the
+    OpenAI-compatible app. ValueError naming the flag for a bad value."""
+    with needs_extra("server", "speculative serve"):
+        from speculative.server.app import create_app
+        from speculative.server.scheduler import Scheduler
+
+    model, draft = _models(args.model, args.draft_model, args.ngram)
+    name = args.served_model_name or args.model or "speculative-demo"
+    for flag in ("max_prompt_tokens", "max_model_len"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
+    template = None if args.chat_template is None else _chat_template(args.chat_template)
+    llm = _load(args, model, draft, _speculative_config(args, draft), seed=args.seed)
+    if template is not None:
+        if llm.tokenizer is None:
+            raise ValueError(f"--chat-template needs the model's tokenizer, and {model} has none")
+        llm.tokenizer.chat_template = template
+    context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of "
+                         f"{context}")
+    scheduler = Scheduler(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
+    return create_app(scheduler, model_name=name, tokenizer=llm.tokenizer, api_key=args.api_key,
+                      max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len or context,
+                      shutdown_timeout=args.shutdown_timeout)
+
+
+def _chat_template(value: str) -> str:
+    """--chat-template's template: the text of the file that `value` names, else `value` itself.
+    ValueError naming the flag when it is not valid Jinja (compiled as transformers compiles chat
+    templates, by rendering a one-message chat; errors that only the tokenizer's variables or real
+    messages would avoid are left to the requests, which get them as 400s)."""
+    template = Path(value).read_text(encoding="utf-8") if os.path.isfile(value) else value
+    try:
+        render_jinja_template([[{"role": "user", "content": "hello"}]], chat_template=template,
+                              add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {error.message} (line "
+                         f"{error.lineno}); give a template or the path of a file holding one") from None
+    except jinja2.TemplateError:
+        pass
+    return template
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     transformers_logging.set_verbosity_error()  # no weight-loading bars or warnings in the CLI's output
     transformers_logging.disable_progress_bar()
     try:
         return {"bench": bench, "serve": serve}.get(args.command, generate)(args)
-    except (ValueError, TypeError, OSError) as error:
+    except (ValueError, TypeError, OSError, ModuleNotFoundError) as error:  # bad input, a missing extra
         print(f"speculative: error: {error}", file=sys.stderr)
         return 2
+
+
+def _models(model: str | None, draft: str | None, ngram: bool = False) -> tuple[str, str | None]:
+    """(target, draft) of --model and --draft-model; without --model the demo pair, speculating with its
+    draft unless --draft-model or --ngram says otherwise (OSError saying how to get it where it is not)."""
+    if model is not None:
+        return model, draft
+    if not (DEMO_DIR / "target").is_dir():
+        raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model, set {DEMO_DIR_ENV} to the pair's "
+                      f"folder, or train it with `python -m speculative.demo.train --out models/demo`")
+    return str(DEMO_DIR / "target"), draft or (None if ngram else str(DEMO_DIR / "draft"))
 
 
 def _speculative_config(args: argparse.Namespace, draft: str | None) -> SpeculativeConfig | None:

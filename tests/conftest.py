@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -72,3 +73,17 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         tokenizer.save_pretrained(path)
         paths[name] = str(path)
     return paths
+
+
+@pytest.fixture
+def hide_module(monkeypatch):
+    """hide(missing, *reloaded): make module `missing` and its submodules unimportable (an extra left
+    out), and drop the cached `reloaded` modules and their submodules so that they import again; all put
+    back afterwards."""
+    def hide(missing: str, *reloaded: str) -> None:
+        for name in [missing, *(n for n in sys.modules if n.startswith(missing + "."))]:
+            monkeypatch.setitem(sys.modules, name, None)
+        for name in [n for n in sys.modules if n.startswith(reloaded)]:
+            monkeypatch.delitem(sys.modules, name)
+
+    return hide

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -30,8 +31,14 @@ def test_readme_generate_command(model_dirs) -> None:
     result = run(argv + ["--max-tokens", "12"])
     assert result.returncode == 0, result.stderr
     assert "def fibonacci(n):" in result.stdout
-    assert re.search(r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d", result.stdout)
-    assert "[draft_model, k=4]" in result.stdout
+    assert re.search(r"\[draft_model, k=4\] 12 tokens in \d+ steps, finish: length\n"
+                     r"time to first token \d+\.\d ms, decoding \d+\.\d tokens/s\n"
+                     r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d",
+                     result.stdout)
+    # what the first call costs once, apart from the figures above
+    once = (r"^speculative: loaded target and draft in \d+\.\d\d s\n"
+            r"speculative: first call \(8 tokens, warm-up\) in \d+\.\d\d s$")
+    assert re.search(once, result.stderr, re.MULTILINE), result.stderr
 
 
 def test_readme_first_command_on_the_demo_pair() -> None:
@@ -49,7 +56,9 @@ def test_ngram_and_plain(model_dirs) -> None:
         result = run(["speculative", "generate", "--model", model_dirs["target"], "--prompt", "ab ab ab",
                       "--max-tokens", "8", *extra])
         assert result.returncode == 0, result.stderr
-        assert tag in result.stdout
+        assert tag in result.stdout and "time to first token" in result.stdout
+        assert "speculative: loaded target in" in result.stderr
+    assert "acceptance rate" not in result.stdout  # autoregressive: nothing drafted
 
 
 def test_bad_flag_is_a_clear_error(model_dirs) -> None:
@@ -66,3 +75,33 @@ def test_draft_dtype_flag(model_dirs) -> None:
     assert "[draft_model, k=4]" in result.stdout
     result = run(base + ["--draft-dtype", "int8"])
     assert result.returncode == 2 and "draft_dtype must be 'auto'" in result.stderr
+
+
+def test_python_dash_m_speculative_is_the_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "speculative", "--help"], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: speculative ")
+    assert "{generate,bench,serve}" in result.stdout
+
+
+def test_demo_pair_from_the_environment(model_dirs) -> None:
+    """SPECULATIVE_DEMO_DIR names the demo pair's folder; where it holds none, the error says what to do."""
+    folder = str(Path(model_dirs["target"]).parent)
+    argv = [sys.executable, "-m", "speculative", "generate", "--prompt", "ab", "--max-tokens", "4"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False,
+                            env={**os.environ, "SPECULATIVE_DEMO_DIR": folder})
+    assert result.returncode == 0, result.stderr
+    assert "[draft_model, k=4]" in result.stdout
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False,
+                            env={**os.environ, "SPECULATIVE_DEMO_DIR": str(Path(folder) / "nothing")})
+    assert result.returncode == 2
+    assert "pass --model, set SPECULATIVE_DEMO_DIR to the pair's folder, or train it with " \
+           "`python -m speculative.demo.train --out models/demo`" in result.stderr
+
+
+def test_demo_dir_of_a_checkout(monkeypatch) -> None:
+    from speculative import demo
+
+    monkeypatch.delenv("SPECULATIVE_DEMO_DIR", raising=False)
+    assert demo._demo_dir() == README.parent / "models" / "demo"

@@ -27,6 +27,8 @@ def test_smoke_outputs_load_and_generate(smoke_dir, name):
     tok = AutoTokenizer.from_pretrained(path)
     assert model.config.model_type == "llama" and model.dtype == torch.bfloat16
     assert tok.eos_token == tok.bos_token == tok.pad_token == corpus.EOT
+    assert tok.chat_template == corpus.CHAT_TEMPLATE
+    assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())  # as committed
     ids = tok("def add(a, b):\n", return_tensors="pt")
     assert ids["input_ids"][0, 0].item() == tok.eos_token_id
     out = model.generate(**ids, max_new_tokens=5, do_sample=False)
@@ -70,6 +72,7 @@ def test_committed_pair_loads_with_plain_transformers_and_writes_code() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
     assert AutoTokenizer.from_pretrained(DEMO_DIR / "draft").get_vocab() == tokenizer.get_vocab()
+    assert tokenizer.chat_template == corpus.CHAT_TEMPLATE  # the recipe's, which the draft's equals too
     for name in ("target", "draft"):
         model = AutoModelForCausalLM.from_pretrained(DEMO_DIR / name).eval()
         assert model.dtype == torch.bfloat16 and model.config.model_type == "llama"

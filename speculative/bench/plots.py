@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from speculative.extras import needs_extra
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+with needs_extra("bench", "speculative.bench"):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
 
 def _save(fig, path: Path) -> str:

@@ -4,8 +4,9 @@ A prompt file is JSONL, one object per line, either `{"prompt": "..."}` (with an
 Spec-Bench question `{"question_id": ..., "turns": ["...", ...]}`, of which the first turn is used and
 wrapped in the tokenizer's chat template when it has one.
 
-The bundled sets (`benchmarks/code.jsonl`, `benchmarks/edit.jsonl`) are cut from the held-out files of
-the demo corpus (`speculative.demo.corpus`), which the demo models never saw in training:
+The bundled sets (`BUNDLED_DIR`: `prompt_sets/code.jsonl` and `edit.jsonl`, the package's data) are cut
+from the held-out files of the demo corpus (`speculative.demo.corpus`), which the demo models never saw
+in training:
 - code: the few hundred characters before a function or class definition plus its `def`/`class` line;
   the model continues with the body (plain code continuation).
 - edit: a whole function, then a comment saying that the same code follows again, then its first line;
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from speculative.demo import corpus
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-BUNDLED_DIR = REPO_ROOT / "benchmarks"
+BUNDLED_DIR = Path(__file__).resolve().parent / "prompt_sets"
+"""The bundled sets' folder, shipped with the package."""
 EDIT_COMMENT = "# The same code again, unchanged:"
 
 

@@ -6,8 +6,11 @@ import json
 import math
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from speculative.extras import needs_extra
+
+with needs_extra("bench", "speculative.bench"):
+    from rich.console import Console
+    from rich.table import Table
 
 METHOD_COLUMNS = ["method", "tok/s", "vs HF", "vs ours AR", "accept", "alpha", "mean len", "bound", "effic.",
                   "identical (ties)"]

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import AutoModelForCausalLM
 
 from speculative.bench.gguf_cache import DEFAULT_CACHE
@@ -47,10 +45,15 @@ from speculative.bench.timing import bound_figures
 from speculative.config import SpeculativeConfig
 from speculative.demo import DEMO_DIR
 from speculative.demo.model_card import machine
+from speculative.extras import needs_extra
 from speculative.llm import LLM
 from speculative.models.compiled import CompiledCausalLM, warm_up_pair
 from speculative.models.dtypes import cpu_features
 from speculative.precompile import PreCompileConfig
+
+with needs_extra("bench", "speculative.bench"):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 @dataclass

@@ -19,6 +19,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 EOT = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}{{- '\n' + message.content + '\n\n' }}"
+    "{%- else %}{{- '# ' + message.content | replace('\n', '\n# ') + '\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '\n' }}{%- endif %}"
+)
+"""The demo tokenizer's chat template, for models that write Python: the system's and the user's
+messages become comment lines, the assistant's code follows them after a blank line (the generation
+prompt), and a blank line closes it."""
 HELDOUT_FRACTION = 0.04
 
 
@@ -54,7 +65,8 @@ def read_texts(files: list[str], root: Path | None = None) -> list[str]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on `texts`, `<|endoftext|>` (id 0) as its bos, eos and pad."""
+    """A byte-level BPE tokenizer trained on `texts`, `<|endoftext|>` (id 0) as its bos, eos and pad, with
+    CHAT_TEMPLATE."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -71,7 +83,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B:1", special_tokens=[(EOT, eot_id)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT, unk_token=None
+        tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT, unk_token=None,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -165,9 +165,10 @@ def count_params(model: torch.nn.Module) -> int:
 
 
 def save(model: LlamaForCausalLM, tokenizer, path: Path) -> None:
-    """Write `model` in bf16 and `tokenizer` as a Hugging Face directory."""
+    """Write `model` in bf16 and `tokenizer` as a Hugging Face directory (its chat template in
+    tokenizer_config.json)."""
     model.to(torch.bfloat16).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path, save_jinja_files=False)
 
 
 def main(argv: list[str] | None = None) -> dict:

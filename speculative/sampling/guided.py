@@ -23,11 +23,15 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import llguidance
-import llguidance.hf
-import llguidance.numpy as llg_np
 import numpy as np
 import torch
+
+from speculative.extras import needs_extra
+
+with needs_extra("guided", "guided decoding"):
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy as llg_np
 
 __all__ = ["GuidedDecodingParams", "Guide", "GuideState", "allowed_for_blocks"]
 

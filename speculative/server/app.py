@@ -15,15 +15,18 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
+from speculative.extras import needs_extra
 from speculative.sampling_params import SamplingParams
-from speculative.server import protocol as P
-from speculative.server.scheduler import QueueFull, RequestStream, RequestUpdate, Scheduler, ShuttingDown
+
+with needs_extra("server", "speculative.server"):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from speculative.server import protocol as P
+    from speculative.server.scheduler import QueueFull, RequestStream, RequestUpdate, Scheduler, ShuttingDown
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 """Labels of the requests-by-status counter; any other /v1 path counts as "other"."""

@@ -7,7 +7,10 @@ accepted tokens also per draft position (0-based, as vLLM's `position` label).
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from speculative.extras import needs_extra
+
+with needs_extra("server", "speculative.server"):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0)

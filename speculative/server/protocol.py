@@ -18,14 +18,16 @@ each endpoint's format.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
 from speculative.engine.outputs import Logprob
-from speculative.sampling.guided import GuidedDecodingParams
 from speculative.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from speculative.sampling.guided import GuidedDecodingParams
 
 MAX_CHOICES = 128
 """n and best_of at most: one request cannot fill the server with sequences."""
@@ -156,9 +158,16 @@ class SamplingRequest(_Body):
         return {int(key): bias for key, bias in self.logit_bias.items()}
 
     def _guided_decoding(self) -> GuidedDecodingParams | None:
+        """response_format's constraint; None for text. Without the guided extra a constraint is a 400
+        naming response_format."""
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return None
+        try:
+            from speculative.sampling.guided import GuidedDecodingParams
+        except ModuleNotFoundError as error:
+            raise APIError(400, f"response_format {fmt.type!r} is not available on this server: {error}",
+                           param="response_format") from None
         if fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise APIError(400, 'response_format.json_schema is required when response_format.type is '

@@ -167,3 +167,12 @@ def test_chat_without_a_chat_template(served) -> None:
     response = TestClient(app).post(CHAT, json=CHAT_OK)
     assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]
+
+
+def test_response_format_without_the_guided_extra(served, hide_module) -> None:
+    hide_module("llguidance", "speculative.sampling.guided")
+    response = served.post(CHAT, {**CHAT_OK, "response_format": {"type": "json_object"}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format"
+    assert "needs the guided extra: pip install 'speculative[guided]'" in error["message"], error
