@@ -48,8 +48,13 @@ def main() -> None:
     args = parser.parse_args()
     eager = {name: load_model(str(DEMO_DIR / name), args.dtype).model for name in ("target", "draft")}
     models = {"eager": eager, "compiled": {name: CompiledCausalLM(m) for name, m in eager.items()}}
-    cases = {"T_1": ("target", 1, 1), f"T_v(k={args.k})": ("target", 1, args.k + 1), "T_d": ("draft", 1, 1),
-             "batch 8, q=1": ("target", 8, 1), f"batch 8, q={args.k + 1}": ("target", 8, args.k + 1)}
+    cases = {
+        "T_1": ("target", 1, 1),
+        f"T_v(k={args.k})": ("target", 1, args.k + 1),
+        "T_d": ("draft", 1, 1),
+        "batch 8, q=1": ("target", 8, 1),
+        f"batch 8, q={args.k + 1}": ("target", 8, args.k + 1),
+    }
     start = time.perf_counter()
     for name, batch, q in cases.values():
         call_ms(models["compiled"][name], batch, q, args.context, 1)
@@ -61,13 +66,17 @@ def main() -> None:
             for kind in models:
                 reps = 10 if batch == 1 else 3
                 samples[kind, case].append(call_ms(models[kind][name], batch, q, args.context, reps))
-    print(f"{args.dtype}, {torch.get_num_threads()} threads, cache of {args.context} tokens: "
-          f"ms per call, median (min)")
+    print(
+        f"{args.dtype}, {torch.get_num_threads()} threads, cache of {args.context} tokens: "
+        f"ms per call, median (min)"
+    )
     for case in cases:
         eager_ms, compiled_ms = samples["eager", case], samples["compiled", case]
-        print(f"  {case:14s} eager {statistics.median(eager_ms):6.2f} ({min(eager_ms):6.2f})   compiled "
-              f"{statistics.median(compiled_ms):6.2f} ({min(compiled_ms):6.2f})   "
-              f"x{statistics.median(eager_ms) / statistics.median(compiled_ms):.2f}")
+        print(
+            f"  {case:14s} eager {statistics.median(eager_ms):6.2f} ({min(eager_ms):6.2f})   compiled "
+            f"{statistics.median(compiled_ms):6.2f} ({min(compiled_ms):6.2f})   "
+            f"x{statistics.median(eager_ms) / statistics.median(compiled_ms):.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,10 @@ def _quantized(dtype: str, mode: str):
     before = tensor_bytes(model)
     if mode != "float":
         model.quantize(mode.split("-")[0], lm_head=not mode.endswith("nohead"))
-    print(f"{mode}: the target's tensors {before / 2**20:.1f} -> {tensor_bytes(model) / 2**20:.1f} MiB", flush=True)
+    print(
+        f"{mode}: the target's tensors {before / 2**20:.1f} -> {tensor_bytes(model) / 2**20:.1f} MiB",
+        flush=True,
+    )
     return model
 
 
@@ -97,18 +100,26 @@ def forward(args: argparse.Namespace) -> None:
         if not args.eager_only:
             models[mode, "compiled"] = CompiledCausalLM(model)
     start = time.perf_counter()
-    for (mode, kind), model in models.items():
+    for model in models.values():
         for q in (1, 5):
             call_ms(model, q, args.context, 1)  # compiles
     print(f"warm-up (compiling): {time.perf_counter() - start:.0f} s", flush=True)
-    rounds = quiet_rounds(lambda: {(key, q): call_ms(m, q, args.context, 10) for q in (1, 5)
-                                   for key, m in models.items()}, args.rounds, args.others_limit)
-    print(f"{args.dtype}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, cache of "
-          f"{args.context} tokens: ms per call, median (min) of {len(rounds)} rounds")
+    rounds = quiet_rounds(
+        lambda: {(key, q): call_ms(m, q, args.context, 10) for q in (1, 5) for key, m in models.items()},
+        args.rounds,
+        args.others_limit,
+    )
+    print(
+        f"{args.dtype}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
+        f"cache of "
+        f"{args.context} tokens: ms per call, median (min) of {len(rounds)} rounds"
+    )
     for q in (1, 5):
         for key in models:
             samples = [r[key, q] for r in rounds]
-            print(f"  q={q}  {key[0]:12s} {key[1]:8s} {statistics.median(samples):7.2f} ({min(samples):6.2f})")
+            print(
+                f"  q={q}  {key[0]:12s} {key[1]:8s} {statistics.median(samples):7.2f} ({min(samples):6.2f})"
+            )
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -119,8 +130,14 @@ def generate(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for kind in ("eager",) if args.eager_only else ("eager", "compiled"):
         for mode in args.modes.split(","):
-            speculative = LLM(target, draft_model=draft, dtype=args.dtype, quantization=None if mode == "float" else mode,
-                              compile=kind == "compiled", speculative_config=SpeculativeConfig(num_speculative_tokens=4))
+            speculative = LLM(
+                target,
+                draft_model=draft,
+                dtype=args.dtype,
+                quantization=None if mode == "float" else mode,
+                compile=kind == "compiled",
+                speculative_config=SpeculativeConfig(num_speculative_tokens=4),
+            )
             plain = LLM(speculative.target.model, tokenizer=speculative.tokenizer)  # the same target
             llms[mode, kind, "plain"], llms[mode, kind, "speculative"] = plain, speculative
             for llm in (plain, speculative):  # warm-up: compiles every graph the runs use
@@ -140,20 +157,27 @@ def generate(args: argparse.Namespace) -> None:
         return {key: tokens[key] / seconds[key] for key in llms}
 
     rounds = quiet_rounds(run_round, args.rounds, args.others_limit)
-    print(f"{args.dtype}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
-          f"{len(prompts)} code prompts x 128 tokens, k=4: tokens/s, median (min-max) of {len(rounds)} rounds")
+    print(
+        f"{args.dtype}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
+        f"{len(prompts)} code prompts x 128 tokens, k=4: tokens/s, median (min-max) of {len(rounds)} rounds"
+    )
     for key in llms:
         mode, kind, method = key
         samples = [r[key] for r in rounds]
-        line = f"  {mode:11s} {kind:8s} {method:11s} {statistics.median(samples):6.1f} ({min(samples):.1f}-{max(samples):.1f})"
+        spread = f"({min(samples):.1f}-{max(samples):.1f})"
+        line = f"  {mode:11s} {kind:8s} {method:11s} {statistics.median(samples):6.1f} {spread}"
         if method == "speculative":
             metrics = [outputs[key, i].metrics for i in range(len(prompts))]
             accepted, drafted = sum(m.num_accepted for m in metrics), sum(m.num_drafted for m in metrics)
             steps = sum(m.num_steps for m in metrics)
-            same = all(outputs[key, i].outputs[0].token_ids == outputs[(mode, kind, "plain"), i].outputs[0].token_ids
-                       for i in range(len(prompts)))
-            line += (f"  acceptance {accepted / drafted:.3f}, {(accepted + steps) / steps:.2f} tokens/step, "
-                     f"{'the same tokens as plain' if same else 'OUTPUT DIFFERS FROM PLAIN'}")
+            same = all(
+                outputs[key, i].outputs[0].token_ids == outputs[(mode, kind, "plain"), i].outputs[0].token_ids
+                for i in range(len(prompts))
+            )
+            line += (
+                f"  acceptance {accepted / drafted:.3f}, {(accepted + steps) / steps:.2f} tokens/step, "
+                f"{'the same tokens as plain' if same else 'OUTPUT DIFFERS FROM PLAIN'}"
+            )
         print(line, flush=True)
 
 

@@ -9,5 +9,11 @@ from speculative.engine.outputs import CompletionOutput, RequestOutput, Speculat
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "SpeculationMetrics",
-           "SpeculativeConfig"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "SpeculationMetrics",
+    "SpeculativeConfig",
+]

@@ -29,10 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="speculative", description="Fast, exact speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True)
     engine = _engine_flags()
-    gen = commands.add_parser("generate", parents=[engine],
-                              help="generate text from prompts and print acceptance figures")
-    gen.add_argument("--prompt", action="append",
-                     help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})")
+    gen = commands.add_parser(
+        "generate", parents=[engine], help="generate text from prompts and print acceptance figures"
+    )
+    gen.add_argument(
+        "--prompt", action="append", help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})"
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--streaming-chunks", type=int, default=1, help="target steps between printed chunks")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -40,8 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None, help="per-request seed")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--compile", action="store_true", help="run the native forward compiled (torch.compile; "
-                     "the first call of each kind compiles, a minute or more on a small CPU)")
+    gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the native forward compiled (torch.compile; "
+        "the first call of each kind compiles, a minute or more on a small CPU)",
+    )
     _add_bench_parser(commands)
     _add_serve_parser(commands, engine)
     return parser
@@ -56,29 +62,49 @@ def _engine_flags() -> argparse.ArgumentParser:
     drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
     drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
     flags.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
-    flags.add_argument("--adaptive", action="store_true",
-                       help="choose k per step in [0, -k] from measured acceptance and step times")
-    flags.add_argument("--acceptance", choices=["rejection", "typical"], default="rejection",
-                       help="rejection is lossless; typical is not")
+    flags.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="choose k per step in [0, -k] from measured acceptance and step times",
+    )
+    flags.add_argument(
+        "--acceptance",
+        choices=["rejection", "typical"],
+        default="rejection",
+        help="rejection is lossless; typical is not",
+    )
     flags.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    flags.add_argument("--draft-dtype", help="the draft model's dtype (default: --dtype); on a CPU a float32 "
-                       "draft beside a bfloat16 target can be faster")
+    flags.add_argument(
+        "--draft-dtype",
+        help="the draft model's dtype (default: --dtype); on a CPU a float32 "
+        "draft beside a bfloat16 target can be faster",
+    )
     flags.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     flags.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto")
-    flags.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization of the "
-                       "target's and the draft's projections (CPU, native forward; int4: bfloat16 models)")
+    flags.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        help="weight-only quantization of the "
+        "target's and the draft's projections (CPU, native forward; int4: bfloat16 models)",
+    )
     return flags
 
 
 def _add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmark ours against Hugging Face's decoding, side by side",
-                                description="Every method on the same prompts in one process; writes "
-                                            "results.json, report.md and plots. Flags left out take the "
-                                            "defaults (or --quick's).")
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark ours against Hugging Face's decoding, side by side",
+        description="Every method on the same prompts in one process; writes "
+        "results.json, report.md and plots. Flags left out take the "
+        "defaults (or --quick's).",
+    )
     bench.add_argument("--model", help="target model (default: the demo pair's target)")
     bench.add_argument("--draft-model", help="draft model (default with the demo target: the demo's draft)")
-    bench.add_argument("--prompts", action="append", help="a JSONL prompt set (repeat; default: the bundled "
-                       "code and edit sets)")
+    bench.add_argument(
+        "--prompts",
+        action="append",
+        help="a JSONL prompt set (repeat; default: the bundled code and edit sets)",
+    )
     bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
     bench.add_argument("--sweep-k", type=int, nargs="+", help="k values of the k sweep (1 .. 8)")
     bench.add_argument("--batch-size", dest="batch_sizes", type=int, nargs="+", help="batch sizes (1 4 8)")
@@ -91,53 +117,95 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--device", help="cpu (default) or cuda")
     bench.add_argument("--model-impl", choices=["auto", "native", "transformers"])
     bench.add_argument("--seed", type=int)
-    bench.add_argument("--compile", action="store_true", default=None,
-                       help="also measure ours compiled (torch.compile): autoregressive, each drafter at k")
-    bench.add_argument("--llama-cpp", metavar="DIR",
-                       help="also measure llama.cpp: a llama.cpp checkout whose --llama-cpp-build folder "
-                            "holds bin/llama-server (without it the llama.cpp methods are skipped); the pair "
-                            "must be local folders")
-    bench.add_argument("--llama-cpp-build", metavar="NAME",
-                       help="build folder under --llama-cpp, or an absolute path (build)")
-    bench.add_argument("--gguf-cache", metavar="DIR",
-                       help="where the pair's GGUF files for llama.cpp are kept (~/.cache/speculative/gguf)")
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="also measure ours compiled (torch.compile): autoregressive, each drafter at k",
+    )
+    bench.add_argument(
+        "--llama-cpp",
+        metavar="DIR",
+        help="also measure llama.cpp: a llama.cpp checkout whose --llama-cpp-build folder "
+        "holds bin/llama-server (without it the llama.cpp methods are skipped); the pair "
+        "must be local folders",
+    )
+    bench.add_argument(
+        "--llama-cpp-build",
+        metavar="NAME",
+        help="build folder under --llama-cpp, or an absolute path (build)",
+    )
+    bench.add_argument(
+        "--gguf-cache",
+        metavar="DIR",
+        help="where the pair's GGUF files for llama.cpp are kept (~/.cache/speculative/gguf)",
+    )
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
-    bench.add_argument("--quick", action="store_true",
-                       help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep points, well under a minute "
-                            "on 2 CPU cores")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep points, well under a minute on 2 CPU cores",
+    )
 
 
 def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
-    serve = commands.add_parser("serve", parents=[engine],
-                                help="serve the model over an OpenAI-compatible HTTP API",
-                                description="POST /v1/completions and /v1/chat/completions (streaming or "
-                                            "not), GET /v1/models, /health and /metrics, with continuous "
-                                            "batching.")
+    serve = commands.add_parser(
+        "serve",
+        parents=[engine],
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="POST /v1/completions and /v1/chat/completions (streaming or "
+        "not), GET /v1/models, /health and /metrics, with continuous "
+        "batching.",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("SPECULATIVE_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on every route but /health "
-                            "(default: $SPECULATIVE_API_KEY; none: open)")
-    serve.add_argument("--served-model-name", help="the model's name in the API (default: --model, or "
-                                                   "'speculative-demo' for the demo pair)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECULATIVE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on every route but /health "
+        "(default: $SPECULATIVE_API_KEY; none: open)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        help="the model's name in the API (default: --model, or 'speculative-demo' for the demo pair)",
+    )
     serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
-    serve.add_argument("--max-waiting", type=int, default=128,
-                       help="sequences that may wait for room in the batch (then 429)")
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=128,
+        help="sequences that may wait for room in the batch (then 429)",
+    )
     serve.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted (default: the context)")
-    serve.add_argument("--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' "
-                                                         "context)")
-    serve.add_argument("--chat-template", metavar="TEMPLATE", help="the Jinja chat template of "
-                       "/v1/chat/completions, or the path of a file holding it (default: the tokenizer's)")
+    serve.add_argument(
+        "--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' context)"
+    )
+    serve.add_argument(
+        "--chat-template",
+        metavar="TEMPLATE",
+        help="the Jinja chat template of "
+        "/v1/chat/completions, or the path of a file holding it (default: the tokenizer's)",
+    )
     serve.add_argument("--seed", type=int, default=0, help="seeds requests that have no seed of their own")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds running requests get to finish after SIGTERM or SIGINT")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM or SIGINT",
+    )
 
 
 def generate(args: argparse.Namespace) -> int:
     """Load the pair, warm it up on the prompts (WARM_UP_TOKENS tokens, at most --max-tokens), then
     generate: stream one prompt's text, or print each completion of several; each with its figures."""
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+    )
     model, draft = _models(args.model, args.draft_model, args.ngram)
     config = _speculative_config(args, draft)
     llm = _load(args, model, draft, config, compile=args.compile)
@@ -145,8 +213,11 @@ def generate(args: argparse.Namespace) -> int:
     warm_up, start = min(WARM_UP_TOKENS, params.max_tokens), time.perf_counter()
     llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_up, ignore_eos=True))
     cost = "warm-up and compilation" if args.compile else "warm-up"
-    print(f"speculative: first call ({warm_up} tokens, {cost}) in {time.perf_counter() - start:.2f} s",
-          file=sys.stderr, flush=True)
+    print(
+        f"speculative: first call ({warm_up} tokens, {cost}) in {time.perf_counter() - start:.2f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     if len(prompts) > 1:
         for output in llm.generate(prompts, params):
             print(f"{output.prompt}{output.outputs[0].text}\n")
@@ -160,14 +231,23 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, model: str, draft: str | None, config: SpeculativeConfig | None,
-          **options) -> LLM:
+def _load(
+    args: argparse.Namespace, model: str, draft: str | None, config: SpeculativeConfig | None, **options
+) -> LLM:
     """The LLM of the engine flags (and `options`, LLM's keywords); says on stderr which dtypes its models
     run in and how long loading them took ("speculative: loaded target and draft in 2.10 s")."""
     start = time.perf_counter()
-    llm = LLM(model, draft_model=draft, speculative_config=config, dtype=args.dtype,
-              draft_dtype=args.draft_dtype, device=args.device, model_impl=args.model_impl,
-              quantization=args.quantization, **options)
+    llm = LLM(
+        model,
+        draft_model=draft,
+        speculative_config=config,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype,
+        device=args.device,
+        model_impl=args.model_impl,
+        quantization=args.quantization,
+        **options,
+    )
     loaded = time.perf_counter() - start
     models = "target and draft" if llm.draft is not None else "target"
     print(_dtypes(llm), file=sys.stderr)
@@ -195,8 +275,10 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
     lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, finish: {finish_reason}", speed]
     if config:
         per_position = " ".join(f"{a:.2f}" for a in m.acceptance_per_position)
-        lines.append(f"acceptance rate {m.acceptance_rate:.2f} ({m.num_accepted}/{m.num_drafted} drafts), "
-                     f"mean accepted length {m.mean_accepted_length:.2f}, per position: {per_position}")
+        lines.append(
+            f"acceptance rate {m.acceptance_rate:.2f} ({m.num_accepted}/{m.num_drafted} drafts), "
+            f"mean accepted length {m.mean_accepted_length:.2f}, per position: {per_position}"
+        )
     return "\n".join(lines)
 
 
@@ -208,9 +290,25 @@ def bench(args: argparse.Namespace) -> int:
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
     config.model, config.draft_model = _models(args.model, args.draft_model)
-    fields = ("prompts", "k", "sweep_k", "batch_sizes", "max_tokens", "num_prompts", "sweep_prompts",
-              "repeats", "dtype", "draft_dtype", "device", "model_impl", "seed", "compile",
-              "llama_cpp", "llama_cpp_build", "gguf_cache")
+    fields = (
+        "prompts",
+        "k",
+        "sweep_k",
+        "batch_sizes",
+        "max_tokens",
+        "num_prompts",
+        "sweep_prompts",
+        "repeats",
+        "dtype",
+        "draft_dtype",
+        "device",
+        "model_impl",
+        "seed",
+        "compile",
+        "llama_cpp",
+        "llama_cpp_build",
+        "gguf_cache",
+    )
     for name in fields:
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
@@ -224,8 +322,15 @@ def serve(args: argparse.Namespace) -> int:
     with needs_extra("server", "speculative serve"):
         import uvicorn
     app = serve_app(args)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_graceful_shutdown=args.shutdown_timeout))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
     stop = server.handle_exit
 
     def drain(sig, frame) -> None:  # uvicorn's own handler stops accepting connections and waits
@@ -260,12 +365,19 @@ def serve_app(args: argparse.Namespace):
         llm.tokenizer.chat_template = template
     context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
     if args.max_model_len is not None and args.max_model_len > context:
-        raise ValueError(f"--max-model-len {args.max_model_len} is more than the models' context of "
-                         f"{context}")
+        raise ValueError(
+            f"--max-model-len {args.max_model_len} is more than the models' context of {context}"
+        )
     scheduler = Scheduler(llm, max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting)
-    return create_app(scheduler, model_name=name, tokenizer=llm.tokenizer, api_key=args.api_key,
-                      max_prompt_tokens=args.max_prompt_tokens, max_model_len=args.max_model_len or context,
-                      shutdown_timeout=args.shutdown_timeout)
+    return create_app(
+        scheduler,
+        model_name=name,
+        tokenizer=llm.tokenizer,
+        api_key=args.api_key,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_model_len=args.max_model_len or context,
+        shutdown_timeout=args.shutdown_timeout,
+    )
 
 
 def _chat_template(value: str) -> str:
@@ -275,11 +387,14 @@ def _chat_template(value: str) -> str:
     messages would avoid are left to the requests, which get them as 400s)."""
     template = Path(value).read_text(encoding="utf-8") if os.path.isfile(value) else value
     try:
-        render_jinja_template([[{"role": "user", "content": "hello"}]], chat_template=template,
-                              add_generation_prompt=True)
+        render_jinja_template(
+            [[{"role": "user", "content": "hello"}]], chat_template=template, add_generation_prompt=True
+        )
     except jinja2.TemplateSyntaxError as error:
-        raise ValueError(f"--chat-template is not a valid Jinja template: {error.message} (line "
-                         f"{error.lineno}); give a template or the path of a file holding one") from None
+        raise ValueError(
+            f"--chat-template is not a valid Jinja template: {error.message} (line "
+            f"{error.lineno}); give a template or the path of a file holding one"
+        ) from None
     except jinja2.TemplateError:
         pass
     return template
@@ -302,8 +417,10 @@ def _models(model: str | None, draft: str | None, ngram: bool = False) -> tuple[
     if model is not None:
         return model, draft
     if not (DEMO_DIR / "target").is_dir():
-        raise OSError(f"the demo pair is not at {DEMO_DIR}: pass --model, set {DEMO_DIR_ENV} to the pair's "
-                      f"folder, or train it with `python -m speculative.demo.train --out models/demo`")
+        raise OSError(
+            f"the demo pair is not at {DEMO_DIR}: pass --model, set {DEMO_DIR_ENV} to the pair's "
+            f"folder, or train it with `python -m speculative.demo.train --out models/demo`"
+        )
     return str(DEMO_DIR / "target"), draft or (None if ngram else str(DEMO_DIR / "draft"))
 
 
@@ -311,10 +428,13 @@ def _speculative_config(args: argparse.Namespace, draft: str | None) -> Speculat
     """The SpeculativeConfig the flags ask for; None (plain decoding) without a drafter."""
     if not (args.ngram or draft):
         return None
-    return SpeculativeConfig(method="ngram" if args.ngram else "draft_model", adaptive=args.adaptive,
-                             num_speculative_tokens=args.num_speculative_tokens, acceptance=args.acceptance)
+    return SpeculativeConfig(
+        method="ngram" if args.ngram else "draft_model",
+        adaptive=args.adaptive,
+        num_speculative_tokens=args.num_speculative_tokens,
+        acceptance=args.acceptance,
+    )
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

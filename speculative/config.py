@@ -42,17 +42,36 @@ class SpeculativeConfig:
         _check(self.method in ("draft_model", "ngram"), "method", self.method, '"draft_model" or "ngram"')
         k = self.num_speculative_tokens
         _check(is_int(k) and 1 <= k <= 32, "num_speculative_tokens", k, "an integer in [1, 32]")
-        _check(self.acceptance in ("rejection", "typical"), "acceptance", self.acceptance,
-               '"rejection" or "typical"')
-        _check(isinstance(self.posterior_threshold, (int, float)) and 0 <= self.posterior_threshold <= 1,
-               "posterior_threshold", self.posterior_threshold, "in [0, 1]")
-        _check(isinstance(self.posterior_alpha, (int, float)) and self.posterior_alpha >= 0,
-               "posterior_alpha", self.posterior_alpha, ">= 0")
-        _check(is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
-               self.prompt_lookup_min, "an integer >= 1")
-        _check(is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
-               "prompt_lookup_max", self.prompt_lookup_max, f"an integer >= prompt_lookup_min "
-               f"({self.prompt_lookup_min})")
+        _check(
+            self.acceptance in ("rejection", "typical"),
+            "acceptance",
+            self.acceptance,
+            '"rejection" or "typical"',
+        )
+        _check(
+            isinstance(self.posterior_threshold, (int, float)) and 0 <= self.posterior_threshold <= 1,
+            "posterior_threshold",
+            self.posterior_threshold,
+            "in [0, 1]",
+        )
+        _check(
+            isinstance(self.posterior_alpha, (int, float)) and self.posterior_alpha >= 0,
+            "posterior_alpha",
+            self.posterior_alpha,
+            ">= 0",
+        )
+        _check(
+            is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
+            "prompt_lookup_min",
+            self.prompt_lookup_min,
+            "an integer >= 1",
+        )
+        _check(
+            is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max",
+            self.prompt_lookup_max,
+            f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})",
+        )
         _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
 
 
@@ -86,13 +105,30 @@ class GenerationConfig(DictRoundTrip):
             _check(is_int(value) and value >= 1, name, value, "an integer >= 1", owner="GenerationConfig")
         for name in ("pad_token_id", "bos_token_id"):
             value = getattr(self, name)
-            _check(value is None or (is_int(value) and value >= 0), name, value, "None or an integer >= 0", owner="GenerationConfig")
+            _check(
+                value is None or (is_int(value) and value >= 0),
+                name,
+                value,
+                "None or an integer >= 0",
+                owner="GenerationConfig",
+            )
         eos = self.eos_token_id
-        _check(eos is None or (is_int(eos) and eos >= 0) or (isinstance(eos, (list, tuple)) and eos and all(
-            is_int(t) and t >= 0 for t in eos)), "eos_token_id", eos,
-               "None, an integer >= 0 or a non-empty list of them", owner="GenerationConfig")
-        _check(self.sampling_params is None or isinstance(self.sampling_params, SamplingParams),
-               "sampling_params", self.sampling_params, "a SamplingParams or None", owner="GenerationConfig")
+        _check(
+            eos is None
+            or (is_int(eos) and eos >= 0)
+            or (isinstance(eos, (list, tuple)) and eos and all(is_int(t) and t >= 0 for t in eos)),
+            "eos_token_id",
+            eos,
+            "None, an integer >= 0 or a non-empty list of them",
+            owner="GenerationConfig",
+        )
+        _check(
+            self.sampling_params is None or isinstance(self.sampling_params, SamplingParams),
+            "sampling_params",
+            self.sampling_params,
+            "a SamplingParams or None",
+            owner="GenerationConfig",
+        )
 
     @property
     def eos_token_ids(self) -> list[int] | None:
@@ -103,8 +139,12 @@ class GenerationConfig(DictRoundTrip):
     def request_params(self) -> SamplingParams:
         """The SamplingParams each prompt runs with."""
         base = self.sampling_params or SamplingParams()
-        return dataclasses.replace(base, max_tokens=self.max_new_tokens, n=self.num_return_sequences,
-                                   best_of=None if base.best_of is None else max(base.best_of, self.num_return_sequences))
+        return dataclasses.replace(
+            base,
+            max_tokens=self.max_new_tokens,
+            n=self.num_return_sequences,
+            best_of=None if base.best_of is None else max(base.best_of, self.num_return_sequences),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, sampling_params as its own to_dict."""

@@ -30,5 +30,8 @@ def needs_extra(extra: str, feature: str) -> Iterator[None]:
     except ModuleNotFoundError as error:
         if (error.name or "").partition(".")[0] not in EXTRAS[extra]:
             raise
-        raise ModuleNotFoundError(f"{feature} needs the {extra} extra: pip install 'speculative[{extra}]' "
-                                  f"(no module named {error.name!r})", name=error.name) from error
+        raise ModuleNotFoundError(
+            f"{feature} needs the {extra} extra: pip install 'speculative[{extra}]' "
+            f"(no module named {error.name!r})",
+            name=error.name,
+        ) from error

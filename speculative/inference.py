@@ -42,16 +42,18 @@ class DecodeOutput(NamedTuple):
 class Inferencer(Protocol):
     """Processes token sequences with a KV cache and generates new tokens."""
 
-    def prefill(self, query_token_ids: Tensor, kv_cache: KVCache,
-                sample_strategy: SampleStrategy) -> PrefillOutput:
+    def prefill(
+        self, query_token_ids: Tensor, kv_cache: KVCache, sample_strategy: SampleStrategy
+    ) -> PrefillOutput:
         """Process query_token_ids [batch, q] in one forward; sample the next token of each row.
 
         kv_cache holds everything before the query and gains the query's K/V.
         """
         ...
 
-    def decode(self, query_token_ids: Tensor, kv_cache: KVCache, max_new_tokens: int,
-               sample_strategy: SampleStrategy) -> DecodeOutput:
+    def decode(
+        self, query_token_ids: Tensor, kv_cache: KVCache, max_new_tokens: int, sample_strategy: SampleStrategy
+    ) -> DecodeOutput:
         """Feed query_token_ids [batch, 1] and generate autoregressively.
 
         Each row stops at max_new_tokens (> 0) or at its EOS. kv_cache gains the query and every
@@ -72,19 +74,23 @@ class ModelInferencer:
         self.model = model
         self.eos_token_ids = torch.tensor(list(eos_token_ids), dtype=torch.long, device=model.device)
 
-    def prefill(self, query_token_ids: Tensor, kv_cache: KVCache, sample_strategy: SampleStrategy) -> PrefillOutput:
+    def prefill(
+        self, query_token_ids: Tensor, kv_cache: KVCache, sample_strategy: SampleStrategy
+    ) -> PrefillOutput:
         """`Inferencer.prefill`."""
         logits = self.model.forward(query_token_ids, kv_cache)  # [batch, q, vocab]
         return PrefillOutput(sample_strategy.next_tokens(logits[:, -1])[:, None], logits)
 
-    def decode(self, query_token_ids: Tensor, kv_cache: KVCache, max_new_tokens: int,
-               sample_strategy: SampleStrategy) -> DecodeOutput:
+    def decode(
+        self, query_token_ids: Tensor, kv_cache: KVCache, max_new_tokens: int, sample_strategy: SampleStrategy
+    ) -> DecodeOutput:
         """`Inferencer.decode`: after a row's EOS its tokens are -1 and its cache ends before the EOS."""
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0; got {max_new_tokens}")
         if self.eos_token_ids.numel() == 0:
-            return DecodeOutput(*decode(self.model, query_token_ids, kv_cache, max_new_tokens,
-                                        sample_strategy.next_tokens))
+            return DecodeOutput(
+                *decode(self.model, query_token_ids, kv_cache, max_new_tokens, sample_strategy.next_tokens)
+            )
         start = kv_cache.lengths.clone()
         ignore_eos = torch.tensor([p.ignore_eos for p in sample_strategy.params], device=start.device)
         finished = torch.zeros_like(ignore_eos)
@@ -93,8 +99,14 @@ class ModelInferencer:
             finished.logical_or_(torch.isin(tokens, self.eos_token_ids) & ~ignore_eos)
             return bool(finished.all())
 
-        token_ids, logits = decode(self.model, query_token_ids, kv_cache, max_new_tokens,
-                                   sample_strategy.next_tokens, until=all_finished)
+        token_ids, logits = decode(
+            self.model,
+            query_token_ids,
+            kv_cache,
+            max_new_tokens,
+            sample_strategy.next_tokens,
+            until=all_finished,
+        )
         is_eos = torch.isin(token_ids, self.eos_token_ids) & ~ignore_eos[:, None]  # [batch, n]
         after_eos = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
         token_ids = token_ids.masked_fill(after_eos, -1)

@@ -12,8 +12,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from speculative.acceptance import RejectionSampler, TypicalAcceptanceSampler
 from speculative.config import GenerationConfig, SpeculativeConfig
 from speculative.engine.engine import Engine
-from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.engine.inputs import InputProcessor, PromptType
+from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.engine.sequence import Sequence
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.models.base import LanguageModel
@@ -55,13 +55,22 @@ class LLM:
         target's own, as always: the draft's quantization changes only how often drafts are accepted.
     """
 
-    def __init__(self, model: str | PreTrainedModel | LanguageModel,
-                 draft_model: str | PreTrainedModel | LanguageModel | None = None,
-                 speculative_config: SpeculativeConfig | None = None, *, dtype: str | torch.dtype = "auto",
-                 draft_dtype: str | torch.dtype | None = None,
-                 device: str | torch.device = "cpu", seed: int = 0, model_impl: ModelImpl = "auto",
-                 tokenizer: PreTrainedTokenizerBase | str | None = None, compile: bool = False,
-                 precompile: PreCompileConfig | None = None, quantization: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str | PreTrainedModel | LanguageModel,
+        draft_model: str | PreTrainedModel | LanguageModel | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        draft_dtype: str | torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        model_impl: ModelImpl = "auto",
+        tokenizer: PreTrainedTokenizerBase | str | None = None,
+        compile: bool = False,
+        precompile: PreCompileConfig | None = None,
+        quantization: str | None = None,
+    ) -> None:
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             raise TypeError("speculative_config must be a SpeculativeConfig or None")
         if speculative_config is None and draft_model is not None:
@@ -85,32 +94,57 @@ class LLM:
         self.draft = None
         proposer = None
         if method == "draft_model":
-            self.draft = load_model(draft_model, dtype if draft_dtype is None else draft_dtype, self.device,
-                                    model_impl, dtype_name="dtype" if draft_dtype is None else "draft_dtype")
-            quantize_model(self.draft.model, quantization, "draft model",
-                           "dtype" if draft_dtype is None else "draft_dtype")
+            self.draft = load_model(
+                draft_model,
+                dtype if draft_dtype is None else draft_dtype,
+                self.device,
+                model_impl,
+                dtype_name="dtype" if draft_dtype is None else "draft_dtype",
+            )
+            quantize_model(
+                self.draft.model,
+                quantization,
+                "draft model",
+                "dtype" if draft_dtype is None else "draft_dtype",
+            )
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
             proposer = DraftModelProposer(self.draft.model)
         elif method == "ngram":
-            proposer = NgramProposer(speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max)
+            proposer = NgramProposer(
+                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max
+            )
         rule = RejectionSampler()
         if speculative_config is not None and speculative_config.acceptance == "typical":
-            rule = TypicalAcceptanceSampler(speculative_config.posterior_threshold, speculative_config.posterior_alpha)
+            rule = TypicalAcceptanceSampler(
+                speculative_config.posterior_threshold, speculative_config.posterior_alpha
+            )
         self.speculative_config = speculative_config
         self.precompile = precompile
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         k = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.engine = Engine(self.target.model, proposer, k, self.target.eos_token_ids, self.generator, rule,
-                             self.detokenize if self.tokenizer is not None else None,
-                             adaptive=bool(speculative_config and speculative_config.adaptive))
+        self.engine = Engine(
+            self.target.model,
+            proposer,
+            k,
+            self.target.eos_token_ids,
+            self.generator,
+            rule,
+            self.detokenize if self.tokenizer is not None else None,
+            adaptive=bool(speculative_config and speculative_config.adaptive),
+        )
         context = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
-        self.inputs = InputProcessor(self.tokenizer, self.target.model.vocab_size, context, self.device, precompile)
+        self.inputs = InputProcessor(
+            self.tokenizer, self.target.model.vocab_size, context, self.device, precompile
+        )
         if precompile is not None:
             warm_up_pair(self.target.model, self.draft.model if self.draft else None, precompile, k)
 
-    def generate(self, prompts: PromptType | Seq[PromptType],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Generate completions for each prompt.
 
         prompts: a string, a list of token ids, {"prompt_token_ids": [...]}, or a list of these.
@@ -120,12 +154,18 @@ class LLM:
         texts, token_ids, params, sequences = self.inputs.prepare(prompts, sampling_params)
         if sequences:
             self.engine.run(sequences)
-        return [self._output(i, texts[i], token_ids[i], params[i], [s for s in sequences if s.prompt_index == i])
-                for i in range(len(token_ids))]
+        return [
+            self._output(i, texts[i], token_ids[i], params[i], [s for s in sequences if s.prompt_index == i])
+            for i in range(len(token_ids))
+        ]
 
-    def stream(self, prompts: PromptType | Seq[PromptType],
-               sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
-               config: GenerationConfig | None = None) -> Iterator[SampleState]:
+    def stream(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        config: GenerationConfig | None = None,
+    ) -> Iterator[SampleState]:
         """Generate like `generate`, yielding a SampleState every `config.streaming_chunks` target
         steps (and a last one when all sequences have finished), each with the new text of every
         sequence. sampling_params default to `config.request_params()`."""
@@ -146,14 +186,16 @@ class LLM:
         config = config or GenerationConfig()
         yield from self._stream(sequences, config, state.text, state.time_spent_computing)
 
-    def _stream(self, sequences: list[Sequence], config: GenerationConfig, previous: list[str],
-                elapsed: float) -> Iterator[SampleState]:
+    def _stream(
+        self, sequences: list[Sequence], config: GenerationConfig, previous: list[str], elapsed: float
+    ) -> Iterator[SampleState]:
         start = time.perf_counter()
         pad = config.pad_token_id if config.pad_token_id is not None else 0
         for current in self.engine.generate(sequences, config.streaming_chunks, config.eos_token_ids):
             texts = [self._stream_text(s) for s in current]
-            yield SampleState.capture(current, self.generator, previous, elapsed + time.perf_counter() - start,
-                                      texts, pad)
+            yield SampleState.capture(
+                current, self.generator, previous, elapsed + time.perf_counter() - start, texts, pad
+            )
             previous = texts
 
     def _stream_text(self, s: Sequence) -> str:
@@ -167,8 +209,14 @@ class LLM:
         """The engine's sequences for one prompt of token ids (InputProcessor.sequences)."""
         return self.inputs.sequences(ids, p, index)
 
-    def _output(self, index: int, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                sequences: list[Sequence]) -> RequestOutput:
+    def _output(
+        self,
+        index: int,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sequences: list[Sequence],
+    ) -> RequestOutput:
         if params.sampled_sequences > params.n:  # best_of: the n most likely sequences
             sequences = sorted(sequences, key=lambda r: r.cumulative_logprob, reverse=True)[: params.n]
         completions = []
@@ -177,12 +225,23 @@ class LLM:
                 raise RuntimeError(f"prompt {index} failed: {r.error}")
         for i, r in enumerate(sequences):
             text = r.text if r.text is not None else self.detokenize(r.output_token_ids, params)
-            completions.append(CompletionOutput(i, text, r.output_token_ids, r.cumulative_logprob, r.logprobs,
-                                                r.finish_reason, r.stop_reason))
+            completions.append(
+                CompletionOutput(
+                    i,
+                    text,
+                    r.output_token_ids,
+                    r.cumulative_logprob,
+                    r.logprobs,
+                    r.finish_reason,
+                    r.stop_reason,
+                )
+            )
         metrics = sequences[0].metrics
         for r in sequences[1:]:
             metrics.merge(r.metrics)
-        return RequestOutput(str(index), prompt, prompt_ids, completions, sequences[0].prompt_logprobs, True, metrics)
+        return RequestOutput(
+            str(index), prompt, prompt_ids, completions, sequences[0].prompt_logprobs, True, metrics
+        )
 
     def detokenize(self, ids: list[int], params: SamplingParams | None) -> str:
         """Token ids -> text with the request's detokenize options ("" without a tokenizer or
@@ -191,17 +250,27 @@ class LLM:
             return ""
         if params is None:
             return self.tokenizer.decode(ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
-                                     spaces_between_special_tokens=params.spaces_between_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
 
 
 def _check_same_vocabulary(target, draft) -> None:
     """The draft must share the target's vocabulary: same size and, where both have one, tokenizer."""
     vt, vd = target.model.vocab_size, draft.model.vocab_size
     if vt != vd:
-        raise ValueError(f"the draft model's vocabulary ({vd} tokens) differs from the target's ({vt}); "
-                         f"speculative decoding needs a draft that shares the target's vocabulary")
-    if target.tokenizer is not None and draft.tokenizer is not None \
-            and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
-        raise ValueError("the draft model's tokenizer maps tokens to other ids than the target's; "
-                         "speculative decoding needs a draft that shares the target's vocabulary")
+        raise ValueError(
+            f"the draft model's vocabulary ({vd} tokens) differs from the target's ({vt}); "
+            f"speculative decoding needs a draft that shares the target's vocabulary"
+        )
+    if (
+        target.tokenizer is not None
+        and draft.tokenizer is not None
+        and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()
+    ):
+        raise ValueError(
+            "the draft model's tokenizer maps tokens to other ids than the target's; "
+            "speculative decoding needs a draft that shares the target's vocabulary"
+        )

@@ -53,8 +53,12 @@ class PreCompileConfig(DictRoundTrip):
         props = self.required_props
         items = props if isinstance(props, list) else [props]
         dicts = len(items) > 0 and all(isinstance(p, dict) and _json_able(p) for p in items)
-        _check(props is None or dicts, "required_props", props,
-               "None, a JSON-able dict or a non-empty list of them")
+        _check(
+            props is None or dicts,
+            "required_props",
+            props,
+            "None, a JSON-able dict or a non-empty list of them",
+        )
 
     @property
     def is_standalone(self) -> bool:
@@ -82,19 +86,31 @@ class PreCompileConfig(DictRoundTrip):
         return int.from_bytes(digest[:8], "big") >> 1
 
     @classmethod
-    def create_optimized_compo(cls, batch_size: int | list[int] = 1, max_prefill_length: int = 2048,
-                               min_prefill_length: int = 64,
-                               required_props: dict | list[dict] | None = None) -> PreCompileConfig:
+    def create_optimized_compo(
+        cls,
+        batch_size: int | list[int] = 1,
+        max_prefill_length: int = 2048,
+        min_prefill_length: int = 64,
+        required_props: dict | list[dict] | None = None,
+    ) -> PreCompileConfig:
         """A config whose prefill buckets are the powers of two from min to max, both included.
 
         Both bounds are first rounded up to a power of two (min 50, max 300 -> [64, 128, 256, 512]), so
         every prompt of up to max_prefill_length tokens fits a bucket. batch_size and required_props are
         kept as given and pair with the buckets by index (see the class docstring).
         """
-        _check(is_int(min_prefill_length) and min_prefill_length >= 1, "min_prefill_length",
-               min_prefill_length, "an integer >= 1")
-        _check(is_int(max_prefill_length) and max_prefill_length >= min_prefill_length, "max_prefill_length",
-               max_prefill_length, f"an integer >= min_prefill_length ({min_prefill_length})")
+        _check(
+            is_int(min_prefill_length) and min_prefill_length >= 1,
+            "min_prefill_length",
+            min_prefill_length,
+            "an integer >= 1",
+        )
+        _check(
+            is_int(max_prefill_length) and max_prefill_length >= min_prefill_length,
+            "max_prefill_length",
+            max_prefill_length,
+            f"an integer >= min_prefill_length ({min_prefill_length})",
+        )
         low, high = ((n - 1).bit_length() for n in (min_prefill_length, max_prefill_length))  # ceil(log2)
         lengths = [1 << e for e in range(low, high + 1)]
         return cls(batch_size=batch_size, prefill_length=lengths, required_props=required_props)
@@ -102,15 +118,20 @@ class PreCompileConfig(DictRoundTrip):
     def bucket(self, prefill_length: int) -> int:
         """The smallest prefill bucket (over all scenarios) >= prefill_length; prefill_length itself when
         this config has no prefill_length. ValueError when it is not an integer >= 1 or fits no bucket."""
-        _check(is_int(prefill_length) and prefill_length >= 1, "bucket() prefill_length", prefill_length,
-               "an integer >= 1")
+        _check(
+            is_int(prefill_length) and prefill_length >= 1,
+            "bucket() prefill_length",
+            prefill_length,
+            "an integer >= 1",
+        )
         if self.prefill_length is None:
             return prefill_length
         buckets = sorted({s.prefill_length for s in self.get_standalones()})
         if fits := [size for size in buckets if size >= prefill_length]:
             return fits[0]
-        raise ValueError(f"prompt of {prefill_length} tokens fits no prefill bucket; "
-                         f"the largest is {buckets[-1]}")
+        raise ValueError(
+            f"prompt of {prefill_length} tokens fits no prefill bucket; the largest is {buckets[-1]}"
+        )
 
     def extract(self) -> dict[str, Any]:
         """The fields as a new dict (deep copies: editing it leaves the config unchanged): to_dict()."""

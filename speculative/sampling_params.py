@@ -97,58 +97,132 @@ class SamplingParams(DictRoundTrip):
         self.bad_words = list(self.bad_words or [])
         self.logits_processors = list(self.logits_processors or [])
         _check(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(self.best_of is None or (is_int(self.best_of) and self.best_of >= self.n), "best_of",
-               self.best_of, f"None or an integer >= n ({self.n})")
+        _check(
+            self.best_of is None or (is_int(self.best_of) and self.best_of >= self.n),
+            "best_of",
+            self.best_of,
+            f"None or an integer >= n ({self.n})",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(is_number(value) and -2.0 <= value <= 2.0, name, value, "in [-2, 2]")
-        _check(is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
-               "repetition_penalty", self.repetition_penalty, "a finite number > 0")
-        _check(is_number(self.temperature) and 0.0 <= self.temperature < math.inf,
-               "temperature", self.temperature, "a finite number >= 0")
+        _check(
+            is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a finite number > 0",
+        )
+        _check(
+            is_number(self.temperature) and 0.0 <= self.temperature < math.inf,
+            "temperature",
+            self.temperature,
+            "a finite number >= 0",
+        )
         _check(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
-        _check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-               "top_k", self.top_k, "-1 (disabled) or an integer >= 1")
+        _check(
+            is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            self.top_k,
+            "-1 (disabled) or an integer >= 1",
+        )
         _check(is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
         _check(self.seed is None or is_int(self.seed), "seed", self.seed, "an integer or None")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
-        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               self.stop_token_ids, "a list of integers >= 0")
-        _check(all(isinstance(w, str) and w for w in self.bad_words), "bad_words", self.bad_words,
-               "a list of non-empty strings")
-        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
-                     "spaces_between_special_tokens"):
+        _check(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "a list of integers >= 0",
+        )
+        _check(
+            all(isinstance(w, str) and w for w in self.bad_words),
+            "bad_words",
+            self.bad_words,
+            "a list of non-empty strings",
+        )
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
-        _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-               "max_tokens", self.max_tokens, "None or an integer >= 1")
+        _check(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            "max_tokens",
+            self.max_tokens,
+            "None or an integer >= 1",
+        )
         limit = "max_tokens" if self.max_tokens is None else f"max_tokens ({self.max_tokens})"
-        _check(is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or math.inf),
-               "min_tokens", self.min_tokens, f"an integer in [0, {limit}]")
+        _check(
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or math.inf),
+            "min_tokens",
+            self.min_tokens,
+            f"an integer in [0, {limit}]",
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or (is_int(value) and value >= 0), name, value, "None or an integer >= 0")
-        _check(all(callable(f) for f in self.logits_processors), "logits_processors",
-               self.logits_processors, "a list of callables")
-        _check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens)
-                                                       and self.truncate_prompt_tokens >= 1),
-               "truncate_prompt_tokens", self.truncate_prompt_tokens, "None or an integer >= 1")
+        _check(
+            all(callable(f) for f in self.logits_processors),
+            "logits_processors",
+            self.logits_processors,
+            "a list of callables",
+        )
+        _check(
+            self.truncate_prompt_tokens is None
+            or (is_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens >= 1),
+            "truncate_prompt_tokens",
+            self.truncate_prompt_tokens,
+            "None or an integer >= 1",
+        )
         if self.guided_decoding is not None:
             from speculative.sampling.guided import GuidedDecodingParams
-        _check(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
-               "guided_decoding", self.guided_decoding, "a GuidedDecodingParams or None")
-        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-            is_int(t) and t >= 0 and is_number(b) and math.isfinite(b) for t, b in self.logit_bias.items())),
-               "logit_bias", self.logit_bias, "a dict of token id (>= 0) -> finite bias")
+        _check(
+            self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
+            "guided_decoding",
+            self.guided_decoding,
+            "a GuidedDecodingParams or None",
+        )
+        _check(
+            self.logit_bias is None
+            or (
+                isinstance(self.logit_bias, dict)
+                and all(
+                    is_int(t) and t >= 0 and is_number(b) and math.isfinite(b)
+                    for t, b in self.logit_bias.items()
+                )
+            ),
+            "logit_bias",
+            self.logit_bias,
+            "a dict of token id (>= 0) -> finite bias",
+        )
         if self.logit_bias:
             self.logit_bias = {t: min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
-        _check(self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, (list, tuple))
-                                                  and len(self.allowed_token_ids) > 0
-                                                  and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
-               "allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of integers >= 0")
-        _check(not (self.stop and not self.detokenize), "stop", self.stop,
-               "empty when detokenize is False (stop strings are matched in the text)")
-        _check(not (self.greedy and self.sampled_sequences > 1), "best_of" if self.best_of else "n",
-               self.best_of or self.n, "1 with greedy sampling (temperature 0): the samples would be identical")
+        _check(
+            self.allowed_token_ids is None
+            or (
+                isinstance(self.allowed_token_ids, (list, tuple))
+                and len(self.allowed_token_ids) > 0
+                and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
+            ),
+            "allowed_token_ids",
+            self.allowed_token_ids,
+            "None or a non-empty list of integers >= 0",
+        )
+        _check(
+            not (self.stop and not self.detokenize),
+            "stop",
+            self.stop,
+            "empty when detokenize is False (stop strings are matched in the text)",
+        )
+        _check(
+            not (self.greedy and self.sampled_sequences > 1),
+            "best_of" if self.best_of else "n",
+            self.best_of or self.n,
+            "1 with greedy sampling (temperature 0): the samples would be identical",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -163,8 +237,12 @@ class SamplingParams(DictRoundTrip):
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields; refuses logits_processors, which are callables."""
         if self.logits_processors:
-            raise ValueError("SamplingParams with logits_processors cannot be serialized (they are callables)")
-        data = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "logits_processors"}
+            raise ValueError(
+                "SamplingParams with logits_processors cannot be serialized (they are callables)"
+            )
+        data = {
+            name: getattr(self, name) for name in self.__dataclass_fields__ if name != "logits_processors"
+        }
         if self.guided_decoding is not None:
             data["guided_decoding"] = asdict(self.guided_decoding)
         if self.logit_bias:
@@ -177,6 +255,7 @@ class SamplingParams(DictRoundTrip):
         data = dict(data)
         if data.get("guided_decoding") is not None:
             from speculative.sampling.guided import GuidedDecodingParams
+
             data["guided_decoding"] = GuidedDecodingParams(**data["guided_decoding"])
         if data.get("logit_bias"):
             data["logit_bias"] = {int(t): b for t, b in data["logit_bias"].items()}
@@ -184,9 +263,10 @@ class SamplingParams(DictRoundTrip):
 
     def token_ids_in_vocabulary(self, vocab_size: int) -> None:
         """Raise if a token id field names an id outside [0, vocab_size)."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
-                          ("logit_bias", list(self.logit_bias or {}))):
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids),
+            ("logit_bias", list(self.logit_bias or {})),
+        ):
             bad = [t for t in ids or [] if t >= vocab_size]
             _check(not bad, name, bad[:5], f"token ids in [0, {vocab_size})")
-
-

@@ -18,15 +18,30 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str = "llama", vocab_size: int = 96, num_layers: int = 2, seed: int = 0,
-               hidden_size: int = 64, **overrides) -> torch.nn.Module:
+def tiny_model(
+    family: str = "llama",
+    vocab_size: int = 96,
+    num_layers: int = 2,
+    seed: int = 0,
+    hidden_size: int = 64,
+    **overrides,
+) -> torch.nn.Module:
     """A random causal LM of the given family, in fp32 and eval mode."""
     spec = dict(FAMILIES[family])
     model_type = spec.pop("model_type")
-    settings = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                    num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                    max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=0,
-                    tie_word_embeddings=False)
+    settings = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     config = AutoConfig.for_model(model_type, **{**settings, **spec, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -80,6 +95,7 @@ def hide_module(monkeypatch):
     """hide(missing, *reloaded): make module `missing` and its submodules unimportable (an extra left
     out), and drop the cached `reloaded` modules and their submodules so that they import again; all put
     back afterwards."""
+
     def hide(missing: str, *reloaded: str) -> None:
         for name in [missing, *(n for n in sys.modules if n.startswith(missing + "."))]:
             monkeypatch.setitem(sys.modules, name, None)

@@ -132,8 +132,9 @@ def test_rejection_minus_one_draft_recovers_from_q():
 def test_rejection_all_zero_residual_falls_back_to_q():
     q = torch.tensor([[[0.3, 0.2, 0.0]]])  # not normalised: q <= p everywhere
     p = torch.tensor([[[0.5, 0.5, 0.0]]])
-    out = rejection_sample(q, torch.tensor([[2]]), p, torch.tensor([[0]]), torch.ones(1, 1),
-                           torch.tensor([[1.0, 0.1, 1.0]]))
+    out = rejection_sample(
+        q, torch.tensor([[2]]), p, torch.tensor([[0]]), torch.ones(1, 1), torch.tensor([[1.0, 0.1, 1.0]])
+    )
     assert out.tolist() == [[1, -1]]
 
 
@@ -155,7 +156,7 @@ def test_rejection_deterministic_given_randomness():
     # output layout: accepted drafts, one token, then -1
     n_acc = (a[:, :k] == draft).to(I64).cumprod(1).sum(1)
     for row in range(b):
-        assert (a[row, n_acc[row] + 1:] == -1).all() and a[row, n_acc[row]] >= 0
+        assert (a[row, n_acc[row] + 1 :] == -1).all() and a[row, n_acc[row]] >= 0
 
 
 # ----------------------------------------------------------------------------- rejection, statistical
@@ -183,8 +184,7 @@ def _speculate(k, seed, draft_probs_kind="random"):
     elif draft_probs_kind == "minus_one":
         draft = torch.full((N, k), -1, dtype=I64)
     bonus = torch.multinomial(q[k].expand(N, V), 1, replacement=True, generator=g)
-    out = RejectionSampler(strict_mode=True)(q.expand(N, k + 1, V), bonus, draft_probs, draft,
-                                             generator=g)
+    out = RejectionSampler(strict_mode=True)(q.expand(N, k + 1, V), bonus, draft_probs, draft, generator=g)
     return q, p, draft, out, g
 
 
@@ -196,7 +196,7 @@ def _pvalue(tokens, probs):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_first_token_distribution_is_target(k):
-    q, p, draft, out, g = _speculate(k, seed=10 + k)
+    q, _, draft, out, g = _speculate(k, seed=10 + k)
     assert _pvalue(out[:, 0], q[0]) > 1e-3
 
     # Broken rule 1: accept every draft -> first token ~ p_1.
@@ -316,7 +316,7 @@ def test_typical_partial_acceptance(m):
     assert torch.equal(out[:, m], replacement)
     if m < k:
         assert torch.equal(replacement, target[:, m].argmax(-1))
-    assert (out[:, m + 1:] == -1).all()
+    assert (out[:, m + 1 :] == -1).all()
 
 
 def test_typical_non_default_thresholds():
@@ -379,32 +379,71 @@ def _poke(key, index, value):
 
 
 BAD_CASES = [  # (id, mutation of valid inputs, exception type, message pattern)
-    ("draft_shape", _replace("draft", lambda t: t[:, :1]), ValueError,
-     r"draft_token_ids must have shape \[3, 2\]"),
-    ("bonus_shape", _replace("bonus", lambda t: t[:, 0]), ValueError,
-     r"bonus_token_ids must have shape \[3, 1\]"),
-    ("batch_mismatch", _replace("bonus", lambda t: t[:2]), ValueError,
-     r"bonus_token_ids must have shape \[3, 1\].*got \[2, 1\]"),
-    ("draft_probs_vocab", _replace("draft_probs", lambda t: t[..., :5]), ValueError,
-     r"draft_probs must have shape \[3, 2, 6\]"),
-    ("target_ndim", _replace("target", lambda t: t[0]), ValueError,
-     r"target_with_bonus_probs must be 3-D"),
-    ("draft_dtype", _replace("draft", lambda t: t.int()), TypeError,
-     r"draft_token_ids must have dtype torch.int64"),
-    ("bonus_dtype", _replace("bonus", lambda t: t.float()), TypeError,
-     r"bonus_token_ids must have dtype torch.int64"),
-    ("target_dtype", _replace("target", lambda t: t.long()), TypeError,
-     r"target_with_bonus_probs must have a floating-point dtype"),
-    ("draft_probs_dtype", _replace("draft_probs", lambda t: t.long()), TypeError,
-     r"draft_probs must have a floating-point dtype"),
+    (
+        "draft_shape",
+        _replace("draft", lambda t: t[:, :1]),
+        ValueError,
+        r"draft_token_ids must have shape \[3, 2\]",
+    ),
+    (
+        "bonus_shape",
+        _replace("bonus", lambda t: t[:, 0]),
+        ValueError,
+        r"bonus_token_ids must have shape \[3, 1\]",
+    ),
+    (
+        "batch_mismatch",
+        _replace("bonus", lambda t: t[:2]),
+        ValueError,
+        r"bonus_token_ids must have shape \[3, 1\].*got \[2, 1\]",
+    ),
+    (
+        "draft_probs_vocab",
+        _replace("draft_probs", lambda t: t[..., :5]),
+        ValueError,
+        r"draft_probs must have shape \[3, 2, 6\]",
+    ),
+    ("target_ndim", _replace("target", lambda t: t[0]), ValueError, r"target_with_bonus_probs must be 3-D"),
+    (
+        "draft_dtype",
+        _replace("draft", lambda t: t.int()),
+        TypeError,
+        r"draft_token_ids must have dtype torch.int64",
+    ),
+    (
+        "bonus_dtype",
+        _replace("bonus", lambda t: t.float()),
+        TypeError,
+        r"bonus_token_ids must have dtype torch.int64",
+    ),
+    (
+        "target_dtype",
+        _replace("target", lambda t: t.long()),
+        TypeError,
+        r"target_with_bonus_probs must have a floating-point dtype",
+    ),
+    (
+        "draft_probs_dtype",
+        _replace("draft_probs", lambda t: t.long()),
+        TypeError,
+        r"draft_probs must have a floating-point dtype",
+    ),
     ("draft_above", _poke("draft", (0, 0), 6), ValueError, r"draft_token_ids must lie in \[-1, 6\)"),
     ("draft_below", _poke("draft", (0, 0), -2), ValueError, r"draft_token_ids must lie in \[-1, 6\)"),
     ("bonus_above", _poke("bonus", (0, 0), 7), ValueError, r"bonus_token_ids must lie in \[0, 6\)"),
     ("bonus_below", _poke("bonus", (0, 0), -1), ValueError, r"bonus_token_ids must lie in \[0, 6\)"),
-    ("target_nan", _poke("target", (0, 0, 0), float("nan")), ValueError,
-     r"target_with_bonus_probs contains non-finite"),
-    ("target_negative", _poke("target", (0, 0, 0), -0.1), ValueError,
-     r"target_with_bonus_probs contains negative"),
+    (
+        "target_nan",
+        _poke("target", (0, 0, 0), float("nan")),
+        ValueError,
+        r"target_with_bonus_probs contains non-finite",
+    ),
+    (
+        "target_negative",
+        _poke("target", (0, 0, 0), -0.1),
+        ValueError,
+        r"target_with_bonus_probs contains negative",
+    ),
 ]
 
 
@@ -469,6 +508,7 @@ def test_typical_constructor_accepts_bounds():
 
 # ---- the AcceptanceRule protocol: what the engine is given -------------------------------------------
 
+
 def _strategy(temperatures: list[float], vocab: int, seed: int = 0):
     from speculative.sampling import SampleStrategy
     from speculative.sampling_params import SamplingParams
@@ -478,7 +518,9 @@ def _strategy(temperatures: list[float], vocab: int, seed: int = 0):
     return SampleStrategy(params, vocab, torch.device("cpu"), torch.Generator(), generators=generators)
 
 
-@pytest.mark.parametrize("rule", [GreedyAcceptance(), RejectionSampler(), TypicalAcceptanceSampler(0.09, 0.3)])
+@pytest.mark.parametrize(
+    "rule", [GreedyAcceptance(), RejectionSampler(), TypicalAcceptanceSampler(0.09, 0.3)]
+)
 def test_every_rule_is_an_acceptance_rule_with_the_output_layout(rule):
     assert isinstance(rule, AcceptanceRule)
     assert rule.lossless == (not isinstance(rule, TypicalAcceptanceSampler))
@@ -513,7 +555,9 @@ def test_rejection_rule_draws_from_each_rows_own_generator():
     drafts = torch.randint(0, 13, (2, 3), generator=_gen(3))
     draft_probs = torch.softmax(torch.randn(2, 3, 13, generator=_gen(4)), -1)
     both = RejectionSampler().verify(logits, drafts, draft_probs, _strategy([1.0, 1.0], 13, seed=7), None)
-    alone = RejectionSampler().verify(logits[1:], drafts[1:], draft_probs[1:], _strategy([1.0], 13, seed=8), None)
+    alone = RejectionSampler().verify(
+        logits[1:], drafts[1:], draft_probs[1:], _strategy([1.0], 13, seed=8), None
+    )
     assert torch.equal(both[1:], alone)
 
 
@@ -532,7 +576,11 @@ def test_engine_takes_its_rule():
             return torch.cat([first, torch.full_like(draft_token_ids, -1)], dim=1)
 
     target = tiny_model("llama")
-    llm = LLM(target, draft_model=noisy_copy(target, 0.02), speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    llm = LLM(
+        target,
+        draft_model=noisy_copy(target, 0.02),
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = llm.generate([[3, 4, 5]], params)[0].outputs[0].token_ids
     for rule in (GreedyAcceptance(), RejectAll()):

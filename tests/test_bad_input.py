@@ -12,8 +12,10 @@ from speculative import LLM, SamplingParams, SpeculativeConfig
 @pytest.fixture
 def no_work(monkeypatch):
     """Fails the test if the engine starts running."""
+
     def refuse(self, requests):
         raise AssertionError("the engine ran before the input was checked")
+
     monkeypatch.setattr(engine_module.Engine, "run", refuse)
 
 
@@ -27,7 +29,7 @@ def test_prompt_longer_than_context(no_work) -> None:
     llm = LLM(tiny_model("llama"))  # max_position_embeddings = 256
     with pytest.raises(ValueError, match=r"prompt 0 has 300 tokens and max_tokens=16.*context of 256"):
         llm.generate([[3] * 300], SamplingParams())
-    with pytest.raises(ValueError, match="max_tokens=100.*context of 256"):
+    with pytest.raises(ValueError, match=r"max_tokens=100.*context of 256"):
         llm.generate([[3] * 200], SamplingParams(max_tokens=100))
 
 
@@ -49,7 +51,9 @@ def test_bad_k(k) -> None:
 
 
 def test_draft_with_another_vocabulary() -> None:
-    with pytest.raises(ValueError, match=r"draft model's vocabulary \(100 tokens\) differs from the target's \(96\)"):
+    with pytest.raises(
+        ValueError, match=r"draft model's vocabulary \(100 tokens\) differs from the target's \(96\)"
+    ):
         LLM(tiny_model("llama"), draft_model=tiny_model("llama", vocab_size=100))
 
 
@@ -67,18 +71,23 @@ def test_draft_with_another_tokenizer(tmp_path) -> None:
 
 
 def test_method_and_draft_mismatch() -> None:
-    with pytest.raises(ValueError, match="needs LLM\\(draft_model=...\\)"):
+    with pytest.raises(ValueError, match=r"needs LLM\(draft_model=\.\.\.\)"):
         LLM(tiny_model("llama"), speculative_config=SpeculativeConfig(method="draft_model"))
     with pytest.raises(ValueError, match="uses no draft model"):
-        LLM(tiny_model("llama"), draft_model=tiny_model("llama"),
-            speculative_config=SpeculativeConfig(method="ngram"))
+        LLM(
+            tiny_model("llama"),
+            draft_model=tiny_model("llama"),
+            speculative_config=SpeculativeConfig(method="ngram"),
+        )
 
 
 def test_bad_draft_dtype() -> None:
     target = tiny_model()
-    with pytest.raises(ValueError, match="draft_dtype must be 'auto', 'float32'.*got 'int8'"):
+    with pytest.raises(ValueError, match=r"draft_dtype must be 'auto', 'float32'.*got 'int8'"):
         LLM(target, draft_model=target, draft_dtype="int8")
-    with pytest.raises(ValueError, match="draft_dtype is the draft model's dtype: give it with a draft_model"):
+    with pytest.raises(
+        ValueError, match="draft_dtype is the draft model's dtype: give it with a draft_model"
+    ):
         LLM(target, speculative_config=SpeculativeConfig("ngram"), draft_dtype="float32")
 
 
@@ -87,14 +96,17 @@ def test_mismatched_params_list(no_work) -> None:
         LLM(tiny_model("llama")).generate([[1], [2]], [SamplingParams()])
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("method", "medusa", 'method must be "draft_model" or "ngram"'),
-    ("acceptance", "maybe", 'acceptance must be "rejection" or "typical"'),
-    ("posterior_threshold", 1.5, r"posterior_threshold must be in \[0, 1\]"),
-    ("posterior_alpha", -1.0, "posterior_alpha must be >= 0"),
-    ("prompt_lookup_min", 0, "prompt_lookup_min must be an integer >= 1"),
-    ("prompt_lookup_max", 0, "prompt_lookup_max must be an integer >= prompt_lookup_min"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("method", "medusa", 'method must be "draft_model" or "ngram"'),
+        ("acceptance", "maybe", 'acceptance must be "rejection" or "typical"'),
+        ("posterior_threshold", 1.5, r"posterior_threshold must be in \[0, 1\]"),
+        ("posterior_alpha", -1.0, "posterior_alpha must be >= 0"),
+        ("prompt_lookup_min", 0, "prompt_lookup_min must be an integer >= 1"),
+        ("prompt_lookup_max", 0, "prompt_lookup_max must be an integer >= prompt_lookup_min"),
+    ],
+)
 def test_speculative_config_validation(field, value, message) -> None:
     with pytest.raises(ValueError, match=f"SpeculativeConfig.{message}"):
         SpeculativeConfig(**{field: value})

@@ -25,8 +25,16 @@ from speculative.bench.timing import (
 from speculative.demo import corpus
 
 SKIPPED = {"vllm_draft", "llamacpp", "llamacpp_draft", "llamacpp_draft_default"}  # no vLLM, no --llama-cpp
-METHODS = {"hf_generate", "hf_assisted", "hf_prompt_lookup", "ours_ar", "ours_draft", "ours_ngram",
-           "ours_draft_adaptive", "ours_ngram_adaptive"} | SKIPPED
+METHODS = {
+    "hf_generate",
+    "hf_assisted",
+    "hf_prompt_lookup",
+    "ours_ar",
+    "ours_draft",
+    "ours_ngram",
+    "ours_draft_adaptive",
+    "ours_ngram_adaptive",
+} | SKIPPED
 PLOTS = ("tokens_per_s.png", "acceptance_by_position.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 
 
@@ -58,12 +66,18 @@ def test_bound_and_efficiency() -> None:
 
 def test_jsonl_plain_and_spec_bench(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
-    lines = [{"prompt": "def f(x):"}, {"id": "b", "prompt": "class A:"},
-             {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}]
+    lines = [
+        {"prompt": "def f(x):"},
+        {"id": "b", "prompt": "class A:"},
+        {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]},
+    ]
     path.write_text("\n".join(json.dumps(obj) for obj in lines) + "\n\n")
     records = load_jsonl(path)
-    assert records == [PromptRecord("1", "def f(x):"), PromptRecord("b", "class A:"),
-                       PromptRecord("81", "Write a poem.", chat=True)]
+    assert records == [
+        PromptRecord("1", "def f(x):"),
+        PromptRecord("b", "class A:"),
+        PromptRecord("81", "Write a poem.", chat=True),
+    ]
     path.write_text(json.dumps({"text": "no prompt"}) + "\n")
     with pytest.raises(ValueError, match="turns"):
         load_jsonl(path)
@@ -72,9 +86,13 @@ def test_jsonl_plain_and_spec_bench(tmp_path: Path) -> None:
 def test_encode_uses_chat_template_for_turns_and_keeps_the_last_tokens() -> None:
     tokenizer = byte_tokenizer()
     assert tokenizer.decode(encode(tokenizer, PromptRecord("1", "hello", chat=True), 100)) == "hello"
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                               "{% if add_generation_prompt %}<assistant>{% endif %}")
-    assert tokenizer.decode(encode(tokenizer, PromptRecord("1", "hi", chat=True), 100)) == "<user>hi<assistant>"
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    assert (
+        tokenizer.decode(encode(tokenizer, PromptRecord("1", "hi", chat=True), 100)) == "<user>hi<assistant>"
+    )
     assert tokenizer.decode(encode(tokenizer, PromptRecord("1", "hi", chat=False), 100)) == "hi"
     assert tokenizer.decode(encode(tokenizer, PromptRecord("1", "abcdef"), 3)) == "def"
 
@@ -84,18 +102,26 @@ def test_bundled_sets_come_from_heldout_files() -> None:
     for records in (code, edit):
         assert 16 <= len(records) <= 24
         assert all(corpus.is_heldout(r.id.rsplit(":", 1)[0]) for r in records)
-    assert all(r.text.rstrip().split("\n")[-1].lstrip().startswith(("def ", "class ", "async def ")) for r in code)
+    assert all(
+        r.text.rstrip().split("\n")[-1].lstrip().startswith(("def ", "class ", "async def ")) for r in code
+    )
     for r in edit:  # the function, the comment, then the function's first line again
         assert r.text.startswith(r.text.split("\n")[-1] + "\n") and "# The same code again" in r.text
 
 
 def run_quick(out: Path, *model_args: str) -> dict:
     """`speculative bench --quick` in a subprocess; returns results.json after checking what every run
-    must show: all methods (vLLM and llama.cpp skipped with a note), our outputs identical to the target's greedy
-    output, finite speedups and bounds, the report and the plots."""
+    must show: all methods (vLLM and llama.cpp skipped with a note), our outputs identical to the target's
+    greedy output, finite speedups and bounds, the report and the plots."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    result = subprocess.run([sys.executable, "-m", "speculative.cli", "bench", "--quick", "--out", str(out),
-                             *model_args], check=False, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "speculative.cli", "bench", "--quick", "--out", str(out), *model_args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ours draft k=4" in result.stdout and "vs ours AR" in result.stdout
     results = json.loads((out / "results.json").read_text())
@@ -125,7 +151,12 @@ def run_quick(out: Path, *model_args: str) -> dict:
     assert {r["batch_size"] for r in batch} == {1, 2}
     assert all(r["identical_fraction"] == 1.0 for r in batch if r["method"].startswith("ours"))
     report = (out / "report.md").read_text()
-    assert "## code" in report and "## edit" in report and "vLLM" in report and "bound's step times, ms" in report
+    assert (
+        "## code" in report
+        and "## edit" in report
+        and "vLLM" in report
+        and "bound's step times, ms" in report
+    )
     assert "llama.cpp: skipped (no --llama-cpp given" in report
     for plot in PLOTS:
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -133,7 +164,9 @@ def run_quick(out: Path, *model_args: str) -> dict:
 
 
 def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
-    results = run_quick(tmp_path / "out", "--model", model_dirs["target"], "--draft-model", model_dirs["draft"])
+    results = run_quick(
+        tmp_path / "out", "--model", model_dirs["target"], "--draft-model", model_dirs["draft"]
+    )
     assert results["config"]["max_tokens"] == 24
     assert any("cut to their last" in note for note in results["notes"])  # 256-token models, longer prompts
 
@@ -149,17 +182,30 @@ def test_memory_bound_counts_each_weight_once_and_reports_fractions() -> None:
     model = tiny_model()  # untied: the LM head is read whole, the input embedding a row at a time
     embedding = model.get_input_embeddings().weight
     buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())  # rotary inv_freq
-    assert weight_bytes(model) == buffers + sum(p.untyped_storage().nbytes() for p in model.parameters()
-                                                if p is not embedding)
+    assert weight_bytes(model) == buffers + sum(
+        p.untyped_storage().nbytes() for p in model.parameters() if p is not embedding
+    )
     model.lm_head.weight = embedding  # tied: the one matrix is read whole once
     assert weight_bytes(model) == buffers + sum(p.untyped_storage().nbytes() for p in model.parameters())
     assert copy_bandwidth(torch.device("cpu"), nbytes=8 * 2**20, repeats=3) > 1e8  # > 0.1 GB/s anywhere
     bound = memory_bound(100_000_000, 25e9)  # 100 MB at 25 GB/s: 4 ms a forward, 250 tokens/s
     assert bound["forward_ms"] == pytest.approx(4.0) and bound["tokens_per_second"] == pytest.approx(250.0)
-    methods = {"ours_ar": {"label": "ours AR", "status": "ok", "drafter": None, "tokens_per_s": 125.0},
-               "ours_draft": {"label": "ours draft", "status": "ok", "drafter": "draft_model", "tokens_per_s": 300.0},
-               "llamacpp": {"label": "llama.cpp", "status": "ok", "drafter": None, "tokens_per_s": 150.0,
-                            "decode_tokens_per_s": 200.0}}
+    methods = {
+        "ours_ar": {"label": "ours AR", "status": "ok", "drafter": None, "tokens_per_s": 125.0},
+        "ours_draft": {
+            "label": "ours draft",
+            "status": "ok",
+            "drafter": "draft_model",
+            "tokens_per_s": 300.0,
+        },
+        "llamacpp": {
+            "label": "llama.cpp",
+            "status": "ok",
+            "drafter": None,
+            "tokens_per_s": 150.0,
+            "decode_tokens_per_s": 200.0,
+        },
+    }
     line = memory_bound_line(bound, methods)
     assert "4.00 ms a forward, 250 tokens/s" in line
     assert "ours AR 50%" in line and "llama.cpp 60% (80% decode only)" in line and "ours draft" not in line

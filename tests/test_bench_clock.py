@@ -30,7 +30,9 @@ def _generate(llm: LLM, temperature: float = 0.0):
 def test_the_engine_records_every_step_and_no_prefill() -> None:
     steps, metrics = _generate(_llm(None))
     assert len(steps) == metrics.num_steps == 19
-    assert all(s.k == 0 and s.num_query_tokens == 1 and s.num_drafted == 0 and s.propose_s >= 0 for s in steps)
+    assert all(
+        s.k == 0 and s.num_query_tokens == 1 and s.num_drafted == 0 and s.propose_s >= 0 for s in steps
+    )
     assert all(0 < s.verify_s <= s.step_s for s in steps)
     for method in ("draft_model", "ngram"):
         for temperature in (0.0, 0.8):
@@ -39,7 +41,9 @@ def test_the_engine_records_every_step_and_no_prefill() -> None:
             assert sum(s.num_drafted for s in steps) == metrics.num_drafted
             assert sum(s.num_accepted for s in steps) == metrics.num_accepted
             # a greedy batch verifies what was proposed (an n-gram may come up short); sampled: k + 1
-            assert all(s.num_query_tokens <= 4 if temperature == 0 else s.num_query_tokens == 4 for s in steps)
+            assert all(
+                s.num_query_tokens <= 4 if temperature == 0 else s.num_query_tokens == 4 for s in steps
+            )
             assert all(s.k == 3 and s.propose_s > 0 and s.verify_s > 0 for s in steps)
     llm = _llm(None)
     _generate(llm)
@@ -51,8 +55,10 @@ def test_call_times_from_the_engines_steps_and_the_means_per_kind_of_call() -> N
     calls = CallTimes.from_steps(steps)
     assert [q for q, _ in calls.target] == [s.num_query_tokens for s in steps]
     assert [n for n, _ in calls.drafting] == [3] * metrics.num_steps  # one proposal of k a step
-    calls = [CallTimes(target=[(1, 2.0), (4, 6.0), (4, 8.0)], drafting=[(3, 3.0)]),
-             CallTimes(target=[(1, 4.0), (2, 100.0)], drafting=[(1, 0.5), (1, 1.5)])]
+    calls = [
+        CallTimes(target=[(1, 2.0), (4, 6.0), (4, 8.0)], drafting=[(3, 3.0)]),
+        CallTimes(target=[(1, 4.0), (2, 100.0)], drafting=[(1, 0.5), (1, 1.5)]),
+    ]
     assert run_step_times(calls, 3) == {"T_1": 3.0, "T_v": 7.0, "T_d": 1.0}
     assert run_step_times([], 3) == {"T_1": None, "T_v": None, "T_d": None}
 

@@ -20,7 +20,6 @@ import torch
 from speculative.bench import report
 from speculative.bench.gguf_cache import DEFAULT_CACHE, byte_level_bpe, cache_key, gguf_file
 from speculative.bench.llamacpp import (
-    LlamaCppMethod,
     LlamaCppSetup,
     LlamaServer,
     llama_cpp_methods,
@@ -39,17 +38,35 @@ from speculative.demo import DEMO_DIR
 # /completion's answer from llama-server (build 10470, commit 34af94cd9): the first code prompt, the demo pair
 # in f32, draft k=4, 8 tokens (on a loaded machine: slow timings); generation_settings and prompt left out
 RECORDED = {
-    "index": 0, "content": "\n        \"\"\"Return a new the file.", "tokens": [262, 432, 1092, 322, 875, 339, 553, 14],
-    "id_slot": 0, "stop": True, "model": "/root/.cache/speculative/gguf/target-f32-b232934db52ad597.gguf",
-    "tokens_predicted": 8, "tokens_evaluated": 121, "has_new_line": True, "truncated": False, "stop_type": "limit",
-    "stopping_word": "", "tokens_cached": 128,
-    "timings": {"cache_n": 0, "prompt_n": 121, "prompt_ms": 2660.976, "prompt_per_token_ms": 21.991537190082646,
-                "prompt_per_second": 45.47203732765722, "predicted_n": 8, "predicted_ms": 10944.302,
-                "predicted_per_token_ms": 1563.4717142857141, "predicted_per_second": 0.6396022331986088,
-                "draft_n": 14, "draft_n_accepted": 3},
+    "index": 0,
+    "content": '\n        """Return a new the file.',
+    "tokens": [262, 432, 1092, 322, 875, 339, 553, 14],
+    "id_slot": 0,
+    "stop": True,
+    "model": "/root/.cache/speculative/gguf/target-f32-b232934db52ad597.gguf",
+    "tokens_predicted": 8,
+    "tokens_evaluated": 121,
+    "has_new_line": True,
+    "truncated": False,
+    "stop_type": "limit",
+    "stopping_word": "",
+    "tokens_cached": 128,
+    "timings": {
+        "cache_n": 0,
+        "prompt_n": 121,
+        "prompt_ms": 2660.976,
+        "prompt_per_token_ms": 21.991537190082646,
+        "prompt_per_second": 45.47203732765722,
+        "predicted_n": 8,
+        "predicted_ms": 10944.302,
+        "predicted_per_token_ms": 1563.4717142857141,
+        "predicted_per_second": 0.6396022331986088,
+        "draft_n": 14,
+        "draft_n_accepted": 3,
+    },
 }
 
-FAKE_SERVER = '''
+FAKE_SERVER = """
 import http.server, json, sys
 args = sys.argv[1:]
 if "--help" in args:
@@ -74,7 +91,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.reply({**answer, "tokens": list(range(n)), "timings": {**answer["timings"], "predicted_n": n}})
 
 http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-'''
+"""
 
 
 def test_cache_key_follows_path_outtype_and_mtime(tmp_path: Path) -> None:
@@ -98,7 +115,7 @@ def test_cache_key_follows_path_outtype_and_mtime(tmp_path: Path) -> None:
 def test_gguf_file_takes_the_cached_file_and_checks_its_arguments(tmp_path: Path) -> None:
     checkout, cache = tmp_path / "llama.cpp", tmp_path / "cache"
     checkout.mkdir()
-    with pytest.raises(ValueError, match="convert_hf_to_gguf.py"):
+    with pytest.raises(ValueError, match=r"convert_hf_to_gguf\.py"):
         gguf_file(checkout, DEMO_DIR / "target", "float32", cache)
     (checkout / "convert_hf_to_gguf.py").write_text("")
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -123,7 +140,10 @@ def test_a_failed_conversion_says_so_and_leaves_nothing(tmp_path: Path) -> None:
 def test_byte_level_bpe(tmp_path: Path) -> None:
     assert byte_level_bpe(DEMO_DIR / "target")
     tokenizer = json.loads((DEMO_DIR / "target" / "tokenizer.json").read_text())
-    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [{"type": "Digits"}, tokenizer["pre_tokenizer"]]}
+    tokenizer["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Digits"}, tokenizer["pre_tokenizer"]],
+    }
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
     assert not byte_level_bpe(tmp_path)
     assert not byte_level_bpe(tmp_path / "missing")
@@ -139,13 +159,32 @@ def test_request_body_is_greedy_token_ids_without_cache() -> None:
 def test_server_args() -> None:
     plain = server_args(Path("t.gguf"), None, None, 2, 512, 8080)
     assert plain[:2] == ["-m", "t.gguf"] and "-md" not in plain and "-ctkd" not in plain
-    for flag, value in (("-t", "2"), ("-tb", "2"), ("--parallel", "1"), ("-c", "512"), ("--cache-ram", "0"),
-                        ("--port", "8080"), ("--host", "127.0.0.1"), ("-ctk", "f32"), ("-ctv", "f32")):
+    for flag, value in (
+        ("-t", "2"),
+        ("-tb", "2"),
+        ("--parallel", "1"),
+        ("-c", "512"),
+        ("--cache-ram", "0"),
+        ("--port", "8080"),
+        ("--host", "127.0.0.1"),
+        ("-ctk", "f32"),
+        ("-ctv", "f32"),
+    ):
         assert plain[plain.index(flag) + 1] == value
     fixed = server_args(Path("t.gguf"), Path("d.gguf"), 4, 2, 512, 8080, ("bf16", "f32"))
-    for flag, value in (("-md", "d.gguf"), ("--spec-type", "draft-simple"), ("--spec-draft-n-max", "4"),
-                        ("--spec-draft-n-min", "0"), ("--spec-draft-p-min", "0"), ("-td", "2"), ("-tbd", "2"),
-                        ("-ctk", "bf16"), ("-ctv", "bf16"), ("-ctkd", "f32"), ("-ctvd", "f32")):
+    for flag, value in (
+        ("-md", "d.gguf"),
+        ("--spec-type", "draft-simple"),
+        ("--spec-draft-n-max", "4"),
+        ("--spec-draft-n-min", "0"),
+        ("--spec-draft-p-min", "0"),
+        ("-td", "2"),
+        ("-tbd", "2"),
+        ("-ctk", "bf16"),
+        ("-ctv", "bf16"),
+        ("-ctkd", "f32"),
+        ("-ctvd", "f32"),
+    ):
         assert fixed[fixed.index(flag) + 1] == value
     defaults = server_args(Path("t.gguf"), Path("d.gguf"), None, 2, 512, 8080)
     assert "-md" in defaults and "--spec-draft-n-max" not in defaults
@@ -160,7 +199,9 @@ def test_parse_a_recorded_answer() -> None:
     assert (plain.num_drafted, plain.num_accepted, plain.num_steps) == (None, 0, 7)
     method = Method("llamacpp_draft", "llama.cpp draft k=4", "llama.cpp", "draft_model", 4)
     stats = speculation_stats(method, [g, g])
-    assert stats["acceptance_rate"] == pytest.approx(3 / 14) and stats["mean_accepted_length"] == pytest.approx(1.75)
+    assert stats["acceptance_rate"] == pytest.approx(3 / 14) and stats[
+        "mean_accepted_length"
+    ] == pytest.approx(1.75)
     assert stats["acceptance_per_position"] is None
     timings = engine_timings([[g], [g]], [8, 8])
     assert timings["prefill_ms"] == pytest.approx(2660.976)
@@ -179,29 +220,56 @@ def test_skip_notes(tmp_path: Path) -> None:
     (tmp_path / "convert_hf_to_gguf.py").touch()
     real_find_spec = importlib.util.find_spec
     with pytest.MonkeyPatch.context() as patch:  # a checkout that is complete, and no sentencepiece
-        patch.setattr(importlib.util, "find_spec", lambda m: None if m == "sentencepiece" else real_find_spec(m))
+        patch.setattr(
+            importlib.util, "find_spec", lambda m: None if m == "sentencepiece" else real_find_spec(m)
+        )
         assert "sentencepiece" in llama_cpp_unavailable(str(tmp_path), "build-avx2")
         patch.setattr(importlib.util, "find_spec", lambda m: object())
         assert llama_cpp_unavailable(str(tmp_path), "build-avx2") is None
     assert server_binary(tmp_path, "/abs/build") == Path("/abs/build/bin/llama-server")
     entries = skipped_entries("no --llama-cpp given")
     assert set(entries) == {"llamacpp", "llamacpp_draft", "llamacpp_draft_default"}
-    assert all(e["note"] == "no --llama-cpp given" and e["label"].startswith("llama.cpp") for e in entries.values())
+    assert all(
+        e["note"] == "no --llama-cpp given" and e["label"].startswith("llama.cpp") for e in entries.values()
+    )
 
 
 def _entry(label: str, **extra) -> dict:
-    return {"label": label, "status": "ok", "tokens_per_s": 100.0, "speedup_vs_hf": 1.0, "speedup_vs_ours_ar": 1.0,
-            "speedup_vs_llamacpp": None, "acceptance_rate": None, "alpha": None, "mean_accepted_length": 1.0,
-            "bound": None, "efficiency": None, "identical_fraction": 1.0, "near_ties": 0, **extra}
+    return {
+        "label": label,
+        "status": "ok",
+        "tokens_per_s": 100.0,
+        "speedup_vs_hf": 1.0,
+        "speedup_vs_ours_ar": 1.0,
+        "speedup_vs_llamacpp": None,
+        "acceptance_rate": None,
+        "alpha": None,
+        "mean_accepted_length": 1.0,
+        "bound": None,
+        "efficiency": None,
+        "identical_fraction": 1.0,
+        "near_ties": 0,
+        **extra,
+    }
 
 
 def test_report_adds_the_llamacpp_column_and_timings_only_where_it_ran() -> None:
-    without = {"ours_ar": _entry("ours AR"), "llamacpp": {"label": "llama.cpp", "status": "skipped", "note": "x"}}
+    without = {
+        "ours_ar": _entry("ours AR"),
+        "llamacpp": {"label": "llama.cpp", "status": "skipped", "note": "x"},
+    }
     assert report.method_columns(without) == report.METHOD_COLUMNS
     assert report.engine_timings_line(without) is None
-    ran = {"ours_ar": _entry("ours AR", speedup_vs_llamacpp=1.2),
-           "llamacpp": _entry("llama.cpp", speedup_vs_llamacpp=1.0, prefill_ms=3.0, decode_tokens_per_s=400.0,
-                              engine_tokens_per_s=380.0)}
+    ran = {
+        "ours_ar": _entry("ours AR", speedup_vs_llamacpp=1.2),
+        "llamacpp": _entry(
+            "llama.cpp",
+            speedup_vs_llamacpp=1.0,
+            prefill_ms=3.0,
+            decode_tokens_per_s=400.0,
+            engine_tokens_per_s=380.0,
+        ),
+    }
     columns = report.method_columns(ran)
     assert columns[columns.index("vs ours AR") + 1] == "vs llama.cpp"
     rows = report.method_rows(ran)
@@ -226,13 +294,25 @@ def fake_checkout(tmp_path: Path) -> Path:
 
 
 def test_methods_run_on_servers_that_stop_with_the_stack(fake_checkout: Path) -> None:
-    setup = LlamaCppSetup(str(fake_checkout), "build", str(DEMO_DIR / "target"), str(DEMO_DIR / "draft"),
-                          "float32", "float32", 4, 2, 512, fake_checkout.parent / "cache")
+    setup = LlamaCppSetup(
+        str(fake_checkout),
+        "build",
+        str(DEMO_DIR / "target"),
+        str(DEMO_DIR / "draft"),
+        "float32",
+        "float32",
+        4,
+        2,
+        512,
+        fake_checkout.parent / "cache",
+    )
     with ExitStack() as stack:
         methods, skipped = llama_cpp_methods(setup, stack)
         assert [m.name for m in methods] == ["llamacpp", "llamacpp_draft", "llamacpp_draft_default"]
         assert [m.k for m in methods] == [0, 4, 3] and skipped == {}
-        assert methods[2].label == "llama.cpp draft, defaults (k=3)" and all(m.max_batch == 1 for m in methods)
+        assert methods[2].label == "llama.cpp draft, defaults (k=3)" and all(
+            m.max_batch == 1 for m in methods
+        )
         g = methods[1].generate([[1, 2, 3]], 16)
         assert g.token_ids == [list(range(16))] and g.num_drafted == 14 and g.seconds > 0
         with pytest.raises(ValueError, match="batch 1"):
@@ -243,8 +323,18 @@ def test_methods_run_on_servers_that_stop_with_the_stack(fake_checkout: Path) ->
 
 
 def test_without_a_draft_and_at_the_default_k(fake_checkout: Path) -> None:
-    setup = LlamaCppSetup(str(fake_checkout), "build", str(DEMO_DIR / "target"), None, "float32", "float32", 3, 2,
-                          512, fake_checkout.parent / "cache")
+    setup = LlamaCppSetup(
+        str(fake_checkout),
+        "build",
+        str(DEMO_DIR / "target"),
+        None,
+        "float32",
+        "float32",
+        3,
+        2,
+        512,
+        fake_checkout.parent / "cache",
+    )
     with ExitStack() as stack:
         methods, skipped = llama_cpp_methods(setup, stack)
         assert [m.name for m in methods] == ["llamacpp"]
@@ -263,8 +353,10 @@ def test_a_server_that_dies_reports_its_log(tmp_path: Path) -> None:
         LlamaServer(binary, [], 1).start()
 
 
-@pytest.mark.skipif("SPECULATIVE_LLAMA_CPP" not in os.environ,
-                    reason="set SPECULATIVE_LLAMA_CPP to a llama.cpp checkout with llama-server built")
+@pytest.mark.skipif(
+    "SPECULATIVE_LLAMA_CPP" not in os.environ,
+    reason="set SPECULATIVE_LLAMA_CPP to a llama.cpp checkout with llama-server built",
+)
 def test_llamacpp_greedy_fp32_equals_hf_generate() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -274,15 +366,31 @@ def test_llamacpp_greedy_fp32_equals_hf_generate() -> None:
     tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
     prompts = [encode(tokenizer, r, 400) for r in load_jsonl(BUNDLED_DIR / "code.jsonl")[:2]]
     hf = AutoModelForCausalLM.from_pretrained(DEMO_DIR / "target", dtype=torch.float32).eval()
-    setup = LlamaCppSetup(checkout, build, str(DEMO_DIR / "target"), str(DEMO_DIR / "draft"), "float32", "float32",
-                          4, torch.get_num_threads(), 512, DEFAULT_CACHE)
+    setup = LlamaCppSetup(
+        checkout,
+        build,
+        str(DEMO_DIR / "target"),
+        str(DEMO_DIR / "draft"),
+        "float32",
+        "float32",
+        4,
+        torch.get_num_threads(),
+        512,
+        DEFAULT_CACHE,
+    )
     with ExitStack() as stack:
         methods, _ = llama_cpp_methods(setup, stack)
         for prompt in prompts:
             with torch.no_grad():
                 ids = torch.tensor([prompt])  # BOS is the pad token: the mask keeps it
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
-            expected = out[0, len(prompt):].tolist()
+                out = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=32,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            expected = out[0, len(prompt) :].tolist()
             for method in methods:
                 assert method.generate([prompt], 32).token_ids == [expected], method.name

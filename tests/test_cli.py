@@ -21,23 +21,31 @@ def readme_command(name: str) -> list[str]:
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "speculative.cli", *argv[1:]], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "speculative.cli", *argv[1:]], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_readme_generate_command(model_dirs) -> None:
     argv = readme_command("draft")
-    argv = [model_dirs["target"] if a == "./target" else model_dirs["draft"] if a == "./draft" else a for a in argv]
+    argv = [
+        model_dirs["target"] if a == "./target" else model_dirs["draft"] if a == "./draft" else a
+        for a in argv
+    ]
     result = run(argv + ["--max-tokens", "12"])
     assert result.returncode == 0, result.stderr
     assert "def fibonacci(n):" in result.stdout
-    assert re.search(r"\[draft_model, k=4\] 12 tokens in \d+ steps, finish: length\n"
-                     r"time to first token \d+\.\d ms, decoding \d+\.\d tokens/s\n"
-                     r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d",
-                     result.stdout)
+    assert re.search(
+        r"\[draft_model, k=4\] 12 tokens in \d+ steps, finish: length\n"
+        r"time to first token \d+\.\d ms, decoding \d+\.\d tokens/s\n"
+        r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d",
+        result.stdout,
+    )
     # what the first call costs once, apart from the figures above
-    once = (r"^speculative: loaded target and draft in \d+\.\d\d s\n"
-            r"speculative: first call \(8 tokens, warm-up\) in \d+\.\d\d s$")
+    once = (
+        r"^speculative: loaded target and draft in \d+\.\d\d s\n"
+        r"speculative: first call \(8 tokens, warm-up\) in \d+\.\d\d s$"
+    )
     assert re.search(once, result.stderr, re.MULTILINE), result.stderr
 
 
@@ -53,8 +61,19 @@ def test_readme_first_command_on_the_demo_pair() -> None:
 
 def test_ngram_and_plain(model_dirs) -> None:
     for extra, tag in ((["--ngram", "-k", "3"], "[ngram, k=3]"), ([], "[autoregressive]")):
-        result = run(["speculative", "generate", "--model", model_dirs["target"], "--prompt", "ab ab ab",
-                      "--max-tokens", "8", *extra])
+        result = run(
+            [
+                "speculative",
+                "generate",
+                "--model",
+                model_dirs["target"],
+                "--prompt",
+                "ab ab ab",
+                "--max-tokens",
+                "8",
+                *extra,
+            ]
+        )
         assert result.returncode == 0, result.stderr
         assert tag in result.stdout and "time to first token" in result.stdout
         assert "speculative: loaded target in" in result.stderr
@@ -62,14 +81,26 @@ def test_ngram_and_plain(model_dirs) -> None:
 
 
 def test_bad_flag_is_a_clear_error(model_dirs) -> None:
-    result = run(["speculative", "generate", "--model", model_dirs["target"], "--prompt", "x", "--top-p", "2"])
+    result = run(
+        ["speculative", "generate", "--model", model_dirs["target"], "--prompt", "x", "--top-p", "2"]
+    )
     assert result.returncode == 2
     assert "top_p must be in (0, 1]" in result.stderr
 
 
 def test_draft_dtype_flag(model_dirs) -> None:
-    base = ["speculative", "generate", "--model", model_dirs["target"], "--draft-model", model_dirs["draft"],
-            "--prompt", "ab ab ab", "--max-tokens", "8"]
+    base = [
+        "speculative",
+        "generate",
+        "--model",
+        model_dirs["target"],
+        "--draft-model",
+        model_dirs["draft"],
+        "--prompt",
+        "ab ab ab",
+        "--max-tokens",
+        "8",
+    ]
     result = run(base + ["--dtype", "float32", "--draft-dtype", "bfloat16"])
     assert result.returncode == 0, result.stderr
     assert "[draft_model, k=4]" in result.stdout
@@ -78,8 +109,13 @@ def test_draft_dtype_flag(model_dirs) -> None:
 
 
 def test_python_dash_m_speculative_is_the_command() -> None:
-    result = subprocess.run([sys.executable, "-m", "speculative", "--help"], capture_output=True, text=True,
-                            timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "speculative", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: speculative ")
     assert "{generate,bench,serve}" in result.stdout
@@ -89,15 +125,29 @@ def test_demo_pair_from_the_environment(model_dirs) -> None:
     """SPECULATIVE_DEMO_DIR names the demo pair's folder; where it holds none, the error says what to do."""
     folder = str(Path(model_dirs["target"]).parent)
     argv = [sys.executable, "-m", "speculative", "generate", "--prompt", "ab", "--max-tokens", "4"]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False,
-                            env={**os.environ, "SPECULATIVE_DEMO_DIR": folder})
+    result = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "SPECULATIVE_DEMO_DIR": folder},
+    )
     assert result.returncode == 0, result.stderr
     assert "[draft_model, k=4]" in result.stdout
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False,
-                            env={**os.environ, "SPECULATIVE_DEMO_DIR": str(Path(folder) / "nothing")})
+    result = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "SPECULATIVE_DEMO_DIR": str(Path(folder) / "nothing")},
+    )
     assert result.returncode == 2
-    assert "pass --model, set SPECULATIVE_DEMO_DIR to the pair's folder, or train it with " \
-           "`python -m speculative.demo.train --out models/demo`" in result.stderr
+    assert (
+        "pass --model, set SPECULATIVE_DEMO_DIR to the pair's folder, or train it with "
+        "`python -m speculative.demo.train --out models/demo`" in result.stderr
+    )
 
 
 def test_demo_dir_of_a_checkout(monkeypatch) -> None:

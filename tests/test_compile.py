@@ -33,8 +33,13 @@ def test_compiled_greedy_equals_eager_without_recompiles(pair) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     config = SpeculativeConfig(num_speculative_tokens=3)
     eager = LLM(target, draft_model=draft, speculative_config=config)
-    compiled = LLM(target, draft_model=draft, speculative_config=config, compile=True,
-                   precompile=PreCompileConfig(batch_size=[1, 3]))
+    compiled = LLM(
+        target,
+        draft_model=draft,
+        speculative_config=config,
+        compile=True,
+        precompile=PreCompileConfig(batch_size=[1, 3]),
+    )
     assert isinstance(compiled.target.model.model, CompiledCausalLM)
     graphs = counters["stats"]["unique_graphs"]  # every graph the runs below need, compiled by the warm-up
     for batch in ([PROMPTS[0]], [PROMPTS[1]], [PROMPTS[2]], PROMPTS):
@@ -79,7 +84,9 @@ def test_batch_one_verifications_have_a_graph_per_query_length_and_prefills_shar
     def graphs_after(q: int, verification: bool) -> int:
         cache = compiled.new_cache(1, 64)
         compiled.forward(ids[:, :8], cache, logits_indices=torch.tensor([[7]]))
-        compiled.forward(ids[:, 8 : 8 + q], cache, logits_indices=None if verification else torch.tensor([[q - 1]]))
+        compiled.forward(
+            ids[:, 8 : 8 + q], cache, logits_indices=None if verification else torch.tensor([[q - 1]])
+        )
         return counters["stats"]["unique_graphs"]
 
     before = counters["stats"]["unique_graphs"]
@@ -89,7 +96,9 @@ def test_batch_one_verifications_have_a_graph_per_query_length_and_prefills_shar
     assert graphs_after(3, True) == before + 2
     assert graphs_after(5, True) == before + 3
     assert graphs_after(5, True) == before + 3
-    assert graphs_after(STATIC_ROWS_MAX + 2, True) == before + 4  # more rows: dynamic, every position's logits
+    assert (
+        graphs_after(STATIC_ROWS_MAX + 2, True) == before + 4
+    )  # more rows: dynamic, every position's logits
     assert graphs_after(STATIC_ROWS_MAX + 3, True) == before + 4
 
 

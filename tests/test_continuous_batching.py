@@ -27,10 +27,12 @@ def _llm(model_impl: str, method: str | None) -> LLM:
 
 def _params() -> list[SamplingParams]:
     """Greedy and seeded sampled requests, with several lengths and a penalty (needs context)."""
-    return [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=0.9, seed=7, max_tokens=9, ignore_eos=True),
-            SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True, repetition_penalty=1.3),
-            SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=8, ignore_eos=True)]
+    return [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=8, ignore_eos=True),
+    ]
 
 
 def _alone(llm: LLM, i: int) -> list[list[int]]:
@@ -86,7 +88,9 @@ def test_a_row_whose_processor_raises_fails_alone() -> None:
 
     engine = llm.engine
     good = llm.make_sequences(PROMPTS[0], _params()[0], 0)
-    bad = llm.make_sequences(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20, logits_processors=[broken]), 1)
+    bad = llm.make_sequences(
+        PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=20, logits_processors=[broken]), 1
+    )
     engine.add(good + bad)
     while engine.sequences:
         engine.step()
@@ -100,6 +104,7 @@ def test_generate_starts_clean_after_an_abandoned_stream() -> None:
     llm = _llm("native", "draft_model")
     expected = _alone(llm, 0)
     from speculative.config import GenerationConfig
+
     for _ in llm.stream([PROMPTS[2]], _params()[2], config=GenerationConfig(streaming_chunks=1)):
         break  # left mid-generation: its rows must not leak into the next batch
     assert llm.engine.batch is None

@@ -55,7 +55,7 @@ def test_decode_stops_each_row_at_its_eos() -> None:
     dec = inferencer.decode(first.token_ids, cache, 11, strategy)
     row0 = dec.token_ids[0].tolist()
     stop = row0.index(eos)
-    assert row0[: stop + 1] == free[0][1: stop + 2] and all(t == -1 for t in row0[stop + 1:])
+    assert row0[: stop + 1] == free[0][1 : stop + 2] and all(t == -1 for t in row0[stop + 1 :])
     assert cache.lengths[0].item() == 3 + 1 + stop  # query and tokens before the EOS
     if eos not in free[1][1:]:
         assert dec.token_ids.shape[1] == 11 and -1 not in dec.token_ids[1].tolist()
@@ -98,7 +98,7 @@ def test_hf_cache_rollback_per_row_equals_fresh_forward() -> None:
     hf, _, model = _models()
     ids = torch.randint(2, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        reference = [hf(ids[i: i + 1]).logits[0] for i in range(2)]
+        reference = [hf(ids[i : i + 1]).logits[0] for i in range(2)]
     cache = model.new_cache(2, 64)
     model.forward(ids[:, :5], cache)
     model.forward(ids[:, 5:9], cache)  # 4 drafts per row
@@ -112,11 +112,13 @@ def test_hf_cache_rollback_per_row_equals_fresh_forward() -> None:
 def test_ngram_proposer() -> None:
     proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     assert isinstance(proposer, Proposer)
-    tokens = torch.tensor([
-        [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3, 0, 0],  # "1 2 3" last seen followed by 7 8 1
-        [4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # no earlier occurrence of "8"
-        [5, 1, 5, 2, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # only n=1 matches: most recent "5" -> 2
-    ])
+    tokens = torch.tensor(
+        [
+            [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3, 0, 0],  # "1 2 3" last seen followed by 7 8 1
+            [4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # no earlier occurrence of "8"
+            [5, 1, 5, 2, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # only n=1 matches: most recent "5" -> 2
+        ]
+    )
     lengths = torch.tensor([12, 5, 5])
     strategy = SampleStrategy.greedy(3, 16)
     proposal = proposer.propose(tokens, lengths, 3, strategy)
@@ -148,8 +150,12 @@ def test_ngram_verifies_only_what_was_proposed() -> None:
     prompt = [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7]  # "5 6 7" matches: 8 9 10 11 12 proposed first
     spec = SpeculativeConfig("ngram", num_speculative_tokens=8)
     counting = WidthModel(NativeCausalLM.from_hf(hf))
-    out = LLM(counting, speculative_config=spec).generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0].token_ids
+    out = (
+        LLM(counting, speculative_config=spec)
+        .generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert_greedy_equal(hf, prompt, out, hf_greedy(hf, prompt, 24, None))
     expected, done, proposer = [], 1, NgramProposer(1, 3)  # the prefill gave the first token
     while done < 24:  # replay the proposals on the final text
@@ -157,13 +163,16 @@ def test_ngram_verifies_only_what_was_proposed() -> None:
         drafts = proposer.propose(context, torch.tensor([context.shape[1]]), 8, SampleStrategy.greedy(1, 96))
         drafts = drafts.token_ids[0].tolist()
         expected.append(1 + len(drafts))
-        accepted = next((i for i, t in enumerate(drafts) if done + i >= 24 or t != out[done + i]), len(drafts))
+        accepted = next(
+            (i for i, t in enumerate(drafts) if done + i >= 24 or t != out[done + i]), len(drafts)
+        )
         done += accepted + 1
-    assert counting.widths[1:len(expected) + 1] == expected
+    assert counting.widths[1 : len(expected) + 1] == expected
     assert 1 in expected and any(1 < w < 9 for w in expected)  # plain steps and narrowed ones
     counting.widths.clear()
     LLM(counting, speculative_config=spec, seed=0).generate(
-        [prompt], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+        [prompt], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    )
     assert set(counting.widths[1:]) == {9}
 
 
@@ -175,8 +184,9 @@ def test_the_draft_re_encodes_nothing_after_a_rejection() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for draft, scale in ((hf, 0.0), (noisy_copy(hf, 0.05), 0.05)):
         counting = WidthModel(NativeCausalLM.from_hf(draft))
-        out = LLM(hf, draft_model=counting, speculative_config=SpeculativeConfig(num_speculative_tokens=k)).generate(
-            [prompt], params)[0]
+        out = LLM(
+            hf, draft_model=counting, speculative_config=SpeculativeConfig(num_speculative_tokens=k)
+        ).generate([prompt], params)[0]
         assert_greedy_equal(hf, prompt, out.outputs[0].token_ids, hf_greedy(hf, prompt, 40, None))
         steps, whole = out.metrics.num_steps, out.metrics.accepted_per_position[k - 1]  # all k accepted
         firsts = counting.widths[1::k][:steps]  # each step's first draft forward, after the prefill
@@ -205,14 +215,20 @@ class CountingModel:
 def test_finished_rows_leave_the_batch() -> None:
     hf = tiny_model("llama")
     counting = CountingModel(NativeCausalLM.from_hf(hf))
-    llm = LLM(counting, draft_model=noisy_copy(hf, 0.02), speculative_config=SpeculativeConfig(num_speculative_tokens=2))
+    llm = LLM(
+        counting,
+        draft_model=noisy_copy(hf, 0.02),
+        speculative_config=SpeculativeConfig(num_speculative_tokens=2),
+    )
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 8, 30)]
     outputs = llm.generate([[5, 6], [7, 8, 9], [10]], params)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 8, 30]
     sizes = counting.batch_sizes
     assert sizes[0] == 3 and sizes[-1] == 1 and 2 in sizes and sizes == sorted(sizes, reverse=True)
     for prompt, out in zip([[5, 6], [7, 8, 9], [10]], outputs):
-        assert_greedy_equal(hf, prompt, out.outputs[0].token_ids, hf_greedy(hf, prompt, len(out.outputs[0].token_ids), None))
+        assert_greedy_equal(
+            hf, prompt, out.outputs[0].token_ids, hf_greedy(hf, prompt, len(out.outputs[0].token_ids), None)
+        )
 
 
 def test_typical_acceptance_in_the_engine() -> None:

@@ -79,5 +79,5 @@ def test_committed_pair_loads_with_plain_transformers_and_writes_code() -> None:
         ids = tokenizer("def parse_args(argv):\n", return_tensors="pt")["input_ids"]
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert "\n    " in text and any(c in text for c in "=()"), text  # indented Python statements

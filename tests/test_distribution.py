@@ -23,6 +23,7 @@ SAMPLES = 20_000
 
 def exact_probs(model, prompt: list[int], temperature: float, top_k: int) -> np.ndarray:
     """P(x_1..x_3 | prompt) for all VOCAB**3 continuations, enumerated with the target alone."""
+
     def dist(contexts: list[list[int]]) -> torch.Tensor:
         with torch.no_grad():
             logits = model(torch.tensor(contexts)).logits[:, -1].double()
@@ -79,10 +80,13 @@ CASES = [  # (temperature, top_k, k)
 def test_speculative_sampling_matches_target(pair, temperature, top_k, k) -> None:
     target, draft = pair
     prompt = [2, 3, 4, 5]
-    llm = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=k), seed=11)
+    llm = LLM(
+        target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=k), seed=11
+    )
     params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=LENGTH, ignore_eos=True)
-    stat, dof = chi_square(sample(llm, [prompt] * SAMPLES, [params] * SAMPLES),
-                           exact_probs(target, prompt, temperature, top_k))
+    stat, dof = chi_square(
+        sample(llm, [prompt] * SAMPLES, [params] * SAMPLES), exact_probs(target, prompt, temperature, top_k)
+    )
     assert chi2.sf(stat, dof) > 1e-3, f"chi-square {stat:.1f} on {dof} dof"
 
 
@@ -91,10 +95,13 @@ def test_broken_sampler_fails(pair, monkeypatch, temperature, top_k, k) -> None:
     target, draft = pair
     monkeypatch.setattr(rejection_module, "rejection_sample", accept_every_draft)
     prompt = [2, 3, 4, 5]
-    llm = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=k), seed=11)
+    llm = LLM(
+        target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=k), seed=11
+    )
     params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=LENGTH, ignore_eos=True)
-    stat, dof = chi_square(sample(llm, [prompt] * SAMPLES, [params] * SAMPLES),
-                           exact_probs(target, prompt, temperature, top_k))
+    stat, dof = chi_square(
+        sample(llm, [prompt] * SAMPLES, [params] * SAMPLES), exact_probs(target, prompt, temperature, top_k)
+    )
     assert chi2.sf(stat, dof) < 1e-6
 
 
@@ -105,11 +112,15 @@ def test_seeded_batch_of_four_matches_target(pair) -> None:
     per_prompt = SAMPLES // len(prompts)
     llm = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=2))
     batch = [p for p in prompts for _ in range(per_prompt)]
-    params = [SamplingParams(temperature=0.9, max_tokens=LENGTH, ignore_eos=True, seed=i) for i in range(len(batch))]
+    params = [
+        SamplingParams(temperature=0.9, max_tokens=LENGTH, ignore_eos=True, seed=i) for i in range(len(batch))
+    ]
     samples = sample(llm, batch, params)
     total, dofs = 0.0, 0
     for j, prompt in enumerate(prompts):
-        stat, dof = chi_square(samples[j * per_prompt:(j + 1) * per_prompt], exact_probs(target, prompt, 0.9, -1))
+        stat, dof = chi_square(
+            samples[j * per_prompt : (j + 1) * per_prompt], exact_probs(target, prompt, 0.9, -1)
+        )
         total, dofs = total + stat, dofs + dof
     assert chi2.sf(total, dofs) > 1e-3, f"chi-square {total:.1f} on {dofs} dof"
 
@@ -118,8 +129,11 @@ def test_ngram_sampling_matches_target(pair) -> None:
     """A deterministic drafter (one-hot p): accept x with probability q(x), residual = q without x."""
     target, _ = pair
     prompt = [2, 3, 2, 3, 2, 3, 2]
-    llm = LLM(target, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2,
-                                                           prompt_lookup_max=2), seed=3)
+    llm = LLM(
+        target,
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=2),
+        seed=3,
+    )
     params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
     outputs = llm.generate([prompt] * SAMPLES, params)
     assert sum(o.metrics.num_drafted for o in outputs) > 0
@@ -131,6 +145,8 @@ def test_acceptance_is_exercised(pair) -> None:
     """The pair disagrees enough that drafts are both accepted and rejected (the tests above bite)."""
     target, draft = pair
     llm = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=2))
-    outputs = llm.generate([[2, 3, 4, 5]] * 2000, SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True))
+    outputs = llm.generate(
+        [[2, 3, 4, 5]] * 2000, SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
+    )
     rate = sum(o.metrics.num_accepted for o in outputs) / sum(o.metrics.num_drafted for o in outputs)
     assert 0.2 < rate < 0.9, rate

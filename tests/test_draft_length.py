@@ -13,8 +13,14 @@ from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.engine.draft_length import DraftLength
 
 
-def _measured(max_k: int, cost, acceptance: float, steps: int = 200, batch_size: int = 1,
-              chooser: DraftLength | None = None) -> DraftLength:
+def _measured(
+    max_k: int,
+    cost,
+    acceptance: float,
+    steps: int = 200,
+    batch_size: int = 1,
+    chooser: DraftLength | None = None,
+) -> DraftLength:
     """A DraftLength (new, or `chooser`) fed `steps` steps of a fake workload at `batch_size` (one row's
     figures): step time cost(k), per-draft acceptance."""
     chooser = chooser or DraftLength(max_k, adaptive=True)
@@ -103,9 +109,15 @@ def test_greedy_is_exact_whatever_k_each_step_has(method: str) -> None:
 def test_sampling_is_exact_whatever_k_each_step_has(pair) -> None:  # noqa: F811
     target, draft = pair
     prompt = [2, 3, 4, 5]
-    llm = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=2, adaptive=True),
-              seed=5)
+    llm = LLM(
+        target,
+        draft_model=draft,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=2, adaptive=True),
+        seed=5,
+    )
     _forced(llm, [2, 0, 1, 0, 0, 2, 1])
     params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
-    stat, dof = chi_square(sample(llm, [prompt] * SAMPLES, [params] * SAMPLES), exact_probs(target, prompt, 1.0, -1))
+    stat, dof = chi_square(
+        sample(llm, [prompt] * SAMPLES, [params] * SAMPLES), exact_probs(target, prompt, 1.0, -1)
+    )
     assert chi2.sf(stat, dof) > 1e-3, f"chi-square {stat:.1f} on {dof} dof"

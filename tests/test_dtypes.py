@@ -44,8 +44,10 @@ def test_bad_dtype_names_the_parameter() -> None:
 def test_avx2_only_cpu_has_no_native_bfloat16() -> None:
     """ATen's and oneDNN's AVX2 code paths (as on a CPU without AVX-512): bfloat16 is not native."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    code = "import torch; from speculative.models.dtypes import cpu_computes_natively as n; " \
-           "print(n(torch.bfloat16), n(torch.float32))"
+    code = (
+        "import torch; from speculative.models.dtypes import cpu_computes_natively as n; "
+        "print(n(torch.bfloat16), n(torch.float32))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "True"], out.stderr
 

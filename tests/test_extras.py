@@ -14,16 +14,20 @@ from speculative.extras import needs_extra
 def test_serve_names_the_server_extra(hide_module, capsys, missing) -> None:
     hide_module(missing, "speculative.server")
     assert cli.main(["serve"]) == 2
-    assert ("speculative serve needs the server extra: pip install 'speculative[server]' "
-            f"(no module named '{missing}')") in capsys.readouterr().err
+    assert (
+        "speculative serve needs the server extra: pip install 'speculative[server]' "
+        f"(no module named '{missing}')"
+    ) in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("missing", ["rich", "matplotlib"])
 def test_bench_names_the_bench_extra(hide_module, capsys, missing) -> None:
     hide_module(missing, "speculative.bench.run", "speculative.bench.report", "speculative.bench.plots")
     assert cli.main(["bench", "--quick"]) == 2
-    assert ("speculative bench needs the bench extra: pip install 'speculative[bench]' "
-            f"(no module named '{missing}") in capsys.readouterr().err
+    assert (
+        "speculative bench needs the bench extra: pip install 'speculative[bench]' "
+        f"(no module named '{missing}"
+    ) in capsys.readouterr().err
 
 
 MODULES = [  # (missing module, module importing it, its extra)
@@ -38,16 +42,23 @@ MODULES = [  # (missing module, module importing it, its extra)
 @pytest.mark.parametrize("missing, module, extra", MODULES)
 def test_modules_name_their_extra(hide_module, missing, module, extra) -> None:
     hide_module(missing, module)
-    with pytest.raises(ModuleNotFoundError, match=rf"needs the {extra} extra: pip install "
-                                                  rf"'speculative\[{extra}\]'") as caught:
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=rf"needs the {extra} extra: pip install "
+        rf"'speculative\[{extra}\]'",
+    ) as caught:
         importlib.import_module(module)
     assert caught.value.name.partition(".")[0] == missing
 
 
 def test_other_missing_modules_pass_unchanged() -> None:
-    with (pytest.raises(ModuleNotFoundError, match="No module named 'no_such_module'"),
-          needs_extra("bench", "speculative bench")):
+    with (
+        pytest.raises(ModuleNotFoundError, match="No module named 'no_such_module'"),
+        needs_extra("bench", "speculative bench"),
+    ):
         import no_such_module  # noqa: F401
-    with (pytest.raises(ValueError, match="extra must be one of server, bench, guided; got 'gpu'"),
-          needs_extra("gpu", "x")):
+    with (
+        pytest.raises(ValueError, match="extra must be one of server, bench, guided; got 'gpu'"),
+        needs_extra("gpu", "x"),
+    ):
         pass

@@ -64,7 +64,9 @@ def test_packed_linear_leaves_few_rows_to_the_reduction_where_told(monkeypatch) 
         with inductor_config.patch(force_disable_caches=True), torch.inference_mode():
             counters.clear()
             torch._dynamo.reset()
-            got = torch.compile(layer.__call__, options={"post_grad_custom_post_pass": GEMV_PASS})(x, residual)
+            got = torch.compile(layer.__call__, options={"post_grad_custom_post_pass": GEMV_PASS})(
+                x, residual
+            )
         assert counters["speculative"]["rows"] == rewritten
         torch.testing.assert_close(got, linear(x) + residual)
 

@@ -55,7 +55,9 @@ def test_plain_decoding_is_the_baseline() -> None:
     target = tiny_model("llama")
     outputs = LLM(target).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     for prompt, out in zip(PROMPTS, outputs):
-        assert_greedy_equal(target, prompt, out.outputs[0].token_ids, hf_greedy(target, prompt, MAX_TOKENS, EOS))
+        assert_greedy_equal(
+            target, prompt, out.outputs[0].token_ids, hf_greedy(target, prompt, MAX_TOKENS, EOS)
+        )
         assert out.metrics.num_drafted == 0 and out.metrics.num_steps == len(out.outputs[0].token_ids) - 1
 
 
@@ -64,16 +66,30 @@ def test_transformers_path_matches(family: str) -> None:
     """Any AutoModelForCausalLM through transformers' own forward (holes in its cache for batches)."""
     if family == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
+
         torch.manual_seed(0)
-        target = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                                            eos_token_id=EOS, bos_token_id=0)).eval()
+        target = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=96,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_positions=256,
+                eos_token_id=EOS,
+                bos_token_id=0,
+            )
+        ).eval()
         draft = noisy_copy(target, 0.002)
     else:
         target = tiny_model("llama")
         draft = noisy_copy(target, 0.05)
     expected = [hf_greedy(target, p, MAX_TOKENS, EOS) for p in PROMPTS]
-    llm = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=3),
-              model_impl="transformers")
+    llm = LLM(
+        target,
+        draft_model=draft,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+        model_impl="transformers",
+    )
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     for prompt, out, want in zip(PROMPTS, outputs, expected):
         assert_greedy_equal(target, prompt, out.outputs[0].token_ids, want)
@@ -89,8 +105,9 @@ def test_eos_and_max_tokens_truncate_an_accepted_block() -> None:
         ids = out.outputs[0].token_ids
         assert len(ids) == 40 and out.outputs[0].finish_reason == "length"
         stop = ids[5]  # a token the row emits inside its first accepted block
-        cut = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
-                                                    stop_token_ids=[stop]))[0].outputs[0]
+        cut = llm.generate(
+            [prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+        )[0].outputs[0]
         assert cut.token_ids == ids[: ids.index(stop) + 1]
         assert cut.finish_reason == "stop" and cut.stop_reason == stop
         short = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
@@ -109,8 +126,12 @@ def test_a_draft_in_another_dtype_changes_nothing_but_acceptance(draft_dtype) ->
     target's own greedy output."""
     target = tiny_model("llama")
     expected = [hf_greedy(target, p, MAX_TOKENS, EOS) for p in PROMPTS]
-    llm = LLM(target, draft_model=noisy_copy(target, 0.02), draft_dtype=draft_dtype,
-              speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    llm = LLM(
+        target,
+        draft_model=noisy_copy(target, 0.02),
+        draft_dtype=draft_dtype,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
     want = torch.bfloat16 if draft_dtype == "bfloat16" else draft_dtype
     assert llm.draft.model.dtype == want and llm.target.model.dtype == torch.float32
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

@@ -87,7 +87,7 @@ def check_block(guide: Guide, state: GuideState, committed: list[int], drafts: l
             break
         t = drafts[j]
         if not (t < guide.vocab_size and expected[t]):  # invalid draft: later rows are never reached
-            assert block[j + 1:, :N_TOK].all()
+            assert block[j + 1 :, :N_TOK].all()
             break
         ref.accept([t])
     return block
@@ -136,6 +136,7 @@ def ids(text: str) -> list[int]:
 
 # --- parameters --------------------------------------------------------------------------------
 
+
 def test_params_need_exactly_one_field():
     with pytest.raises(ValueError, match="none"):
         GuidedDecodingParams()
@@ -150,12 +151,15 @@ def test_params_need_exactly_one_field():
     assert GuidedDecodingParams(json_object=True).kind() == "json_object"
 
 
-@pytest.mark.parametrize("params", [
-    GuidedDecodingParams(regex="[0-9"),
-    GuidedDecodingParams(json="{not json"),
-    GuidedDecodingParams(json={"type": "no-such-type"}),
-    GuidedDecodingParams(grammar="start: undefined_rule"),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        GuidedDecodingParams(regex="[0-9"),
+        GuidedDecodingParams(json="{not json"),
+        GuidedDecodingParams(json={"type": "no-such-type"}),
+        GuidedDecodingParams(grammar="start: undefined_rule"),
+    ],
+)
 def test_bad_constraint_is_value_error_at_compile(tok, params):
     with pytest.raises(ValueError):
         Guide.compile(params, tok, N_TOK)
@@ -169,6 +173,7 @@ def test_compile_is_cached(tok):
 
 
 # --- random walks --------------------------------------------------------------------------------
+
 
 def test_json_schema_walks(tok):
     guide = Guide.compile(GuidedDecodingParams(json=SCHEMA), tok, N_TOK)
@@ -246,6 +251,7 @@ def test_grammar_walks(tok):
 
 # --- state handling --------------------------------------------------------------------------------
 
+
 def test_allowed_for_block_leaves_state_unchanged(tok):
     guide = Guide.compile(GuidedDecodingParams(regex=REGEX), tok, N_TOK)
     state = guide.new_state()
@@ -284,9 +290,11 @@ def test_accept_disallowed_raises_and_commits_nothing(tok):
 
 
 def test_batched_blocks_match_single(tok):
-    guides = [Guide.compile(GuidedDecodingParams(regex=REGEX), tok, N_TOK),
-              Guide.compile(GuidedDecodingParams(json=SCHEMA), tok, N_TOK),
-              Guide.compile(GuidedDecodingParams(choice=CHOICES), tok, N_TOK)]
+    guides = [
+        Guide.compile(GuidedDecodingParams(regex=REGEX), tok, N_TOK),
+        Guide.compile(GuidedDecodingParams(json=SCHEMA), tok, N_TOK),
+        Guide.compile(GuidedDecodingParams(choice=CHOICES), tok, N_TOK),
+    ]
     states = [g.new_state() for g in guides]
     states[0].accept(ids("4"))
     drafts = [ids("56-q"), ids('{"c'), ids("rx")]

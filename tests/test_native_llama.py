@@ -108,7 +108,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def test_protocol_and_supports():
-    hf, native = models("qwen3")
+    _, native = models("qwen3")
     assert isinstance(native, LanguageModel)
     assert native.vocab_size == 128 and native.max_length == 64
     assert native.device == torch.device("cpu") and native.dtype == torch.float32

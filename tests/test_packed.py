@@ -1,4 +1,5 @@
-"""PackedLinear under NativeCausalLM: fused layouts that keep the HF parameters, and stay in step with them."""
+"""PackedLinear under NativeCausalLM: fused layouts that keep the HF parameters, and stay in step with
+them."""
 
 from __future__ import annotations
 
@@ -54,7 +55,14 @@ def test_packed_linear_kernels_agree() -> None:
         for rows in (1, 2, 5):
             x = torch.randn(rows, 64, dtype=dtype)
             residual = torch.randn(rows, 2176, dtype=dtype)
-            want = torch.cat([torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
-                              for lin in linears], dim=-1)
+            want = torch.cat(
+                [
+                    torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+                    for lin in linears
+                ],
+                dim=-1,
+            )
             assert (packed(x).float() - want).abs().max() < tolerance * want.abs().max()
-            assert (packed(x, residual).float() - want - residual.float()).abs().max() < tolerance * want.abs().max()
+            assert (
+                packed(x, residual).float() - want - residual.float()
+            ).abs().max() < tolerance * want.abs().max()

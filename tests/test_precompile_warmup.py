@@ -63,7 +63,9 @@ def test_padded_prefill_keeps_prompt_logprobs() -> None:
 
 def test_prompt_longer_than_every_bucket_names_the_largest() -> None:
     llm = LLM(tiny_model("llama"), precompile=PreCompileConfig(prefill_length=[8, 16]))
-    with pytest.raises(ValueError, match="prompt 1: prompt of 20 tokens fits no prefill bucket; the largest is 16"):
+    with pytest.raises(
+        ValueError, match="prompt 1: prompt of 20 tokens fits no prefill bucket; the largest is 16"
+    ):
         llm.generate([PROMPTS[1], PROMPTS[2]], SamplingParams(max_tokens=4))  # checked before any work
     assert llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids  # 9 fits 16
 

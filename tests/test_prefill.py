@@ -43,8 +43,11 @@ class LoggedModel:
 def test_prompts_of_different_lengths_are_prefilled_in_groups_and_decode_as_alone() -> None:
     hf = tiny_model("llama", vocab_size=96)
     target = LoggedModel(NativeCausalLM.from_hf(hf))
-    llm = LLM(target, draft_model=noisy_copy(hf, 0.05),
-              speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    llm = LLM(
+        target,
+        draft_model=noisy_copy(hf, 0.05),
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
     prompts = [[(7 * i + j) % 90 + 2 for j in range(n)] for i, n in enumerate((3, 90, 40, 88, 41))]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=12, ignore_eos=True)

@@ -16,15 +16,25 @@ V = 6
 
 def context(prompt: list[int], output: list[int], block: list[int]) -> TokenContext:
     tokens = torch.tensor([prompt + output + [0] * 8])
-    return TokenContext(tokens, torch.tensor([len(prompt) + len(output)]), torch.tensor([len(prompt)]),
-                        torch.tensor([block], dtype=torch.long).reshape(1, len(block)), V)
+    return TokenContext(
+        tokens,
+        torch.tensor([len(prompt) + len(output)]),
+        torch.tensor([len(prompt)]),
+        torch.tensor([block], dtype=torch.long).reshape(1, len(block)),
+        V,
+    )
 
 
 def test_penalties_use_each_positions_own_context() -> None:
     ctx = context(prompt=[0, 1], output=[2, 2], block=[3])  # position 1 also sees the draft 3
     logits = torch.tensor([[[1.0, -1.0, 2.0, 0.5, -0.5, 3.0]] * 2])
-    out = P.apply_penalties(logits, ctx, presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]),
-                            repetition=torch.tensor([2.0]))
+    out = P.apply_penalties(
+        logits,
+        ctx,
+        presence=torch.tensor([0.5]),
+        frequency=torch.tensor([0.25]),
+        repetition=torch.tensor([2.0]),
+    )
     # position 0: seen {0, 1, 2}; output counts {2: 2}
     assert torch.allclose(out[0, 0], torch.tensor([0.5, -2.0, 1.0 - 0.5 - 0.5, 0.5, -0.5, 3.0]))
     # position 1: seen {0, 1, 2, 3}; output counts {2: 2, 3: 1}
@@ -57,21 +67,31 @@ def test_allowed_bias_min_p_top_k_top_p() -> None:
     assert top_k[0, 0, :2].isfinite().all() and (top_k[0, 0, 2:] == -math.inf).all()
     top_p = P.apply_top_k_top_p(logits, torch.tensor([V]), torch.tensor([0.69]))  # 0.4 + 0.3 reach 0.69
     assert top_p[0, 0, :2].isfinite().all() and (top_p[0, 0, 2:] == -math.inf).all()
-    both = P.apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.8]))  # top-3 renormalised: .47 .35 .18
+    both = P.apply_top_k_top_p(
+        logits, torch.tensor([3]), torch.tensor([0.8])
+    )  # top-3 renormalised: .47 .35 .18
     assert both[0, 0, :2].isfinite().all() and (both[0, 0, 2:] == -math.inf).all()
 
 
 def test_strategy_order_and_greedy_after_processing() -> None:
     """allowed -> bias -> penalties -> temperature, and greedy takes the argmax after them."""
-    params = SamplingParams(temperature=0.5, allowed_token_ids=[0, 1, 2], logit_bias={1: 1.0},
-                            repetition_penalty=2.0)
+    params = SamplingParams(
+        temperature=0.5, allowed_token_ids=[0, 1, 2], logit_bias={1: 1.0}, repetition_penalty=2.0
+    )
     strategy = SampleStrategy([params], V, "cpu")
     ctx = context(prompt=[0], output=[], block=[])
     logits = torch.tensor([[[2.0, 0.5, 0.2, 9.0, 0.0, 0.0]]])
     expected = torch.tensor([1.0, 1.5, 0.2, -math.inf, -math.inf, -math.inf]) / 0.5
     assert torch.allclose(strategy.probs(logits, ctx)[0, 0], expected.softmax(-1))
-    greedy = SampleStrategy([SamplingParams(temperature=0, allowed_token_ids=[0, 1, 2], logit_bias={1: 1.0},
-                                            repetition_penalty=2.0)], V, "cpu")
+    greedy = SampleStrategy(
+        [
+            SamplingParams(
+                temperature=0, allowed_token_ids=[0, 1, 2], logit_bias={1: 1.0}, repetition_penalty=2.0
+            )
+        ],
+        V,
+        "cpu",
+    )
     assert greedy.argmax(logits, ctx).item() == 1  # 3 is not allowed, 0 is penalised below 1
 
 
@@ -86,7 +106,9 @@ def test_user_logits_processors_see_each_positions_output() -> None:
         assert prompt == [0, 1]
         return logits
 
-    strategy = SampleStrategy([SamplingParams(temperature=1.0, logits_processors=[two_args, three_args])], V, "cpu")
+    strategy = SampleStrategy(
+        [SamplingParams(temperature=1.0, logits_processors=[two_args, three_args])], V, "cpu"
+    )
     out = strategy.process(torch.zeros(1, 3, V), context(prompt=[0, 1], output=[2], block=[4, 5]))
     assert seen == [[2], [2, 4], [2, 4, 5]]
     assert torch.equal(out[0, 1], torch.arange(V, dtype=torch.float32))

@@ -16,10 +16,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.cli import main
+from speculative.models import packed as packed_module
 from speculative.models import quantization as q
 from speculative.models.gemv import GEMV_PASS
 from speculative.models.llama import QUANTIZE_LM_HEAD, NativeCausalLM
-from speculative.models import packed as packed_module
 from speculative.models.packed import PackedLinear
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 3, [3, 4, 5] * 6 + [8]]
@@ -54,9 +54,12 @@ def _logits(model: NativeCausalLM, ids: torch.Tensor, split: int) -> torch.Tenso
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize(("quantization", "dtype"), [("int8", torch.float32), ("int8", torch.bfloat16),
-                                                     ("int4", torch.bfloat16)])
-def test_logits_are_the_dequantized_weights_logits(family: str, quantization: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("quantization", "dtype"), [("int8", torch.float32), ("int8", torch.bfloat16), ("int4", torch.bfloat16)]
+)
+def test_logits_are_the_dequantized_weights_logits(
+    family: str, quantization: str, dtype: torch.dtype
+) -> None:
     hf = tiny_model(family, vocab_size=112).to(dtype)
     ids = torch.randint(0, 112, (2, 9), generator=torch.Generator().manual_seed(0))
     quantized = NativeCausalLM.from_hf(hf)
@@ -147,8 +150,13 @@ def test_speculative_greedy_output_is_the_quantized_targets_own(family: str) -> 
     draft = noisy_copy(target, 0.02)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     plain = LLM(target, dtype="float32", quantization="int8")
-    speculative = LLM(target, draft_model=draft, dtype="float32", quantization="int8",
-                      speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    speculative = LLM(
+        target,
+        draft_model=draft,
+        dtype="float32",
+        quantization="int8",
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     outputs = speculative.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outputs] == want
@@ -164,14 +172,21 @@ def test_compiled_quantized_greedy_output_is_the_eager_quantized_targets_own() -
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompt = [[3, 4, 5] * 6 + [8]]
     want = LLM(target, dtype="float32", quantization="int8").generate(prompt, params)[0].outputs[0].token_ids
-    compiled = LLM(target, dtype="float32", quantization="int8", compile=True,
-                   speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    compiled = LLM(
+        target,
+        dtype="float32",
+        quantization="int8",
+        compile=True,
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    )
     output = compiled.generate(prompt, params)[0]
     assert output.outputs[0].token_ids == want
     assert 0 < output.metrics.num_drafted < 3 * output.metrics.num_steps  # verifications and plain steps
 
 
-@pytest.mark.parametrize(("rows", "kind"), [(1, "gemv"), (5, "static_rows"), (packed_module.STATIC_ROWS_MAX + 1, "rows")])
+@pytest.mark.parametrize(
+    ("rows", "kind"), [(1, "gemv"), (5, "static_rows"), (packed_module.STATIC_ROWS_MAX + 1, "rows")]
+)
 def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(rows: int, kind: str) -> None:
     """gemv.py rewrites F.linear(x, q.float()) (q int8) into a reduction that reads q as it is: one row
     as any one-row matmul, several rows as a few-row float32 matmul is (test_gemv.py)."""
@@ -183,8 +198,11 @@ def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(rows: int, kin
     torch._dynamo.reset()
     with inductor_config.patch(force_disable_caches=True):  # a cached graph would skip the pass
         counters.clear()
-        compiled = torch.compile(lambda x: torch.nn.functional.linear(torch.nn.functional.silu(x), qweight.float())
-                                 * scales, dynamic=False, options={"post_grad_custom_post_pass": GEMV_PASS})
+        compiled = torch.compile(
+            lambda x: torch.nn.functional.linear(torch.nn.functional.silu(x), qweight.float()) * scales,
+            dynamic=False,
+            options={"post_grad_custom_post_pass": GEMV_PASS},
+        )
         got = compiled(x)
         assert dict(counters["speculative"]) == {kind: 1}
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
@@ -196,29 +214,67 @@ def test_bad_values_are_clear_errors() -> None:
         LLM(target, quantization="fp8")
     with pytest.raises(ValueError, match="quantization='int8' needs the native forward"):
         LLM(target, quantization="int8", model_impl="transformers")
-    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2,
-                                                                 vocab_size=96, n_positions=64))
-    with pytest.raises(ValueError, match="needs the native forward.*HFCausalLM"):
+    gpt2 = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=96, n_positions=64)
+    )
+    with pytest.raises(ValueError, match=r"needs the native forward.*HFCausalLM"):
         LLM(gpt2, quantization="int8")
     with pytest.raises(ValueError, match=r"int4.*bfloat16 target \(dtype='bfloat16'\)"):
         LLM(target, dtype="float32", quantization="int4")
     with pytest.raises(ValueError, match=r"int4.*bfloat16 draft model \(draft_dtype='bfloat16'\)"):
-        LLM(target, draft_model=noisy_copy(target, 0.02), dtype="bfloat16", draft_dtype="float32",
-            quantization="int4")
+        LLM(
+            target,
+            draft_model=noisy_copy(target, 0.02),
+            dtype="bfloat16",
+            draft_dtype="float32",
+            quantization="int4",
+        )
     native = NativeCausalLM.from_hf(target)
     native.quantize("int8")
-    with pytest.raises(RuntimeError, match="already quantized|quantizing it again"):
+    with pytest.raises(RuntimeError, match=r"already quantized|quantizing it again"):
         native.quantize("int4")
 
 
 def test_cli_quantization_flag(model_dirs, capsys) -> None:
-    assert main(["generate", "--model", model_dirs["target"], "--draft-model", model_dirs["draft"],
-                 "--dtype", "float32", "--quantization", "int8", "--max-tokens", "4", "--prompt", "ab"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                model_dirs["target"],
+                "--draft-model",
+                model_dirs["draft"],
+                "--dtype",
+                "float32",
+                "--quantization",
+                "int8",
+                "--max-tokens",
+                "4",
+                "--prompt",
+                "ab",
+            ]
+        )
+        == 0
+    )
     assert "int8 weights" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--quantization", "fp8"])
     assert exit_info.value.code == 2
     assert "--quantization" in capsys.readouterr().err
-    assert main(["generate", "--model", model_dirs["target"], "--model-impl", "transformers",
-                 "--quantization", "int8", "--prompt", "ab"]) == 2
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                model_dirs["target"],
+                "--model-impl",
+                "transformers",
+                "--quantization",
+                "int8",
+                "--prompt",
+                "ab",
+            ]
+        )
+        == 2
+    )
     assert "native forward" in capsys.readouterr().err

@@ -42,7 +42,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,message", CASES, ids=[next(iter(c[0])) + str(i) for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "kwargs,message", CASES, ids=[next(iter(c[0])) + str(i) for i, c in enumerate(CASES)]
+)
 def test_validation_error(kwargs, message) -> None:
     with pytest.raises(ValueError, match="SamplingParams." + message):
         SamplingParams(**kwargs)

@@ -14,15 +14,21 @@ from speculative.server.scheduler import QueueFull, RequestStream, Scheduler
 def _llm() -> LLM:
     tokenizer = byte_tokenizer()
     target = tiny_model("llama", vocab_size=257, eos_token_id=256, bos_token_id=256)
-    return LLM(target, draft_model=noisy_copy(target, 0.03), tokenizer=tokenizer,
-               speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    return LLM(
+        target,
+        draft_model=noisy_copy(target, 0.03),
+        tokenizer=tokenizer,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
 
 
 PROMPTS = ["def add(a, b):", "hello", "x = [1, 2", "The quick brown fox"]
-PARAMS = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-          SamplingParams(temperature=0.8, seed=5, max_tokens=15, ignore_eos=True, n=2),
-          SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["e"]),
-          SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)]
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=15, ignore_eos=True, n=2),
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["e"]),
+    SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2),
+]
 
 
 async def _collect(stream: RequestStream) -> tuple[dict[int, str], dict[int, list[int]], list]:
@@ -58,7 +64,9 @@ def test_concurrent_requests_get_their_offline_outputs() -> None:
         out = expected[i % len(PROMPTS)]
         assert [texts[c.index] for c in out.outputs] == [c.text for c in out.outputs], i
         assert [ids[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs], i
-        assert updates[-1].finished and updates[-1].metrics.num_generated == sum(len(c.token_ids) for c in out.outputs)
+        assert updates[-1].finished and updates[-1].metrics.num_generated == sum(
+            len(c.token_ids) for c in out.outputs
+        )
         assert max(len(d.token_ids) for u in updates for d in u.sequences) > 1  # several tokens per step
     sent = sum(len(token_ids) for _, ids, _ in results for token_ids in ids.values())
     assert scheduler.metrics.generation_tokens._value.get() == sent

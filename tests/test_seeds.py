@@ -13,16 +13,21 @@ def test_seeded_request_alone_and_in_a_batch(method) -> None:
     target = tiny_model("llama")
     kwargs = {}
     if method == "draft_model":
-        kwargs = dict(draft_model=noisy_copy(target, 0.05), speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+        kwargs = dict(
+            draft_model=noisy_copy(target, 0.05),
+            speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+        )
     elif method == "ngram":
         kwargs = dict(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
     llm = LLM(target, **kwargs)
     prompt = [5, 6, 7, 5, 6]
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=30)
     alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
-    others = [([9, 9, 3], SamplingParams(temperature=1.0, max_tokens=12)),
-              ([4] * 11, SamplingParams(temperature=0.0, max_tokens=40)),
-              ([7, 8], SamplingParams(temperature=0.5, seed=99, top_k=5, max_tokens=5))]
+    others = [
+        ([9, 9, 3], SamplingParams(temperature=1.0, max_tokens=12)),
+        ([4] * 11, SamplingParams(temperature=0.0, max_tokens=40)),
+        ([7, 8], SamplingParams(temperature=0.5, seed=99, top_k=5, max_tokens=5)),
+    ]
     for position in range(len(others) + 1):
         batch = others[:position] + [(prompt, seeded)] + others[position:]
         outputs = llm.generate([p for p, _ in batch], [s for _, s in batch])

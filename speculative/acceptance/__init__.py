@@ -8,5 +8,12 @@ from .greedy import GreedyAcceptance, greedy_accept
 from .rejection import RejectionSampler, rejection_sample
 from .typical import TypicalAcceptanceSampler, typical_accept
 
-__all__ = ["AcceptanceRule", "GreedyAcceptance", "RejectionSampler", "TypicalAcceptanceSampler", "greedy_accept",
-           "rejection_sample", "typical_accept"]
+__all__ = [
+    "AcceptanceRule",
+    "GreedyAcceptance",
+    "RejectionSampler",
+    "TypicalAcceptanceSampler",
+    "greedy_accept",
+    "rejection_sample",
+    "typical_accept",
+]

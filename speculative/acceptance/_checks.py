@@ -43,8 +43,7 @@ def _check_id_range(name: str, t: torch.Tensor, low: int, vocab_size: int) -> No
     lo, hi = int(t.min().item()), int(t.max().item())
     if lo < low or hi >= vocab_size:
         raise ValueError(
-            f"{name} must lie in [{low}, {vocab_size}) (vocab_size={vocab_size}), "
-            f"got values in [{lo}, {hi}]"
+            f"{name} must lie in [{low}, {vocab_size}) (vocab_size={vocab_size}), got values in [{lo}, {hi}]"
         )
 
 
@@ -73,8 +72,7 @@ def check_sampler_inputs(
 
     if target_with_bonus_probs.dim() != 3:
         raise ValueError(
-            "target_with_bonus_probs must be 3-D [B, k+1, V], got shape "
-            f"{_shape(target_with_bonus_probs)}"
+            f"target_with_bonus_probs must be 3-D [B, k+1, V], got shape {_shape(target_with_bonus_probs)}"
         )
     b, k_plus_1, v = target_with_bonus_probs.shape
     k = k_plus_1 - 1

@@ -27,8 +27,14 @@ class AcceptanceRule(Protocol):
     lossless: bool
     """Whether the output is distributed exactly as the target's own (greedy: token-identical)."""
 
-    def verify(self, logits: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
-               strategy: SampleStrategy, context: TokenContext | None) -> Tensor:
+    def verify(
+        self,
+        logits: Tensor,
+        draft_token_ids: Tensor,
+        draft_probs: Tensor | None,
+        strategy: SampleStrategy,
+        context: TokenContext | None,
+    ) -> Tensor:
         """The kept tokens of each row.
 
         logits: [B, k + 1, V] the target's raw logits at the last context token and at each draft.

@@ -59,9 +59,17 @@ class GreedyAcceptance:
 
     lossless = True
 
-    def verify(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-               strategy: SampleStrategy, context: TokenContext | None) -> torch.Tensor:  # [B, k+1]
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        strategy: SampleStrategy,
+        context: TokenContext | None,
+    ) -> torch.Tensor:  # [B, k+1]
         """See AcceptanceRule.verify."""
         if not strategy.all_greedy:
-            raise ValueError("GreedyAcceptance needs temperature 0 in every row; RejectionSampler samples exactly")
+            raise ValueError(
+                "GreedyAcceptance needs temperature 0 in every row; RejectionSampler samples exactly"
+            )
         return greedy_accept(strategy.argmax(logits, context), draft_token_ids)

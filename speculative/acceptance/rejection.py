@@ -78,7 +78,7 @@ def rejection_sample(
     else:
         p_rej = draft_probs.gather(1, gather_v).squeeze(1) * valid_rej  # [B, V]
     residual = (q_rej - p_rej).clamp_min(0)  # [B, V]
-    empty = (residual.sum(dim=-1, keepdim=True) <= 0)  # [B, 1]
+    empty = residual.sum(dim=-1, keepdim=True) <= 0  # [B, 1]
     residual = torch.where(empty, q_rej, residual)
     recovered = (residual / recovery_noise).max(dim=-1, keepdim=True).indices  # [B, 1], the first argmax
 
@@ -100,8 +100,14 @@ class RejectionSampler(torch.nn.Module):
         super().__init__()
         self.strict_mode = strict_mode
 
-    def verify(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-               strategy: SampleStrategy, context: TokenContext | None) -> torch.Tensor:  # [B, k+1]
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        strategy: SampleStrategy,
+        context: TokenContext | None,
+    ) -> torch.Tensor:  # [B, k+1]
         """AcceptanceRule.verify: q_i is each row's processed distribution at position i. A greedy
         batch is the temperature-0 case, greedy acceptance on the processed argmax. Otherwise the
         bonus is drawn from q_{k+1}, then the uniforms and the recovery noise, all from each row's
@@ -111,8 +117,14 @@ class RejectionSampler(torch.nn.Module):
         k, vocab = draft_token_ids.shape[1], logits.shape[-1]
         target_probs = strategy.probs(logits, context)  # [B, k + 1, V]
         bonus = strategy.sample(target_probs[:, -1])[:, None]  # [B, 1]
-        return rejection_sample(target_probs[:, :k], bonus, draft_probs, draft_token_ids,
-                                strategy.random.uniform(k), strategy.random.exponential(vocab))
+        return rejection_sample(
+            target_probs[:, :k],
+            bonus,
+            draft_probs,
+            draft_token_ids,
+            strategy.random.uniform(k),
+            strategy.random.exponential(vocab),
+        )
 
     def forward(
         self,
@@ -132,8 +144,12 @@ class RejectionSampler(torch.nn.Module):
         """
         if self.strict_mode:
             check_sampler_inputs(
-                target_with_bonus_probs, bonus_token_ids, draft_probs, draft_token_ids,
-                uniform_samples, recovery_noise,
+                target_with_bonus_probs,
+                bonus_token_ids,
+                draft_probs,
+                draft_token_ids,
+                uniform_samples,
+                recovery_noise,
             )
         b, k_plus_1, v = target_with_bonus_probs.shape
         k = k_plus_1 - 1
@@ -144,6 +160,10 @@ class RejectionSampler(torch.nn.Module):
             recovery_noise = torch.empty(b, v, device=dev, dtype=dtype)
             recovery_noise.exponential_(generator=generator).clamp_(min=_MIN_NOISE)
         return rejection_sample(
-            target_with_bonus_probs[:, :k], bonus_token_ids, draft_probs, draft_token_ids,
-            uniform_samples, recovery_noise,
+            target_with_bonus_probs[:, :k],
+            bonus_token_ids,
+            draft_probs,
+            draft_token_ids,
+            uniform_samples,
+            recovery_noise,
         )

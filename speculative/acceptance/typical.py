@@ -57,14 +57,10 @@ class TypicalAcceptanceSampler(torch.nn.Module):
 
     lossless = False
 
-    def __init__(
-        self, posterior_threshold: float, posterior_alpha: float, strict_mode: bool = False
-    ) -> None:
+    def __init__(self, posterior_threshold: float, posterior_alpha: float, strict_mode: bool = False) -> None:
         super().__init__()
         if not 0.0 <= posterior_threshold <= 1.0:
-            raise ValueError(
-                f"posterior_threshold must be in [0, 1], got {posterior_threshold}"
-            )
+            raise ValueError(f"posterior_threshold must be in [0, 1], got {posterior_threshold}")
         if not posterior_alpha >= 0.0:
             raise ValueError(f"posterior_alpha must be >= 0, got {posterior_alpha}")
         self.posterior_threshold = float(posterior_threshold)
@@ -81,14 +77,23 @@ class TypicalAcceptanceSampler(torch.nn.Module):
         """Return [B, k+1] token ids: accepted drafts, then argmax q at the first
         rejection (or the bonus when all k were accepted), then -1 padding."""
         if self.strict_mode:
-            check_sampler_inputs(
-                target_with_bonus_probs, bonus_token_ids, draft_probs, draft_token_ids
-            )
-        return typical_accept(target_with_bonus_probs, bonus_token_ids, draft_token_ids,
-                              self.posterior_threshold, self.posterior_alpha)
+            check_sampler_inputs(target_with_bonus_probs, bonus_token_ids, draft_probs, draft_token_ids)
+        return typical_accept(
+            target_with_bonus_probs,
+            bonus_token_ids,
+            draft_token_ids,
+            self.posterior_threshold,
+            self.posterior_alpha,
+        )
 
-    def verify(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-               strategy: SampleStrategy, context: TokenContext | None) -> torch.Tensor:  # [B, k+1]
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        strategy: SampleStrategy,
+        context: TokenContext | None,
+    ) -> torch.Tensor:  # [B, k+1]
         """AcceptanceRule.verify: q_i is each row's processed distribution; the bonus is drawn from
         q_{k+1} with the row's own generator."""
         target_probs = strategy.probs(logits, context)  # [B, k + 1, V]

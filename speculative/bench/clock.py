@@ -37,7 +37,9 @@ class CallTimes:
     @classmethod
     def from_steps(cls, steps: list[StepStats]) -> CallTimes:
         """Our engine's steps: each one's verification, and its drafting where it drafted."""
-        return cls([(s.num_query_tokens, s.verify_s) for s in steps], [(s.k, s.propose_s) for s in steps if s.k])
+        return cls(
+            [(s.num_query_tokens, s.verify_s) for s in steps], [(s.k, s.propose_s) for s in steps if s.k]
+        )
 
 
 def run_step_times(calls: list[CallTimes], k: int) -> dict[str, float | None]:
@@ -48,8 +50,11 @@ def run_step_times(calls: list[CallTimes], k: int) -> dict[str, float | None]:
     t_v = [s for c in calls for q, s in c.target if q == k + 1] if k else []
     drafting = [d for c in calls for d in c.drafting]
     drafted = sum(n for n, _ in drafting)
-    return {"T_1": statistics.fmean(t_1) if t_1 else None, "T_v": statistics.fmean(t_v) if t_v else None,
-            "T_d": sum(s for _, s in drafting) / drafted if drafted else None}
+    return {
+        "T_1": statistics.fmean(t_1) if t_1 else None,
+        "T_v": statistics.fmean(t_v) if t_v else None,
+        "T_d": sum(s for _, s in drafting) / drafted if drafted else None,
+    }
 
 
 @contextmanager

@@ -16,7 +16,7 @@ NEAR_TIE = 1e-4
 
 @torch.no_grad()
 def compare(hf_model, prompt: Sequence[int], got: Sequence[int], expected: Sequence[int]) -> str:
-    """"identical", "near_tie" (proven) or "different": `got` against the reference `expected`.
+    """ "identical", "near_tie" (proven) or "different": `got` against the reference `expected`.
 
     hf_model: the target as a transformers model, whose logits decide near-ties.
     """
@@ -37,5 +37,9 @@ def summarize(verdicts: Sequence[str]) -> dict:
     """identical_fraction counts proven near-ties as identical; near_ties says how many there were."""
     total = len(verdicts)
     same = sum(v in ("identical", "near_tie") for v in verdicts)
-    return {"identical_fraction": same / total if total else None, "near_ties": verdicts.count("near_tie"),
-            "different": verdicts.count("different"), "num_outputs": total}
+    return {
+        "identical_fraction": same / total if total else None,
+        "near_ties": verdicts.count("near_tie"),
+        "different": verdicts.count("different"),
+        "num_outputs": total,
+    }

@@ -35,14 +35,18 @@ def cache_key(model: str | Path, outtype: str) -> str:
     return f"{path.name}-{outtype}-{digest}.gguf"
 
 
-def gguf_file(checkout: str | Path, model: str | Path, dtype: str, cache_dir: str | Path = DEFAULT_CACHE) -> Path:
+def gguf_file(
+    checkout: str | Path, model: str | Path, dtype: str, cache_dir: str | Path = DEFAULT_CACHE
+) -> Path:
     """The GGUF file of `model` (a local checkpoint folder) in `dtype` ("float32" or "bfloat16"), from
     `cache_dir`, converted there first if it is not there yet. Raises ValueError for another dtype or a
     model that is not a folder, RuntimeError with the converter's output when the conversion fails."""
     if dtype not in OUTTYPES:
         raise ValueError(f"dtype must be one of {sorted(OUTTYPES)} for llama.cpp; got {dtype!r}")
     if not Path(model).is_dir():
-        raise ValueError(f"model {model!r} is not a local folder: llama.cpp's converter needs a checkpoint folder")
+        raise ValueError(
+            f"model {model!r} is not a local folder: llama.cpp's converter needs a checkpoint folder"
+        )
     converter = Path(checkout) / "convert_hf_to_gguf.py"
     if not converter.is_file():
         raise ValueError(f"llama.cpp checkout {checkout} has no convert_hf_to_gguf.py")
@@ -51,12 +55,21 @@ def gguf_file(checkout: str | Path, model: str | Path, dtype: str, cache_dir: st
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.stem + ".partial.gguf")
-    command = [sys.executable, __file__, str(checkout), str(model), OUTTYPES[dtype], str(partial)]  # no torch import
+    command = [
+        sys.executable,
+        __file__,
+        str(checkout),
+        str(model),
+        OUTTYPES[dtype],
+        str(partial),
+    ]  # no torch import
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0 or not partial.is_file():
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"llama.cpp's convert_hf_to_gguf.py failed on {model} ({dtype}):\n"
-                           f"{(result.stdout + result.stderr)[-3000:]}")
+        raise RuntimeError(
+            f"llama.cpp's convert_hf_to_gguf.py failed on {model} ({dtype}):\n"
+            f"{(result.stdout + result.stderr)[-3000:]}"
+        )
     partial.replace(out)
     return out
 

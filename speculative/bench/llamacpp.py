@@ -14,10 +14,11 @@ bench's process):
 
 Each server runs with the bench's thread count (`-t -tb -td -tbd`), one slot (`--parallel 1`), no
 prompt cache (`--cache-ram 0`, and `cache_prompt: false` per request), the models' context, KV caches
-in the models' dtypes (as ours; llama.cpp's default would be f16), flash attention as llama.cpp chooses. A prompt
-goes to the native `/completion` endpoint as token ids (no BOS added), decoded greedily (temperature 0,
-top-k 1, the sampler chain cut to those two) for exactly max_tokens tokens (`ignore_eos`), and the
-generated ids come back (`return_tokens`). Batch 1 only: `--parallel 1` decodes one sequence at a time.
+in the models' dtypes (as ours; llama.cpp's default would be f16), flash attention as llama.cpp
+chooses. A prompt goes to the native `/completion` endpoint as token ids (no BOS added), decoded
+greedily (temperature 0, top-k 1, the sampler chain cut to those two) for exactly max_tokens tokens
+(`ignore_eos`), and the generated ids come back (`return_tokens`). Batch 1 only: `--parallel 1`
+decodes one sequence at a time.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ from speculative.bench.methods import Generation, Method
 if TYPE_CHECKING:
     import httpx  # the llamacpp extra's; imported where a server is used
 
-NAMES = {"llamacpp": "llama.cpp", "llamacpp_draft": "llama.cpp draft",
-         "llamacpp_draft_default": "llama.cpp draft, defaults"}
+NAMES = {
+    "llamacpp": "llama.cpp",
+    "llamacpp_draft": "llama.cpp draft",
+    "llamacpp_draft_default": "llama.cpp draft, defaults",
+}
 HEALTH_TIMEOUT = 120.0  # seconds for a server to load its models and answer /health
 
 
@@ -59,7 +63,9 @@ def llama_cpp_unavailable(checkout: str | None, build: str = "build") -> str | N
         return "no --llama-cpp given (a llama.cpp checkout with llama-server built)"
     binary = server_binary(checkout, build)
     if not binary.is_file():
-        return f"{binary} not found (--llama-cpp {checkout} --llama-cpp-build {build}: build llama-server there)"
+        return (
+            f"{binary} not found (--llama-cpp {checkout} --llama-cpp-build {build}: build llama-server there)"
+        )
     if not (Path(checkout) / "convert_hf_to_gguf.py").is_file():
         return f"{checkout} has no convert_hf_to_gguf.py (--llama-cpp must be a llama.cpp checkout)"
     missing = [m for m in ("httpx", "sentencepiece") if importlib.util.find_spec(m) is None]
@@ -76,29 +82,72 @@ def skipped_entries(note: str, names: Sequence[str] = tuple(NAMES)) -> dict[str,
 def default_draft_max(binary: str | Path) -> int | None:
     """llama-server's default n_max for draft-model speculation, from its --help; None where not found."""
     result = subprocess.run([str(binary), "--help"], capture_output=True, text=True, check=False, timeout=60)
-    found = re.search(r"--spec-draft-n-max N\s+number of tokens to draft[^(]*\(default: (\d+)\)",
-                      result.stdout + result.stderr)
+    found = re.search(
+        r"--spec-draft-n-max N\s+number of tokens to draft[^(]*\(default: (\d+)\)",
+        result.stdout + result.stderr,
+    )
     return int(found.group(1)) if found else None
 
 
 def server_version(binary: str | Path) -> str:
     """What `llama-server --version` says of its build (version number and commit), on one line."""
-    result = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False, timeout=60)
+    result = subprocess.run(
+        [str(binary), "--version"], capture_output=True, text=True, check=False, timeout=60
+    )
     return "; ".join(line.strip() for line in (result.stdout + result.stderr).splitlines() if line.strip())
 
 
-def server_args(target: Path, draft: Path | None, k: int | None, threads: int, context: int, port: int,
-                kv: tuple[str, str] = ("f32", "f32")) -> list[str]:
+def server_args(
+    target: Path,
+    draft: Path | None,
+    k: int | None,
+    threads: int,
+    context: int,
+    port: int,
+    kv: tuple[str, str] = ("f32", "f32"),
+) -> list[str]:
     """llama-server's arguments: the target GGUF, and with `draft` a draft GGUF drafting exactly k tokens
     per step (k None: llama.cpp's default draft settings); `threads` for every pass, one slot, no prompt
     cache, a context of `context` tokens, on 127.0.0.1:port; the KV caches of target and draft in the
     types `kv` (GGUF names, the models' own dtypes as ours keeps them; llama.cpp's default is f16)."""
-    args = ["-m", str(target), "-c", str(context), "-t", str(threads), "-tb", str(threads), "--parallel", "1",
-            "--cache-ram", "0", "--no-cache-prompt", "--host", "127.0.0.1", "--port", str(port),
-            "-ctk", kv[0], "-ctv", kv[0]]
+    args = [
+        "-m",
+        str(target),
+        "-c",
+        str(context),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "--parallel",
+        "1",
+        "--cache-ram",
+        "0",
+        "--no-cache-prompt",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-ctk",
+        kv[0],
+        "-ctv",
+        kv[0],
+    ]
     if draft is not None:
-        args += ["--spec-type", "draft-simple", "-md", str(draft), "-td", str(threads), "-tbd", str(threads),
-                 "-ctkd", kv[1], "-ctvd", kv[1]]
+        args += [
+            "--spec-type",
+            "draft-simple",
+            "-md",
+            str(draft),
+            "-td",
+            str(threads),
+            "-tbd",
+            str(threads),
+            "-ctkd",
+            kv[1],
+            "-ctvd",
+            kv[1],
+        ]
         if k is not None:
             args += ["--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
     return args
@@ -106,9 +155,17 @@ def server_args(target: Path, draft: Path | None, k: int | None, threads: int, c
 
 def request_body(prompt: Sequence[int], max_tokens: int) -> dict:
     """The /completion request of one prompt (token ids): greedy, exactly max_tokens tokens, no cache."""
-    return {"prompt": [int(t) for t in prompt], "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-            "samplers": ["top_k", "temperature"], "ignore_eos": True, "cache_prompt": False,
-            "return_tokens": True, "stream": False}
+    return {
+        "prompt": [int(t) for t in prompt],
+        "n_predict": max_tokens,
+        "temperature": 0.0,
+        "top_k": 1,
+        "samplers": ["top_k", "temperature"],
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "stream": False,
+    }
 
 
 def parse_completion(data: dict, seconds: float, speculative: bool) -> Generation:
@@ -121,9 +178,15 @@ def parse_completion(data: dict, seconds: float, speculative: bool) -> Generatio
     tokens = [int(t) for t in data["tokens"]]
     timings = data["timings"]
     accepted = int(timings.get("draft_n_accepted", 0)) if speculative else 0
-    return Generation([tokens], seconds, num_steps=max(1, len(tokens) - 1 - accepted), num_accepted=accepted,
-                      num_drafted=int(timings.get("draft_n", 0)) if speculative else None,
-                      prefill_seconds=timings["prompt_ms"] / 1e3, decode_seconds=timings["predicted_ms"] / 1e3)
+    return Generation(
+        [tokens],
+        seconds,
+        num_steps=max(1, len(tokens) - 1 - accepted),
+        num_accepted=accepted,
+        num_drafted=int(timings.get("draft_n", 0)) if speculative else None,
+        prefill_seconds=timings["prompt_ms"] / 1e3,
+        decode_seconds=timings["predicted_ms"] / 1e3,
+    )
 
 
 def _client() -> httpx.Client:
@@ -162,13 +225,19 @@ class LlamaServer:
         import httpx
 
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen([str(self.binary), *self.args], stdin=subprocess.DEVNULL, stdout=self.log,
-                                        stderr=subprocess.STDOUT,
-                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.process = subprocess.Popen(
+            [str(self.binary), *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
         deadline = time.monotonic() + HEALTH_TIMEOUT
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with status {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"llama-server exited with status {self.process.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return self
@@ -176,7 +245,9 @@ class LlamaServer:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"llama-server did not answer /health within {HEALTH_TIMEOUT:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"llama-server did not answer /health within {HEALTH_TIMEOUT:.0f} s:\n{self.log_tail()}"
+        )
 
     def log_tail(self, chars: int = 3000) -> str:
         self.log.seek(0)
@@ -247,25 +318,40 @@ def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Meth
 
     def method(name: str, label: str, draft: Path | None, k: int | None, spec_k: int) -> LlamaCppMethod:
         port = _free_port()
-        args = server_args(target, draft, k, setup.threads, setup.context, port,
-                           (OUTTYPES[setup.dtype], OUTTYPES[setup.draft_dtype]))
+        args = server_args(
+            target,
+            draft,
+            k,
+            setup.threads,
+            setup.context,
+            port,
+            (OUTTYPES[setup.dtype], OUTTYPES[setup.draft_dtype]),
+        )
         server = stack.enter_context(LlamaServer(binary, args, port))
-        m = LlamaCppMethod(name, label, "llama.cpp", "draft_model" if draft else None, spec_k, max_batch=1,
-                           server=server)
+        m = LlamaCppMethod(
+            name, label, "llama.cpp", "draft_model" if draft else None, spec_k, max_batch=1, server=server
+        )
         stack.callback(m.client.close)
         return m
 
     methods = [method("llamacpp", NAMES["llamacpp"], None, None, 0)]
     if setup.draft is None:
-        return methods, skipped_entries("no --draft-model given", ["llamacpp_draft", "llamacpp_draft_default"])
+        return methods, skipped_entries(
+            "no --draft-model given", ["llamacpp_draft", "llamacpp_draft_default"]
+        )
     draft = gguf_file(setup.checkout, setup.draft, setup.draft_dtype, setup.cache_dir)
     methods.append(method("llamacpp_draft", f"llama.cpp draft k={setup.k}", draft, setup.k, setup.k))
     default = default_draft_max(binary)
     if default is None:
-        return methods, skipped_entries("llama-server --help gives no default --spec-draft-n-max",
-                                        ["llamacpp_draft_default"])
+        return methods, skipped_entries(
+            "llama-server --help gives no default --spec-draft-n-max", ["llamacpp_draft_default"]
+        )
     if default == setup.k:
-        return methods, skipped_entries(f"llama.cpp's default draft length is k={default}, as llama.cpp draft "
-                                        f"k={setup.k}", ["llamacpp_draft_default"])
-    methods.append(method("llamacpp_draft_default", f"llama.cpp draft, defaults (k={default})", draft, None, default))
+        return methods, skipped_entries(
+            f"llama.cpp's default draft length is k={default}, as llama.cpp draft k={setup.k}",
+            ["llamacpp_draft_default"],
+        )
+    methods.append(
+        method("llamacpp_draft_default", f"llama.cpp draft, defaults (k={default})", draft, None, default)
+    )
     return methods, {}

@@ -22,8 +22,15 @@ if TYPE_CHECKING:
 Advance = Callable[[str, int], None]  # (phase description, total runs of the phase): one run done
 
 
-def interleaved(methods: Sequence[Method], prompts: Sequence[list[int]], max_tokens: int, repeats: int,
-                advance: Advance, phase: str, warmup: bool) -> dict[str, list[list[Generation]]]:
+def interleaved(
+    methods: Sequence[Method],
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    repeats: int,
+    advance: Advance,
+    phase: str,
+    warmup: bool,
+) -> dict[str, list[list[Generation]]]:
     """runs[method][prompt] = its timed Generations: every method on prompt 1, then on prompt 2, ...;
     with `warmup`, first one discarded run of each method on the first prompt."""
     total = len(methods) * (len(prompts) * repeats + warmup)
@@ -57,7 +64,12 @@ def speculation_stats(method: Method, generations: Sequence[Generation]) -> dict
     acceptance_per_position: ours only.
     """
     if method.drafter is None:
-        return {"acceptance_rate": None, "alpha": None, "mean_accepted_length": 1.0, "acceptance_per_position": None}
+        return {
+            "acceptance_rate": None,
+            "alpha": None,
+            "mean_accepted_length": 1.0,
+            "acceptance_per_position": None,
+        }
     steps = sum(g.num_steps for g in generations)
     accepted = sum(g.num_accepted for g in generations)
     tokens_per_step = 1.0 + accepted / steps if steps else 1.0
@@ -68,8 +80,12 @@ def speculation_stats(method: Method, generations: Sequence[Generation]) -> dict
         acc = [sum(c) for c in zip(*(g.accepted_per_position for g in generations))]
         dra = [sum(c) for c in zip(*(g.drafted_per_position for g in generations))]
         per_position = [a / d if d else 0.0 for a, d in zip(acc, dra)]
-    return {"acceptance_rate": rate, "alpha": acceptance_for_tokens_per_step(tokens_per_step, method.k),
-            "mean_accepted_length": tokens_per_step, "acceptance_per_position": per_position}
+    return {
+        "acceptance_rate": rate,
+        "alpha": acceptance_for_tokens_per_step(tokens_per_step, method.k),
+        "mean_accepted_length": tokens_per_step,
+        "acceptance_per_position": per_position,
+    }
 
 
 def engine_timings(runs: list[list[Generation]], tokens: list[int]) -> dict:
@@ -81,9 +97,11 @@ def engine_timings(runs: list[list[Generation]], tokens: list[int]) -> dict:
         return {}
     prefill = [statistics.median(g.prefill_seconds for g in repeats) for repeats in runs]
     decode = [statistics.median(g.decode_seconds for g in repeats) for repeats in runs]
-    return {"prefill_ms": statistics.median(p * 1e3 for p in prefill),
-            "decode_tokens_per_s": statistics.median(n / d for n, d in zip(tokens, decode)),
-            "engine_tokens_per_s": statistics.median(n / (p + d) for n, p, d in zip(tokens, prefill, decode))}
+    return {
+        "prefill_ms": statistics.median(p * 1e3 for p in prefill),
+        "decode_tokens_per_s": statistics.median(n / d for n, d in zip(tokens, decode)),
+        "engine_tokens_per_s": statistics.median(n / (p + d) for n, p, d in zip(tokens, prefill, decode)),
+    }
 
 
 def run_times(method: Method, runs: list[list[Generation]], baseline_runs: list[list[Generation]]) -> dict:
@@ -94,8 +112,14 @@ def run_times(method: Method, runs: list[list[Generation]], baseline_runs: list[
     return {**own, "T_1": plain["T_1"]}
 
 
-def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[int]], advance: Advance,
-                    phase: str, warmup: bool) -> tuple[dict, list[list[int]], dict]:
+def compare_methods(
+    pair: Pair,
+    methods: Sequence[Method],
+    prompts: list[list[int]],
+    advance: Advance,
+    phase: str,
+    warmup: bool,
+) -> tuple[dict, list[list[int]], dict]:
     """The side-by-side table of one prompt set (one entry per method, bounds to come: `own_speedup` is
     the speedup over the method's own engine's plain decoding, `run_times` the step times its runs
     paid), the reference outputs (HF `generate`'s greedy tokens of each prompt) and the runs
@@ -109,27 +133,38 @@ def compare_methods(pair: Pair, methods: Sequence[Method], prompts: list[list[in
     for method in methods:
         first = [r[0] for r in runs[method.name]]
         tokens = [len(g.token_ids[0]) for g in first]
-        verdicts = [exactness.compare(pair.hf_target, p, g.token_ids[0], ref)
-                    for p, g, ref in zip(prompts, first, reference)]
+        verdicts = [
+            exactness.compare(pair.hf_target, p, g.token_ids[0], ref)
+            for p, g, ref in zip(prompts, first, reference)
+        ]
         baseline = baselines.get(method.engine)
         table[method.name] = {
-            "label": method.label, "engine": method.engine, "drafter": method.drafter, "k": method.k,
-            "adaptive": getattr(method, "adaptive", False), "status": "ok", "tokens": sum(tokens),
+            "label": method.label,
+            "engine": method.engine,
+            "drafter": method.drafter,
+            "k": method.k,
+            "adaptive": getattr(method, "adaptive", False),
+            "status": "ok",
+            "tokens": sum(tokens),
             "seconds_median": statistics.median(seconds[method.name]),
             "tokens_per_s": statistics.median(n / s for n, s in zip(tokens, seconds[method.name])),
             "speedup_vs_hf": _median_ratio(seconds["hf_generate"], seconds[method.name]),
             "speedup_vs_ours_ar": _median_ratio(seconds["ours_ar"], seconds[method.name]),
-            "speedup_vs_llamacpp": (_median_ratio(seconds["llamacpp"], seconds[method.name])
-                                    if "llamacpp" in seconds else None),
+            "speedup_vs_llamacpp": (
+                _median_ratio(seconds["llamacpp"], seconds[method.name]) if "llamacpp" in seconds else None
+            ),
             "own_speedup": _median_ratio(seconds[baseline], seconds[method.name]) if baseline else None,
             "run_times": run_times(method, runs[method.name], runs[baseline]) if baseline else None,
-            **speculation_stats(method, first), **exactness.summarize(verdicts),
-            **engine_timings(runs[method.name], tokens)}
+            **speculation_stats(method, first),
+            **exactness.summarize(verdicts),
+            **engine_timings(runs[method.name], tokens),
+        }
     return table, reference, runs
 
 
-def sweep_k(pair: Pair, ar: OursMethod, drafter: str, prompts: list[list[int]], advance: Advance,
-            phase: str) -> list[dict]:
+def sweep_k(
+    pair: Pair, ar: OursMethod, drafter: str, prompts: list[list[int]], advance: Advance, phase: str
+) -> list[dict]:
     """Ours with `drafter` at every k of the sweep against our baseline, interleaved, on `prompts`
     (bounds to come, as in `compare_methods`; T_1 from this sweep's runs of the baseline)."""
     config = pair.config
@@ -142,14 +177,28 @@ def sweep_k(pair: Pair, ar: OursMethod, drafter: str, prompts: list[list[int]], 
     for method in methods[1:]:
         speedup = _median_ratio(base, _seconds(runs[method.name]))
         stats = speculation_stats(method, [r[0] for r in runs[method.name]])
-        points.append({"k": method.k, "drafter": drafter, "speedup_vs_ours_ar": speedup, "own_speedup": speedup,
-                       "run_times": run_times(method, runs[method.name], runs[ar.name]),
-                       **{key: stats[key] for key in ("acceptance_rate", "alpha", "mean_accepted_length")}})
+        points.append(
+            {
+                "k": method.k,
+                "drafter": drafter,
+                "speedup_vs_ours_ar": speedup,
+                "own_speedup": speedup,
+                "run_times": run_times(method, runs[method.name], runs[ar.name]),
+                **{key: stats[key] for key in ("acceptance_rate", "alpha", "mean_accepted_length")},
+            }
+        )
     return points
 
 
-def sweep_batch(pair: Pair, methods: Sequence[Method], prompts: list[list[int]], reference: list[list[int]],
-                batch1: dict[str, list[list[Generation]]], advance: Advance, phase: str) -> list[dict]:
+def sweep_batch(
+    pair: Pair,
+    methods: Sequence[Method],
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    batch1: dict[str, list[list[Generation]]],
+    advance: Advance,
+    phase: str,
+) -> list[dict]:
     """Throughput (generated tokens / wall time) of each method at each batch size over every prompt,
     cycled to fill a whole number of the largest batch (12 prompts, batch 8: 16, two batches of 8), so
     that each batch size gets more than one timed call; interleaved per batch, with exactness against
@@ -163,8 +212,10 @@ def sweep_batch(pair: Pair, methods: Sequence[Method], prompts: list[list[int]],
     measured: dict[tuple[int, str], list] = {}  # (batch size, method) -> [seconds, outputs in index order]
     for m in methods:
         if 1 in config.batch_sizes:
-            measured[1, m.name] = [sum(_seconds(batch1[m.name])[i] for i in indices),
-                                   [batch1[m.name][i][0].token_ids[0] for i in indices]]
+            measured[1, m.name] = [
+                sum(_seconds(batch1[m.name])[i] for i in indices),
+                [batch1[m.name][i][0].token_ids[0] for i in indices],
+            ]
     for b in sizes:
         usable = [m for m in methods if m.max_batch is None or b <= m.max_batch]
         for start in range(0, count, b):
@@ -178,7 +229,17 @@ def sweep_batch(pair: Pair, methods: Sequence[Method], prompts: list[list[int]],
     labels = {m.name: m.label for m in methods}
     rows = []
     for (b, name), (seconds, outputs) in measured.items():
-        verdicts = [exactness.compare(pair.hf_target, prompts[i], out, reference[i]) for i, out in zip(indices, outputs)]
-        rows.append({"batch_size": b, "method": name, "label": labels[name],
-                     "tokens_per_s": sum(len(out) for out in outputs) / seconds, **exactness.summarize(verdicts)})
+        verdicts = [
+            exactness.compare(pair.hf_target, prompts[i], out, reference[i])
+            for i, out in zip(indices, outputs)
+        ]
+        rows.append(
+            {
+                "batch_size": b,
+                "method": name,
+                "label": labels[name],
+                "tokens_per_s": sum(len(out) for out in outputs) / seconds,
+                **exactness.summarize(verdicts),
+            }
+        )
     return rows

@@ -57,5 +57,9 @@ def weight_bytes(model: nn.Module) -> int:
 def memory_bound(nbytes: int, bandwidth: float) -> dict:
     """The bound for `nbytes` of weights at `bandwidth` bytes/s: its forward time and tokens per second."""
     seconds = nbytes / bandwidth
-    return {"weight_mb": nbytes / 1e6, "bandwidth_gb_s": bandwidth / 1e9, "forward_ms": seconds * 1e3,
-            "tokens_per_second": 1.0 / seconds}
+    return {
+        "weight_mb": nbytes / 1e6,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "forward_ms": seconds * 1e3,
+        "tokens_per_second": 1.0 / seconds,
+    }

@@ -80,11 +80,15 @@ class OursMethod(Method):
             seconds = time.perf_counter() - start
         metrics = [o.metrics for o in outputs]
         return Generation(
-            [o.outputs[0].token_ids for o in outputs], seconds, sum(m.num_steps for m in metrics),
-            sum(m.num_accepted for m in metrics), sum(m.num_drafted for m in metrics),
+            [o.outputs[0].token_ids for o in outputs],
+            seconds,
+            sum(m.num_steps for m in metrics),
+            sum(m.num_accepted for m in metrics),
+            sum(m.num_drafted for m in metrics),
             [sum(c) for c in zip(*(m.accepted_per_position for m in metrics))] if self.k else [],
             [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [],
-            CallTimes.from_steps(steps))
+            CallTimes.from_steps(steps),
+        )
 
 
 @dataclass
@@ -111,9 +115,15 @@ class HFMethod(Method):
             with hf_recording(self.model, self.options.get("assistant_model")) as times:
                 synchronize(self.model.device)
                 start = time.perf_counter()
-                out = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-                                          max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                                          pad_token_id=self.pad_token_id, **self.options)
+                out = self.model.generate(
+                    ids.to(self.model.device),
+                    attention_mask=mask.to(self.model.device),
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=self.pad_token_id,
+                    **self.options,
+                )
                 synchronize(self.model.device)
                 seconds = time.perf_counter() - start
         finally:
@@ -161,6 +171,11 @@ def vllm_method(target: str, draft: str, k: int, dtype: str) -> VLLMMethod:
     """vLLM with the same pair and k (draft-model speculation, vLLM >= 0.11's speculative_config)."""
     import vllm
 
-    llm = vllm.LLM(model=target, dtype=dtype, seed=0, gpu_memory_utilization=0.3,
-                   speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k})
+    llm = vllm.LLM(
+        model=target,
+        dtype=dtype,
+        seed=0,
+        gpu_memory_utilization=0.3,
+        speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k},
+    )
     return VLLMMethod("vllm_draft", f"vLLM draft k={k}", "vllm", "draft_model", k, llm=llm)

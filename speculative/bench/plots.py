@@ -31,7 +31,9 @@ def tokens_per_second(results: dict, path: Path) -> str:
         values = [data["methods"][n]["tokens_per_s"] for n in names]
         ax.bar([j + i * width for j in range(len(names))], values, width, label=set_name)
     ax.set_xticks([j + width * (len(sets) - 1) / 2 for j in range(len(names))])
-    ax.set_xticklabels([sets[next(iter(sets))]["methods"][n]["label"] for n in names], rotation=25, ha="right")
+    ax.set_xticklabels(
+        [sets[next(iter(sets))]["methods"][n]["label"] for n in names], rotation=25, ha="right"
+    )
     ax.set_ylabel("tokens/s (median over prompts)")
     ax.set_title("Greedy decoding speed by method")
     ax.legend()
@@ -61,9 +63,16 @@ def speedup_against_k(results: dict, path: Path) -> str:
     for set_name, sweeps in results["sweeps"]["k"].items():
         for drafter, points in sweeps.items():
             ks = [p["k"] for p in points]
-            line, = ax.plot(ks, [p["speedup_vs_ours_ar"] for p in points], marker="o", label=f"{set_name}, {drafter}")
-            ax.plot(ks, [p["bound"] for p in points], linestyle="--", color=line.get_color(),
-                    label=f"{set_name}, {drafter}: bound")
+            (line,) = ax.plot(
+                ks, [p["speedup_vs_ours_ar"] for p in points], marker="o", label=f"{set_name}, {drafter}"
+            )
+            ax.plot(
+                ks,
+                [p["bound"] for p in points],
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{set_name}, {drafter}: bound",
+            )
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(sorted({p["k"] for s in results["sweeps"]["k"].values() for ps in s.values() for p in ps}))
     ax.set_xlabel("k (draft tokens per step)")
@@ -79,8 +88,12 @@ def throughput_against_batch(results: dict, path: Path) -> str:
     rows = results["sweeps"]["batch"]
     for name in dict.fromkeys(r["method"] for r in rows):
         points = [r for r in rows if r["method"] == name]
-        ax.plot([r["batch_size"] for r in points], [r["tokens_per_s"] for r in points], marker="o",
-                label=points[0]["label"])
+        ax.plot(
+            [r["batch_size"] for r in points],
+            [r["tokens_per_s"] for r in points],
+            marker="o",
+            label=points[0]["label"],
+        )
     ax.set_xticks(sorted({r["batch_size"] for r in rows}))
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s (all rows)")
@@ -92,7 +105,9 @@ def throughput_against_batch(results: dict, path: Path) -> str:
 def write_plots(results: dict, out: Path) -> list[str]:
     """Every plot into `out`; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    return [tokens_per_second(results, out / "tokens_per_s.png"),
-            acceptance_by_position(results, out / "acceptance_by_position.png"),
-            speedup_against_k(results, out / "speedup_vs_k.png"),
-            throughput_against_batch(results, out / "throughput_vs_batch.png")]
+    return [
+        tokens_per_second(results, out / "tokens_per_s.png"),
+        acceptance_by_position(results, out / "acceptance_by_position.png"),
+        speedup_against_k(results, out / "speedup_vs_k.png"),
+        throughput_against_batch(results, out / "throughput_vs_batch.png"),
+    ]

@@ -53,8 +53,10 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
         elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
             records.append(PromptRecord(ident, obj["turns"][0], chat=True))
         else:
-            raise ValueError(f"{path}:{number}: expected an object with a string \"prompt\" or a list of "
-                             f"\"turns\" (Spec-Bench)")
+            raise ValueError(
+                f'{path}:{number}: expected an object with a string "prompt" or a list of '
+                f'"turns" (Spec-Bench)'
+            )
     if not records:
         raise ValueError(f"{path} holds no prompts")
     return records
@@ -66,8 +68,9 @@ def encode(tokenizer, record: PromptRecord, max_tokens: int) -> list[int]:
     Chat prompts (Spec-Bench turns) go through the tokenizer's chat template when it has one.
     """
     if record.chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": record.text}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": record.text}], tokenize=False, add_generation_prompt=True
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(record.text)["input_ids"]
@@ -97,8 +100,11 @@ def code_prompt(rel: str, text: str, context_chars: int = 500) -> dict | None:
     """A continuation prompt: ~`context_chars` before a definition plus its header line, or None."""
     starts = _line_starts(text)
     lines = text.splitlines()
-    candidates = [n for n in _definitions(text)
-                  if starts[n.lineno - 1] >= context_chars and n.end_lineno - n.lineno >= 4]
+    candidates = [
+        n
+        for n in _definitions(text)
+        if starts[n.lineno - 1] >= context_chars and n.end_lineno - n.lineno >= 4
+    ]
     if not candidates:
         return None
     node = random.Random(f"code:{rel}").choice(candidates)

@@ -12,8 +12,18 @@ with needs_extra("bench", "speculative.bench"):
     from rich.console import Console
     from rich.table import Table
 
-METHOD_COLUMNS = ["method", "tok/s", "vs HF", "vs ours AR", "accept", "alpha", "mean len", "bound", "effic.",
-                  "identical (ties)"]
+METHOD_COLUMNS = [
+    "method",
+    "tok/s",
+    "vs HF",
+    "vs ours AR",
+    "accept",
+    "alpha",
+    "mean len",
+    "bound",
+    "effic.",
+    "identical (ties)",
+]
 K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "accept", "alpha", "mean len"]
 BATCH_COLUMNS = ["batch", "method", "tok/s", "identical (ties)"]
 
@@ -43,21 +53,37 @@ def method_columns(methods: dict) -> list[str]:
 def method_rows(methods: dict) -> list[list[str]]:
     """One row per method of a prompt set's table that ran, in `method_columns`' order."""
     llamacpp = _with_llamacpp(methods)
-    return [[e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"])]
-            + ([_num(e.get("speedup_vs_llamacpp"))] if llamacpp else [])
-            + [_num(e["acceptance_rate"]), _num(e["alpha"]), _num(e["mean_accepted_length"]), _num(e["bound"]),
-               _num(e["efficiency"]), _identical(e)]
-            for e in methods.values() if e["status"] == "ok"]
+    return [
+        [e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"])]
+        + ([_num(e.get("speedup_vs_llamacpp"))] if llamacpp else [])
+        + [
+            _num(e["acceptance_rate"]),
+            _num(e["alpha"]),
+            _num(e["mean_accepted_length"]),
+            _num(e["bound"]),
+            _num(e["efficiency"]),
+            _identical(e),
+        ]
+        for e in methods.values()
+        if e["status"] == "ok"
+    ]
 
 
 def engine_timings_line(methods: dict) -> str | None:
     """The engines' own prefill / decode split (llama.cpp's timings), or None where no method reports one."""
-    parts = [f"{e['label']}: prefill {e['prefill_ms']:.1f} ms, decode only {e['decode_tokens_per_s']:.1f} tokens/s, "
-             f"in the server {e['engine_tokens_per_s']:.1f} tokens/s"
-             for e in methods.values() if e["status"] == "ok" and "decode_tokens_per_s" in e]
+    parts = [
+        f"{e['label']}: prefill {e['prefill_ms']:.1f} ms, "
+        f"decode only {e['decode_tokens_per_s']:.1f} tokens/s, "
+        f"in the server {e['engine_tokens_per_s']:.1f} tokens/s"
+        for e in methods.values()
+        if e["status"] == "ok" and "decode_tokens_per_s" in e
+    ]
     if not parts:
         return None
-    return "engine's own timings (medians over prompts; tokens/s above: wall time, prefill included): " + "; ".join(parts)
+    return (
+        "engine's own timings (medians over prompts; tokens/s above: wall time, prefill included): "
+        + "; ".join(parts)
+    )
 
 
 def memory_bound_line(bound: dict | None, methods: dict) -> str | None:
@@ -72,20 +98,32 @@ def memory_bound_line(bound: dict | None, methods: dict) -> str | None:
         if "decode_tokens_per_s" in e:
             fraction += f" ({e['decode_tokens_per_s'] / bound['tokens_per_second']:.0%} decode only)"
         fractions.append(fraction)
-    return (f"memory bound of plain decoding: {bound['weight_mb']:.1f} MB of target weights / "
-            f"{bound['bandwidth_gb_s']:.1f} GB/s (a large copy, read + write) = {bound['forward_ms']:.2f} ms a "
-            f"forward, {bound['tokens_per_second']:.0f} tokens/s; reached: " + ", ".join(fractions))
+    return (
+        f"memory bound of plain decoding: {bound['weight_mb']:.1f} MB of target weights / "
+        f"{bound['bandwidth_gb_s']:.1f} GB/s (a large copy, read + write) = {bound['forward_ms']:.2f} ms a "
+        f"forward, {bound['tokens_per_second']:.0f} tokens/s; reached: " + ", ".join(fractions)
+    )
 
 
 def skipped_lines(methods: dict) -> list[str]:
-    """"<method>: skipped (<why>)" for each method that did not run."""
+    """ "<method>: skipped (<why>)" for each method that did not run."""
     return [f"{e['label']}: skipped ({e['note']})" for e in methods.values() if e["status"] == "skipped"]
 
 
 def k_rows(points: list[dict]) -> list[list[str]]:
     """One row per k of a k sweep."""
-    return [[str(p["k"]), _num(p["speedup_vs_ours_ar"]), _num(p["bound"]), _num(p["efficiency"]),
-             _num(p["acceptance_rate"]), _num(p["alpha"]), _num(p["mean_accepted_length"])] for p in points]
+    return [
+        [
+            str(p["k"]),
+            _num(p["speedup_vs_ours_ar"]),
+            _num(p["bound"]),
+            _num(p["efficiency"]),
+            _num(p["acceptance_rate"]),
+            _num(p["alpha"]),
+            _num(p["mean_accepted_length"]),
+        ]
+        for p in points
+    ]
 
 
 def batch_rows(rows: list[dict]) -> list[list[str]]:
@@ -95,11 +133,16 @@ def batch_rows(rows: list[dict]) -> list[list[str]]:
 
 def run_times_line(methods: dict) -> str:
     """The step times each method's bound used, in milliseconds, and where they come from."""
+
     def ms(value) -> str:
         return "n/a" if value is None else f"{value * 1e3:.2f}"
 
-    parts = [f"{e['label']}: T_1 {ms(e['T_1'])}" + (f", T_v {ms(e['T_v'])}, T_d {ms(e['T_d'])}" if e["drafter"] else "")
-             for e in methods.values() if e["status"] == "ok" and e.get("bound") is not None]
+    parts = [
+        f"{e['label']}: T_1 {ms(e['T_1'])}"
+        + (f", T_v {ms(e['T_v'])}, T_d {ms(e['T_d'])}" if e["drafter"] else "")
+        for e in methods.values()
+        if e["status"] == "ok" and e.get("bound") is not None
+    ]
     return "bound's step times, ms (means of the runs' own calls): " + "; ".join(parts)
 
 
@@ -116,22 +159,40 @@ def print_tables(results: dict, console: Console) -> None:
     """The side-by-side tables, the sweeps and the step times on the terminal."""
     config = results["config"]
     for name, data in results["sets"].items():
-        title = (f"{name}: {data['num_prompts']} prompts, {config['max_tokens']} tokens each, greedy, "
-                 f"{config['dtype']}, {results['machine']['device']}")
-        console.print(_rich_table(title, method_columns(data["methods"]), method_rows(data["methods"]),
-                                  "; ".join(skipped_lines(data["methods"])) or None))
+        title = (
+            f"{name}: {data['num_prompts']} prompts, {config['max_tokens']} tokens each, greedy, "
+            f"{config['dtype']}, {results['machine']['device']}"
+        )
+        console.print(
+            _rich_table(
+                title,
+                method_columns(data["methods"]),
+                method_rows(data["methods"]),
+                "; ".join(skipped_lines(data["methods"])) or None,
+            )
+        )
         console.print(run_times_line(data["methods"]))
-        for line in (engine_timings_line(data["methods"]), memory_bound_line(results.get("memory_bound"),
-                                                                              data["methods"])):
+        for line in (
+            engine_timings_line(data["methods"]),
+            memory_bound_line(results.get("memory_bound"), data["methods"]),
+        ):
             if line:
                 console.print(line)
     for name, sweeps in results["sweeps"]["k"].items():
         for drafter, points in sweeps.items():
-            console.print(_rich_table(f"{name}: ours, {drafter}, speedup over ours AR against k", K_COLUMNS,
-                                      k_rows(points)))
+            console.print(
+                _rich_table(
+                    f"{name}: ours, {drafter}, speedup over ours AR against k", K_COLUMNS, k_rows(points)
+                )
+            )
     batch_set = results["sweeps"].get("batch_set", "")
-    console.print(_rich_table(f"{batch_set}: throughput against batch size", BATCH_COLUMNS,
-                              batch_rows(results["sweeps"]["batch"])))
+    console.print(
+        _rich_table(
+            f"{batch_set}: throughput against batch size",
+            BATCH_COLUMNS,
+            batch_rows(results["sweeps"]["batch"]),
+        )
+    )
 
 
 def _markdown_table(columns: list[str], rows: list[list[str]]) -> str:
@@ -143,41 +204,57 @@ def _markdown_table(columns: list[str], rows: list[list[str]]) -> str:
 def markdown(results: dict, plots: list[str]) -> str:
     """report.md: what was run, on what, the tables, the plots and the notes."""
     config, m = results["config"], results["machine"]
+    draft_dtype = "" if config.get("draft_dtype") is None else f" (draft {config['draft_dtype']})"
+    features = f"; {m['cpu_features']}" if m.get("cpu_features") else ""
     parts = [
         "# speculative bench",
-        f"Target `{config['model']}`, draft `{config['draft_model']}`, k={config['k']}, {config['max_tokens']} "
-        f"tokens per prompt (greedy, EOS ignored), {config['dtype']}"
-        f"{'' if config.get('draft_dtype') is None else ' (draft ' + config['draft_dtype'] + ')'} on {m['device']}; "
-        f"{config['repeats']} timed "
-        f"run(s) per prompt and method after a discarded warm-up, runs interleaved, medians over prompts.",
-        f"Machine: {m['nproc']} CPUs ({m['cpu']}{'; ' + m['cpu_features'] if m.get('cpu_features') else ''}), torch {m['torch']}, transformers {m['transformers']}, "
+        f"Target `{config['model']}`, draft `{config['draft_model']}`, k={config['k']}, "
+        f"{config['max_tokens']} tokens per prompt (greedy, EOS ignored), {config['dtype']}{draft_dtype} "
+        f"on {m['device']}; {config['repeats']} timed run(s) per prompt and method after a discarded "
+        f"warm-up, runs interleaved, medians over prompts.",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}{features}), torch {m['torch']}, "
+        f"transformers {m['transformers']}, "
         f"Python {m['python']}, OMP_WAIT_POLICY={m['omp_wait_policy']}"
         f"{'' if not m.get('llama_cpp') else ', llama.cpp ' + m['llama_cpp']['version']}.",
         "Columns: tokens/s (median over prompts); speedup against HF generate, against our autoregressive "
         "baseline and, where it ran, against llama.cpp's plain decoding (medians of per-prompt time ratios); "
-        "acceptance rate (accepted / drafted); alpha, the per-token acceptance whose E = (1 - a^(k+1)) / (1 - a) "
-        "equals the measured mean accepted length (tokens per target step); bound = E * T_1 / (k * T_d + T_v), the speedup a drafter of per-token acceptance a reaches when a step costs k drafts and one verification, with a = alpha and "
-        "the step times that the runs paid (means of the runs' own target forwards and draftings, T_1 from the "
-        "engine's plain decoding; the line under each table gives them); efficiency = speedup over the engine's "
-        "own plain decoding (ours: ours AR; HF: HF generate) / bound; "
-        "identical: fraction of outputs token-identical to HF generate's greedy output, proven near-ties (top-2 "
-        "logits within 1e-4 at the first difference) counted as identical, their number in brackets.",
+        "acceptance rate (accepted / drafted); alpha, the per-token acceptance whose "
+        "E = (1 - a^(k+1)) / (1 - a) equals the measured mean accepted length (tokens per target step); "
+        "bound = E * T_1 / (k * T_d + T_v), the speedup a drafter of per-token acceptance a reaches when a "
+        "step costs k drafts and one verification, with a = alpha and the step times that the runs paid "
+        "(means of the runs' own target forwards and draftings, T_1 from the engine's plain decoding; the "
+        "line under each table gives them); efficiency = speedup over the engine's own plain decoding "
+        "(ours: ours AR; HF: HF generate) / bound; identical: fraction of outputs token-identical to HF "
+        "generate's greedy output, proven near-ties (top-2 logits within 1e-4 at the first difference) "
+        "counted as identical, their number in brackets.",
     ]
     for name, data in results["sets"].items():
-        parts += [f"## {name} ({data['num_prompts']} prompts)",
-                  _markdown_table(method_columns(data["methods"]), method_rows(data["methods"])),
-                  run_times_line(data["methods"])]
-        parts += [line for line in (engine_timings_line(data["methods"]),
-                                    memory_bound_line(results.get("memory_bound"), data["methods"])) if line]
+        parts += [
+            f"## {name} ({data['num_prompts']} prompts)",
+            _markdown_table(method_columns(data["methods"]), method_rows(data["methods"])),
+            run_times_line(data["methods"]),
+        ]
+        parts += [
+            line
+            for line in (
+                engine_timings_line(data["methods"]),
+                memory_bound_line(results.get("memory_bound"), data["methods"]),
+            )
+            if line
+        ]
         skipped = skipped_lines(data["methods"])
         if skipped:
             parts.append("\n".join(f"- {line}" for line in skipped))
     for name, sweeps in results["sweeps"]["k"].items():
         for drafter, points in sweeps.items():
-            parts += [f"## k sweep: {name}, {drafter} ({config['sweep_prompts']} prompts)",
-                      _markdown_table(K_COLUMNS, k_rows(points))]
-    parts += [f"## Batch sweep: {results['sweeps'].get('batch_set', '')}",
-              _markdown_table(BATCH_COLUMNS, batch_rows(results["sweeps"]["batch"]))]
+            parts += [
+                f"## k sweep: {name}, {drafter} ({config['sweep_prompts']} prompts)",
+                _markdown_table(K_COLUMNS, k_rows(points)),
+            ]
+    parts += [
+        f"## Batch sweep: {results['sweeps'].get('batch_set', '')}",
+        _markdown_table(BATCH_COLUMNS, batch_rows(results["sweeps"]["batch"])),
+    ]
     parts += ["## Run time", ", ".join(f"{phase} {s:.0f} s" for phase, s in results["seconds"].items()) + "."]
     parts += ["## Plots"] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     parts += ["## Notes", "\n".join(f"- {note}" for note in results["notes"])]

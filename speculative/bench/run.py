@@ -76,7 +76,9 @@ class BenchConfig:
 
     model: str = str(DEMO_DIR / "target")
     draft_model: str | None = str(DEMO_DIR / "draft")
-    prompts: list[str] = field(default_factory=lambda: [str(BUNDLED_DIR / f"{n}.jsonl") for n in ("code", "edit")])
+    prompts: list[str] = field(
+        default_factory=lambda: [str(BUNDLED_DIR / f"{n}.jsonl") for n in ("code", "edit")]
+    )
     k: int = 4
     sweep_k: list[int] = field(default_factory=lambda: list(range(1, 9)))
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
@@ -97,8 +99,17 @@ class BenchConfig:
     def quick(self) -> BenchConfig:
         """The CI smoke test's settings: 2 prompts a set, 24 tokens, k sweep [1, k] on 1 prompt, batch
         sizes 1 and 2, 1 repeat."""
-        return BenchConfig(**{**asdict(self), "sweep_k": [1, self.k], "batch_sizes": [1, 2], "max_tokens": 24,
-                              "num_prompts": 2, "sweep_prompts": 1, "repeats": 1})
+        return BenchConfig(
+            **{
+                **asdict(self),
+                "sweep_k": [1, self.k],
+                "batch_sizes": [1, 2],
+                "max_tokens": 24,
+                "num_prompts": 2,
+                "sweep_prompts": 1,
+                "repeats": 1,
+            }
+        )
 
 
 class Pair:
@@ -107,21 +118,38 @@ class Pair:
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        spec = (SpeculativeConfig("draft_model", config.k) if config.draft_model else None)
-        self.llm = LLM(config.model, draft_model=config.draft_model, speculative_config=spec, dtype=config.dtype,
-                       draft_dtype=config.draft_dtype if config.draft_model else None,
-                       device=config.device, seed=config.seed, model_impl=config.model_impl)
+        spec = SpeculativeConfig("draft_model", config.k) if config.draft_model else None
+        self.llm = LLM(
+            config.model,
+            draft_model=config.draft_model,
+            speculative_config=spec,
+            dtype=config.dtype,
+            draft_dtype=config.draft_dtype if config.draft_model else None,
+            device=config.device,
+            seed=config.seed,
+            model_impl=config.model_impl,
+        )
         if self.llm.tokenizer is None:
             raise ValueError(f"{config.model} has no tokenizer: the benchmark's prompts are text")
         self.tokenizer = self.llm.tokenizer
         self.target = self.llm.target.model
         self.draft = self.llm.draft.model if self.llm.draft is not None else None
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
-        draft_dtype = (dtype if config.draft_dtype is None else config.draft_dtype if config.draft_dtype == "auto"
-                       else getattr(torch, config.draft_dtype))
-        self.hf_target = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(self.device).eval()
-        self.hf_draft = (AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=draft_dtype)
-                         .to(self.device).eval() if config.draft_model else None)
+        draft_dtype = (
+            dtype
+            if config.draft_dtype is None
+            else config.draft_dtype
+            if config.draft_dtype == "auto"
+            else getattr(torch, config.draft_dtype)
+        )
+        self.hf_target = (
+            AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(self.device).eval()
+        )
+        self.hf_draft = (
+            AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=draft_dtype).to(self.device).eval()
+            if config.draft_model
+            else None
+        )
         tok = self.tokenizer
         self.pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
         self.drafters = ["draft_model", "ngram"] if self.draft is not None else ["ngram"]
@@ -129,8 +157,12 @@ class Pair:
         if config.compile:  # sharing the eager models' weights; every shape the runs use compiled now
             self.compiled_target = CompiledCausalLM(self.target)
             self.compiled_draft = CompiledCausalLM(self.draft) if self.draft is not None else None
-            warm_up_pair(self.compiled_target, self.compiled_draft, PreCompileConfig(sorted({1, max(config.batch_sizes)})),
-                         config.k)
+            warm_up_pair(
+                self.compiled_target,
+                self.compiled_draft,
+                PreCompileConfig(sorted({1, max(config.batch_sizes)})),
+                config.k,
+            )
 
     def ours(self, drafter: str | None, k: int, compiled: bool = False, adaptive: bool = False) -> OursMethod:
         """Our engine on the shared models: plain decoding (drafter None), draft model or n-gram; with
@@ -139,32 +171,67 @@ class Pair:
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
         if drafter is None:
-            return OursMethod(f"ours_ar{suffix}", f"ours autoregressive{label}", engine,
-                              llm=LLM(target, device=self.device, tokenizer=self.tokenizer))
-        llm = LLM(target, draft_model=draft if drafter == "draft_model" else None,
-                  speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive), device=self.device,
-                  seed=self.config.seed, tokenizer=self.tokenizer)
+            return OursMethod(
+                f"ours_ar{suffix}",
+                f"ours autoregressive{label}",
+                engine,
+                llm=LLM(target, device=self.device, tokenizer=self.tokenizer),
+            )
+        llm = LLM(
+            target,
+            draft_model=draft if drafter == "draft_model" else None,
+            speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive),
+            device=self.device,
+            seed=self.config.seed,
+            tokenizer=self.tokenizer,
+        )
         short = {"draft_model": "draft", "ngram": "ngram"}[drafter]
         if adaptive:
             suffix, label = f"_adaptive{suffix}", f"{label}, adaptive"
-        return OursMethod(f"ours_{short}{suffix}", f"ours {short} k{'<=' if adaptive else '='}{k}{label}", engine,
-                          drafter, k, llm=llm, adaptive=adaptive)
+        return OursMethod(
+            f"ours_{short}{suffix}",
+            f"ours {short} k{'<=' if adaptive else '='}{k}{label}",
+            engine,
+            drafter,
+            k,
+            llm=llm,
+            adaptive=adaptive,
+        )
 
     def hf(self, drafter: str | None, k: int) -> HFMethod:
         """Hugging Face `generate`: greedy, assisted by the draft, or prompt lookup (these two: batch 1)."""
         if drafter is None:
-            return HFMethod("hf_generate", "HF generate", "hf", model=self.hf_target, pad_token_id=self.pad_token_id)
+            return HFMethod(
+                "hf_generate", "HF generate", "hf", model=self.hf_target, pad_token_id=self.pad_token_id
+            )
         if drafter == "draft_model":
-            name, label, options = "hf_assisted", "HF assisted", {"assistant_model": hf_assistant(self.hf_draft, k)}
+            name, label, options = (
+                "hf_assisted",
+                "HF assisted",
+                {"assistant_model": hf_assistant(self.hf_draft, k)},
+            )
         else:
             name, label = "hf_prompt_lookup", "HF prompt lookup"
-            options = {"prompt_lookup_num_tokens": k,
-                       "max_matching_ngram_size": SpeculativeConfig().prompt_lookup_max}
-        return HFMethod(name, f"{label} k={k}", "hf", drafter, k, max_batch=1, model=self.hf_target,
-                        pad_token_id=self.pad_token_id, options=options)
+            options = {
+                "prompt_lookup_num_tokens": k,
+                "max_matching_ngram_size": SpeculativeConfig().prompt_lookup_max,
+            }
+        return HFMethod(
+            name,
+            f"{label} k={k}",
+            "hf",
+            drafter,
+            k,
+            max_batch=1,
+            model=self.hf_target,
+            pad_token_id=self.pad_token_id,
+            options=options,
+        )
 
 
-def load_sets(config: BenchConfig, tokenizer, max_prompt_tokens: int, notes: list[str]) -> dict[str, list[list[int]]]:
+def load_sets(
+    config: BenchConfig, tokenizer, max_prompt_tokens: int, notes: list[str]
+) -> dict[str, list[list[int]]]:
     """Each prompt file's first `num_prompts` prompts as token ids, named after the file's stem."""
     sets = {}
     for path in config.prompts:
@@ -172,8 +239,10 @@ def load_sets(config: BenchConfig, tokenizer, max_prompt_tokens: int, notes: lis
         ids = [encode(tokenizer, r, max_prompt_tokens) for r in records]
         cut = sum(len(encode(tokenizer, r, 10**9)) > max_prompt_tokens for r in records)
         if cut:
-            notes.append(f"{Path(path).stem}: {cut} prompt(s) cut to their last {max_prompt_tokens} tokens "
-                         f"to fit the models' context")
+            notes.append(
+                f"{Path(path).stem}: {cut} prompt(s) cut to their last {max_prompt_tokens} tokens "
+                f"to fit the models' context"
+            )
         sets[Path(path).stem] = ids
     return sets
 
@@ -203,11 +272,13 @@ NOTES = [
 LLAMA_CPP_NOTE = (
     "llama.cpp methods (bench/llamacpp.py): one llama-server per method, the pair converted to GGUF in the "
     "bench's dtype by the checkout's convert_hf_to_gguf.py, the bench's thread count, one slot, no prompt "
-    "cache, KV caches in the models' dtypes; each prompt sent as token ids to /completion, greedy, max_tokens tokens with EOS ignored. Their "
+    "cache, KV caches in the models' dtypes; each prompt sent as token ids to /completion, greedy, "
+    "max_tokens tokens with EOS ignored. Their "
     "tokens/s is wall time from request to answer over loopback HTTP, prefill included, like every other "
     "method's; the line under each table gives llama.cpp's own split (prompt_ms, and decode-only tokens/s = "
     "predicted_n / predicted_ms). Tokens per step = 1 + draft_n_accepted / (tokens - 1 - draft_n_accepted). "
-    "Their step times are not clocked, so they have no bound; batch 1 only (the batch sweep leaves them out).")
+    "Their step times are not clocked, so they have no bound; batch 1 only (the batch sweep leaves them out)."
+)
 
 
 def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[str, dict]]:
@@ -222,7 +293,11 @@ def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[st
         methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
     skipped = {}
     if pair.draft is None:
-        for name, label in (("hf_assisted", "HF assisted"), ("ours_draft", "ours draft"), ("vllm_draft", "vLLM draft")):
+        for name, label in (
+            ("hf_assisted", "HF assisted"),
+            ("ours_draft", "ours draft"),
+            ("vllm_draft", "vLLM draft"),
+        ):
             skipped[name] = {"label": label, "note": "no --draft-model given"}
     why_not = vllm_unavailable(pair.device)
     if why_not is None and pair.draft is not None:
@@ -233,11 +308,23 @@ def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[st
     if why_not is not None:
         skipped.update(skipped_entries(why_not))
         return methods, skipped
-    dtypes = [str(next(m.parameters()).dtype).removeprefix("torch.") for m in (pair.hf_target, pair.hf_draft)
-              if m is not None]
-    setup = LlamaCppSetup(config.llama_cpp, config.llama_cpp_build, config.model, config.draft_model, dtypes[0],
-                          dtypes[-1], config.k, torch.get_num_threads(),
-                          min(m.max_length for m in (pair.target, pair.draft) if m is not None), config.gguf_cache)
+    dtypes = [
+        str(next(m.parameters()).dtype).removeprefix("torch.")
+        for m in (pair.hf_target, pair.hf_draft)
+        if m is not None
+    ]
+    setup = LlamaCppSetup(
+        config.llama_cpp,
+        config.llama_cpp_build,
+        config.model,
+        config.draft_model,
+        dtypes[0],
+        dtypes[-1],
+        config.k,
+        torch.get_num_threads(),
+        min(m.max_length for m in (pair.target, pair.draft) if m is not None),
+        config.gguf_cache,
+    )
     llama_methods, llama_skipped = llama_cpp_methods(setup, servers)
     return methods + llama_methods, {**skipped, **llama_skipped}
 
@@ -270,21 +357,27 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     notes = list(NOTES)
     if torch.device(config.device).type == "cpu":
         policy = os.environ.get("OMP_WAIT_POLICY") or "unset (OpenMP's default: threads spin a while)"
-        notes.append(f"OMP_WAIT_POLICY: {policy}. It moves the baselines as much as ours: with PASSIVE, threads "
-                     "sleep between parallel regions, every small op of HF's multi-threaded forward pays a "
-                     "wake-up, and ours runs forwards of up to 64 tokens on one thread instead "
-                     "(speculative.models.llama.small_call_threads). Compare runs made under the same policy.")
+        notes.append(
+            f"OMP_WAIT_POLICY: {policy}. It moves the baselines as much as ours: with PASSIVE, threads "
+            "sleep between parallel regions, every small op of HF's multi-threaded forward pays a "
+            "wake-up, and ours runs forwards of up to 64 tokens on one thread instead "
+            "(speculative.models.llama.small_call_threads). Compare runs made under the same policy."
+        )
     pair = Pair(config)
     if config.compile:
-        notes.append("Compiled methods (torch.compile of the native forward) share the eager models' weights; "
-                     "every graph they use was compiled while the pair loaded. Their speedups are against the "
-                     "eager ours AR; their bound and efficiency use ours AR, compiled, and their own step times.")
+        notes.append(
+            "Compiled methods (torch.compile of the native forward) share the eager models' weights; "
+            "every graph they use was compiled while the pair loaded. Their speedups are against the "
+            "eager ours AR; their bound and efficiency use ours AR, compiled, and their own step times."
+        )
     ks = sorted(set(config.sweep_k) | {config.k})
     limits = [m.max_length for m in (pair.target, pair.draft) if m is not None]
     max_prompt = min(limits) - config.max_tokens - max(ks) - 2
     if max_prompt < 1:
-        raise ValueError(f"max_tokens={config.max_tokens} leaves no room for a prompt in the models' "
-                         f"context of {min(limits)} tokens")
+        raise ValueError(
+            f"max_tokens={config.max_tokens} leaves no room for a prompt in the models' "
+            f"context of {min(limits)} tokens"
+        )
     sets = load_sets(config, pair.tokenizer, max_prompt, notes)
     names = list(sets)
     methods, skipped = build_methods(pair, servers)
@@ -293,19 +386,29 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
         notes.append(LLAMA_CPP_NOTE)
         binary = server_binary(config.llama_cpp, config.llama_cpp_build)
         llama_cpp = {"server": display_path(str(binary)), "version": server_version(binary)}
-    results: dict = {"config": _with_relative_paths(asdict(config)), "machine": {**machine(), "device": str(pair.device),
-                     "cpu_features": cpu_features(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                     "llama_cpp": llama_cpp},
-                     "memory_bound": memory_bound(weight_bytes(pair.hf_target), copy_bandwidth(pair.device)),
-                     "sets": {}, "sweeps": {"k": {}}, "notes": notes,
-                     "seconds": {"loading": time.perf_counter() - clock}}
+    results: dict = {
+        "config": _with_relative_paths(asdict(config)),
+        "machine": {
+            **machine(),
+            "device": str(pair.device),
+            "cpu_features": cpu_features(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "llama_cpp": llama_cpp,
+        },
+        "memory_bound": memory_bound(weight_bytes(pair.hf_target), copy_bandwidth(pair.device)),
+        "sets": {},
+        "sweeps": {"k": {}},
+        "notes": notes,
+        "seconds": {"loading": time.perf_counter() - clock},
+    }
     seconds = results["seconds"]
     references, runs = {}, {}
     for name, prompts in sets.items():  # one warm-up per method, before its first timed run
         phase = f"{name}: methods side by side"
         with stopwatch(seconds, phase):
-            table, references[name], runs[name] = compare_methods(pair, methods, prompts, advance,
-                                                                  phase, warmup=name == names[0])
+            table, references[name], runs[name] = compare_methods(
+                pair, methods, prompts, advance, phase, warmup=name == names[0]
+            )
         table.update({m: {**entry, "status": "skipped"} for m, entry in skipped.items()})
         results["sets"][name] = {"num_prompts": len(prompts), "methods": table}
     ar = next(m for m in methods if m.name == "ours_ar")
@@ -318,10 +421,13 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     batch_methods = [m for m in methods if m.engine in ("ours", "ours_compiled") or m.name == "hf_generate"]
     phase = f"{names[0]}: batch sweep"
     with stopwatch(seconds, phase):
-        results["sweeps"]["batch"] = sweep_batch(pair, batch_methods, sets[names[0]], references[names[0]],
-                                                 runs[names[0]], advance, phase)
+        results["sweeps"]["batch"] = sweep_batch(
+            pair, batch_methods, sets[names[0]], references[names[0]], runs[names[0]], advance, phase
+        )
     results["sweeps"]["batch_set"] = names[0]
-    entries = [e for data in results["sets"].values() for e in data["methods"].values() if e["status"] == "ok"]
+    entries = [
+        e for data in results["sets"].values() for e in data["methods"].values() if e["status"] == "ok"
+    ]
     entries += [p for sweeps in results["sweeps"]["k"].values() for points in sweeps.values() for p in points]
     for entry in entries:
         own_speedup, run_times = entry.pop("own_speedup"), entry.pop("run_times")
@@ -341,8 +447,15 @@ def run_and_report(config: BenchConfig, out: Path, console: Console) -> dict:
     transformers.logging.set_verbosity_error()  # HF's deprecation chatter from inside assisted generation
     transformers.logging.disable_progress_bar()
     tasks: dict[str, int] = {}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=False) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    ) as progress:
+
         def advance(phase: str, total: int) -> None:
             if phase not in tasks:
                 tasks[phase] = progress.add_task(phase, total=total)
@@ -352,8 +465,10 @@ def run_and_report(config: BenchConfig, out: Path, console: Console) -> dict:
     print_tables(results, console)
     plots = write_plots(results, out)
     paths = write_outputs(results, out, plots)
-    console.print(f"{results['seconds']['total']:.0f} s; wrote {paths['json']}, {paths['report']} and "
-                  f"{len(plots)} plots to {out}/")
+    console.print(
+        f"{results['seconds']['total']:.0f} s; wrote {paths['json']}, {paths['report']} and "
+        f"{len(plots)} plots to {out}/"
+    )
     return results
 
 
@@ -369,10 +484,12 @@ def display_path(path: str) -> str:
 
 def _with_relative_paths(config: dict) -> dict:
     """The config with its paths (models, prompt sets, llama.cpp) as display_path shows them."""
+
     def shown(value):
         if isinstance(value, list):
             return [shown(v) for v in value]
         return display_path(value) if isinstance(value, str) else value
+
     return {name: shown(value) if name in _PATH_FIELDS else value for name, value in config.items()}
 
 

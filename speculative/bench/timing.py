@@ -31,7 +31,8 @@ def expected_tokens_per_step(acceptance: float, k: int) -> float:
 
 
 def acceptance_for_tokens_per_step(tokens_per_step: float, k: int) -> float:
-    """The per-token acceptance a with E(a, k) = tokens_per_step (0 at or below 1 token, 1 at or above k + 1)."""
+    """The per-token acceptance a with E(a, k) = tokens_per_step (0 at or below 1 token, 1 at or above
+    k + 1)."""
     if tokens_per_step <= 1.0 or tokens_per_step >= k + 1.0:
         return 0.0 if tokens_per_step <= 1.0 else 1.0
     low, high = 0.0, 1.0
@@ -57,8 +58,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bound_figures(drafter: str | None, k: int, alpha: float | None, own_speedup: float | None,
-                  run: dict | None) -> dict:
+def bound_figures(
+    drafter: str | None, k: int, alpha: float | None, own_speedup: float | None, run: dict | None
+) -> dict:
     """T_1, T_v, T_d, the bound and the efficiency of a method (plain decoding: bound 1).
 
     drafter: "draft_model", "ngram" or None; alpha: its per-token acceptance; own_speedup: its speedup
@@ -76,5 +78,10 @@ def bound_figures(drafter: str | None, k: int, alpha: float | None, own_speedup:
     if None in (t_1, t_v, t_d):
         return {"T_1": t_1, "T_v": t_v, "T_d": t_d, "bound": None, "efficiency": None}
     bound = 1.0 if drafter is None else speedup_bound(alpha, k, t_1, t_v, t_d)
-    return {"T_1": t_1, "T_v": t_v, "T_d": t_d, "bound": bound,
-            "efficiency": efficiency(own_speedup, bound) if own_speedup is not None else None}
+    return {
+        "T_1": t_1,
+        "T_v": t_v,
+        "T_d": t_d,
+        "bound": bound,
+        "efficiency": efficiency(own_speedup, bound) if own_speedup is not None else None,
+    }

@@ -39,7 +39,8 @@ def stdlib_root() -> Path:
 
 
 def list_files(root: Path | None = None) -> list[str]:
-    """Relative POSIX paths of the `.py` files under `root` (default: the stdlib), sorted, no site-packages."""
+    """Relative POSIX paths of the `.py` files under `root` (default: the stdlib), sorted, no
+    site-packages."""
     root = stdlib_root() if root is None else root
     rels = (p.relative_to(root) for p in root.rglob("*.py") if p.is_file())
     return sorted(r.as_posix() for r in rels if "site-packages" not in r.parts)
@@ -83,7 +84,11 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         single=f"{EOT} $A", pair=f"{EOT} $A {EOT} $B:1", special_tokens=[(EOT, eot_id)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOT, eos_token=EOT, pad_token=EOT, unk_token=None,
+        tokenizer_object=tok,
+        bos_token=EOT,
+        eos_token=EOT,
+        pad_token=EOT,
+        unk_token=None,
         chat_template=CHAT_TEMPLATE,
     )
 

@@ -40,8 +40,11 @@ def heldout_prompts(encoded: list[list[int]], count: int, length: int, seed: int
 def greedy_acceptance(target, draft, prompts: torch.Tensor, new_tokens: int, eos_id: int) -> dict:
     """Per-token greedy acceptance of `draft` against `target` on the target's greedy continuations."""
     seqs = target.generate(
-        input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=eos_id,
+        input_ids=prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=eos_id,
     )
     generated = seqs[:, prompts.shape[1] :]
     is_eos = (generated == eos_id).long()
@@ -49,8 +52,13 @@ def greedy_acceptance(target, draft, prompts: torch.Tensor, new_tokens: int, eos
     preds = draft(input_ids=seqs).logits[:, prompts.shape[1] - 1 : -1].argmax(-1)
     matches = ((preds == generated) & valid).sum().item()
     total = valid.sum().item()
-    return {"greedy_acceptance_rate": round(matches / total, 4), "positions": total, "prompts": len(prompts),
-            "prompt_len": prompts.shape[1], "new_tokens": new_tokens}
+    return {
+        "greedy_acceptance_rate": round(matches / total, 4),
+        "positions": total,
+        "prompts": len(prompts),
+        "prompt_len": prompts.shape[1],
+        "new_tokens": new_tokens,
+    }
 
 
 @torch.no_grad()
@@ -72,22 +80,41 @@ def machine() -> dict:
     if Path("/proc/cpuinfo").exists():
         lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
         cpu = lines[0].split(":", 1)[1].strip() if lines else cpu
-    return {"nproc": len(os.sched_getaffinity(0)), "cpu": cpu, "torch_threads": torch.get_num_threads(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-            "platform": platform.platform(), "python": sys.version.split()[0], "torch": torch.__version__,
-            "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }
 
 
-def measure_and_write_card(out: Path, info: dict, heldout_encoded: list[list[int]], cfg: dict, seed: int) -> None:
-    """Reload the pair from `out`, measure acceptance and step costs, write `training.json` and `README.md`."""
+def measure_and_write_card(
+    out: Path, info: dict, heldout_encoded: list[list[int]], cfg: dict, seed: int
+) -> None:
+    """Reload the pair from `out`, measure acceptance and step costs, write `training.json` and
+    `README.md`."""
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(out / "draft", dtype=torch.float32).eval()
     prompts = heldout_prompts(heldout_encoded, cfg["prompts"], cfg["prompt_len"], seed)
-    info["acceptance"] = greedy_acceptance(target, draft, prompts, cfg["new_tokens"], target.config.eos_token_id)
+    info["acceptance"] = greedy_acceptance(
+        target, draft, prompts, cfg["new_tokens"], target.config.eos_token_id
+    )
     steps = 20 if info["smoke"] else 200
-    t_ms, d_ms = decode_step_ms(target, cfg["prompt_len"], steps), decode_step_ms(draft, cfg["prompt_len"], steps)
-    info["decode_step_ms_fp32"] = {"target": round(t_ms, 3), "draft": round(d_ms, 3),
-                                   "ratio": round(t_ms / d_ms, 2), "context": cfg["prompt_len"]}
+    t_ms, d_ms = (
+        decode_step_ms(target, cfg["prompt_len"], steps),
+        decode_step_ms(draft, cfg["prompt_len"], steps),
+    )
+    info["decode_step_ms_fp32"] = {
+        "target": round(t_ms, 3),
+        "draft": round(d_ms, 3),
+        "ratio": round(t_ms / d_ms, 2),
+        "context": cfg["prompt_len"],
+    }
     info["machine"] = machine()
     info["corpus"]["python"] = info["machine"]["python"]
     (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -96,64 +123,76 @@ def measure_and_write_card(out: Path, info: dict, heldout_encoded: list[list[int
 
 
 def _model_row(name: str, m: dict) -> str:
-    return (f"| {name} | {m['params'] / 1e6:.2f}M | {m['num_hidden_layers']} | {m['hidden_size']} | "
-            f"{m['intermediate_size']} | {m['num_attention_heads']}/{m['num_key_value_heads']} | "
-            f"{m['steps']} / {m['planned_steps']} | {m['peak_lr']} | {m['loss']} | {m['final_train_loss']} | "
-            f"{m['final_heldout_ce']} | {m['seconds'] / 60:.1f} min, {m['tokens_per_second']:.0f} tok/s |")
+    return (
+        f"| {name} | {m['params'] / 1e6:.2f}M | {m['num_hidden_layers']} | {m['hidden_size']} | "
+        f"{m['intermediate_size']} | {m['num_attention_heads']}/{m['num_key_value_heads']} | "
+        f"{m['steps']} / {m['planned_steps']} | {m['peak_lr']} | {m['loss']} | {m['final_train_loss']} | "
+        f"{m['final_heldout_ce']} | {m['seconds'] / 60:.1f} min, {m['tokens_per_second']:.0f} tok/s |"
+    )
 
 
 def card(info: dict) -> str:
     """The model card (markdown) for the numbers in `info`."""
-    c, t, d, a, s, mc = (info["corpus"], info["target"], info["draft"], info["acceptance"],
-                         info["decode_step_ms_fp32"], info["machine"])
+    c, t, d, a, s, mc = (
+        info["corpus"],
+        info["target"],
+        info["draft"],
+        info["acceptance"],
+        info["decode_step_ms_fp32"],
+        info["machine"],
+    )
     early = [n for n in ("target", "draft") if info[n]["stopped_early"]]
-    stop_note = (f"**The --max-minutes {info['max_minutes']} cap stopped {' and '.join(early)} training early** "
-                 "(see the steps column)." if early else "All planned steps ran (no time cap was hit).")
+    stop_note = (
+        f"**The --max-minutes {info['max_minutes']} cap stopped {' and '.join(early)} training early** "
+        "(see the steps column)."
+        if early
+        else "All planned steps ran (no time cap was hit)."
+    )
     return f"""# The demo model pair: `target/` and `draft/`
 
 Two small Llama-family models (`LlamaForCausalLM`) for demonstrating and testing speculative decoding,
-made by `python -m speculative.demo.train --out models/demo --seed {info['seed']}`. They write plausible
+made by `python -m speculative.demo.train --out models/demo --seed {info["seed"]}`. They write plausible
 Python and nothing more. Both directories load unchanged with `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`; weights are bf16 safetensors; the tokenizer is shared.
 
 ## Corpus and split
 
-- The `.py` files of the Python {c['python']} standard library (`sysconfig.get_paths()["stdlib"]`, sorted
-  by relative path, site-packages excluded): {c['files']} files.
+- The `.py` files of the Python {c["python"]} standard library (`sysconfig.get_paths()["stdlib"]`, sorted
+  by relative path, site-packages excluded): {c["files"]} files.
 - Held out: a file whose relative path's SHA-256 (first 8 bytes, big-endian) is below
-  {c['heldout_fraction']} x 2^64, fixed for every run and machine: {c['heldout_files']} files
-  ({c['heldout_tokens']:,} tokens). Training (tokenizer included) never sees them.
-- Train: {c['train_files']} files, {c['train_tokens']:,} tokens.
-- Tokenizer: byte-level BPE (`tokenizers`), vocab {c['vocab_size']}, `<|endoftext|>` (id 0) is bos, eos and
+  {c["heldout_fraction"]} x 2^64, fixed for every run and machine: {c["heldout_files"]} files
+  ({c["heldout_tokens"]:,} tokens). Training (tokenizer included) never sees them.
+- Train: {c["train_files"]} files, {c["train_tokens"]:,} tokens.
+- Tokenizer: byte-level BPE (`tokenizers`), vocab {c["vocab_size"]}, `<|endoftext|>` (id 0) is bos, eos and
   pad; it opens every file in the token stream, and the tokenizer prepends it to every encoded text.
 
 ## Models and training
 
-Sequence length {info['seq_len']}, batch {info['batch']} random windows, AdamW (betas 0.9/0.95, weight decay
-0.1), {info['warmup_steps']} warmup steps then cosine decay to 10%, gradient clipping at 1.0, bf16 autocast
-on CPU, seed {info['seed']}. Tied input/output embeddings, `max_position_embeddings` = {info['seq_len']}.
+Sequence length {info["seq_len"]}, batch {info["batch"]} random windows, AdamW (betas 0.9/0.95, weight decay
+0.1), {info["warmup_steps"]} warmup steps then cosine decay to 10%, gradient clipping at 1.0, bf16 autocast
+on CPU, seed {info["seed"]}. Tied input/output embeddings, `max_position_embeddings` = {info["seq_len"]}.
 The draft is distilled from the finished (bf16) target: forward KL to the target's distribution at every
-position; its embeddings start as {d['embedding_init']}. Losses are means over the last 50 steps (train)
-and over {info['heldout_windows']} fixed held-out windows (cross-entropy).
+position; its embeddings start as {d["embedding_init"]}. Losses are means over the last 50 steps (train)
+and over {info["heldout_windows"]} fixed held-out windows (cross-entropy).
 
 | model | params | layers | hidden | MLP | heads/kv | steps (done/planned) | peak lr | train loss | final train loss | held-out CE | time |
 |---|---|---|---|---|---|---|---|---|---|---|---|
-{_model_row('target', t)}
-{_model_row('draft', d)}
+{_model_row("target", t)}
+{_model_row("draft", d)}
 
-{stop_note} Training wall time, tokenizer and data included: {info['train_wall_seconds'] / 60:.1f} min.
+{stop_note} Training wall time, tokenizer and data included: {info["train_wall_seconds"] / 60:.1f} min.
 
 ## Draft against target
 
-- Greedy acceptance rate on held-out files: **{a['greedy_acceptance_rate']}** ({a['prompts']} prompts of
-  {a['prompt_len']} tokens from distinct held-out files, the target's {a['new_tokens']}-token greedy
-  continuation, {a['positions']} positions; the draft's argmax, teacher-forced, equals the target's token).
-- Decode step (batch 1, one token, KV cache of {s['context']} tokens, Hugging Face float32 on this
-  machine): target {s['target']} ms, draft {s['draft']} ms, ratio {s['ratio']}x.
+- Greedy acceptance rate on held-out files: **{a["greedy_acceptance_rate"]}** ({a["prompts"]} prompts of
+  {a["prompt_len"]} tokens from distinct held-out files, the target's {a["new_tokens"]}-token greedy
+  continuation, {a["positions"]} positions; the draft's argmax, teacher-forced, equals the target's token).
+- Decode step (batch 1, one token, KV cache of {s["context"]} tokens, Hugging Face float32 on this
+  machine): target {s["target"]} ms, draft {s["draft"]} ms, ratio {s["ratio"]}x.
 
 ## Machine
 
-`nproc` {mc['nproc']} ({mc['torch_threads']} torch threads, OMP_WAIT_POLICY {mc['omp_wait_policy']}),
-{mc['cpu']}, {mc['platform']}; Python {mc['python']}, torch {mc['torch']},
-transformers {mc['transformers']}, tokenizers {mc['tokenizers']}. All numbers are in `training.json`.
+`nproc` {mc["nproc"]} ({mc["torch_threads"]} torch threads, OMP_WAIT_POLICY {mc["omp_wait_policy"]}),
+{mc["cpu"]}, {mc["platform"]}; Python {mc["python"]}, torch {mc["torch"]},
+transformers {mc["transformers"]}, tokenizers {mc["tokenizers"]}. All numbers are in `training.json`.
 """

@@ -30,30 +30,77 @@ from speculative.demo import corpus
 from speculative.demo.model_card import measure_and_write_card
 
 FULL = {
-    "vocab_size": 8192, "seq_len": 512, "batch": 8, "target_steps": 800, "draft_steps": 700,
-    "target_lr": 1.5e-3, "draft_lr": 3e-3, "warmup": 80, "eval_windows": 64, "eval_every": 200,
-    "target": {"hidden_size": 384, "num_hidden_layers": 12, "intermediate_size": 1152,
-               "num_attention_heads": 6, "num_key_value_heads": 2},
-    "draft": {"hidden_size": 256, "num_hidden_layers": 1, "intermediate_size": 768,
-              "num_attention_heads": 4, "num_key_value_heads": 2},
-    "files": None, "prompts": 32, "prompt_len": 128, "new_tokens": 64,
+    "vocab_size": 8192,
+    "seq_len": 512,
+    "batch": 8,
+    "target_steps": 800,
+    "draft_steps": 700,
+    "target_lr": 1.5e-3,
+    "draft_lr": 3e-3,
+    "warmup": 80,
+    "eval_windows": 64,
+    "eval_every": 200,
+    "target": {
+        "hidden_size": 384,
+        "num_hidden_layers": 12,
+        "intermediate_size": 1152,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+    },
+    "draft": {
+        "hidden_size": 256,
+        "num_hidden_layers": 1,
+        "intermediate_size": 768,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "files": None,
+    "prompts": 32,
+    "prompt_len": 128,
+    "new_tokens": 64,
 }
 SMOKE = {
-    "vocab_size": 384, "seq_len": 64, "batch": 4, "target_steps": 8, "draft_steps": 8,
-    "target_lr": 3e-3, "draft_lr": 3e-3, "warmup": 2, "eval_windows": 4, "eval_every": 4,
-    "target": {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-               "num_attention_heads": 2, "num_key_value_heads": 1},
-    "draft": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
-              "num_attention_heads": 1, "num_key_value_heads": 1},
-    "files": (24, 4), "prompts": 4, "prompt_len": 32, "new_tokens": 8,
+    "vocab_size": 384,
+    "seq_len": 64,
+    "batch": 4,
+    "target_steps": 8,
+    "draft_steps": 8,
+    "target_lr": 3e-3,
+    "draft_lr": 3e-3,
+    "warmup": 2,
+    "eval_windows": 4,
+    "eval_every": 4,
+    "target": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    },
+    "draft": {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+    },
+    "files": (24, 4),
+    "prompts": 4,
+    "prompt_len": 32,
+    "new_tokens": 8,
 }
 
 
 def llama(sizes: dict, vocab_size: int, seq_len: int, eos_id: int) -> LlamaForCausalLM:
     """A freshly initialised Llama with tied embeddings whose bos/eos/pad are all `eos_id`."""
     config = LlamaConfig(
-        vocab_size=vocab_size, max_position_embeddings=seq_len, tie_word_embeddings=True,
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, **sizes,
+        vocab_size=vocab_size,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        **sizes,
     )
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id)
@@ -90,8 +137,12 @@ def kl_loss(draft: LlamaForCausalLM, target: LlamaForCausalLM, windows: torch.Te
     with torch.no_grad():
         teacher = F.log_softmax(target(input_ids=inputs).logits.float(), dim=-1)
     student = F.log_softmax(draft(input_ids=inputs).logits.float(), dim=-1)
-    kl = F.kl_div(student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1]),
-                  log_target=True, reduction="batchmean")
+    kl = F.kl_div(
+        student.reshape(-1, student.shape[-1]),
+        teacher.reshape(-1, teacher.shape[-1]),
+        log_target=True,
+        reduction="batchmean",
+    )
     return kl
 
 
@@ -135,12 +186,17 @@ def train_loop(name, model, loss_fn, stream, heldout, cfg, steps, lr, seed, dead
         bar.set_postfix(loss=f"{recent[-1]:.3f}", tok_s=f"{tok_s:.0f}", refresh=False)
         if done % cfg["eval_every"] == 0 and done < steps:
             held = heldout_loss(model, heldout, cfg["batch"])
-            tqdm.write(f"{name} step {done}: train loss {sum(recent) / len(recent):.4f}, held-out CE {held:.4f}, "
-                       f"{tok_s:.0f} tokens/s")
+            tqdm.write(
+                f"{name} step {done}: train loss {sum(recent) / len(recent):.4f}, held-out CE {held:.4f}, "
+                f"{tok_s:.0f} tokens/s"
+            )
     bar.close()
     seconds = time.monotonic() - start
     record = {
-        "steps": done, "planned_steps": steps, "stopped_early": done < steps, "seconds": round(seconds, 1),
+        "steps": done,
+        "planned_steps": steps,
+        "stopped_early": done < steps,
+        "seconds": round(seconds, 1),
         "tokens_per_second": round(done * cfg["batch"] * cfg["seq_len"] / max(seconds, 1e-9), 1),
         "final_train_loss": round(sum(recent) / max(1, len(recent)), 4),
         "final_heldout_ce": round(heldout_loss(model, heldout, cfg["batch"]), 4),
@@ -199,35 +255,72 @@ def main(argv: list[str] | None = None) -> dict:
     heldout_stream = corpus.token_stream(heldout_encoded, eos)
     heldout = corpus.even_windows(heldout_stream, cfg["eval_windows"], cfg["seq_len"])
     tokenizer.model_max_length = cfg["seq_len"]
-    print(f"tokens: {len(train_stream)} train, {len(heldout_stream)} held out "
-          f"({time.monotonic() - wall_start:.0f} s)", flush=True)
+    print(
+        f"tokens: {len(train_stream)} train, {len(heldout_stream)} held out "
+        f"({time.monotonic() - wall_start:.0f} s)",
+        flush=True,
+    )
 
     torch.manual_seed(args.seed)
     target = llama(cfg["target"], len(tokenizer), cfg["seq_len"], eos)
     draft = llama(cfg["draft"], len(tokenizer), cfg["seq_len"], eos)
     target_deadline = None if cap is None else time.monotonic() + 0.68 * (cap - time.monotonic())
-    target_rec = train_loop("target", target, ce_loss, train_stream, heldout, cfg, cfg["target_steps"],
-                            cfg["target_lr"], args.seed, target_deadline)
+    target_rec = train_loop(
+        "target",
+        target,
+        ce_loss,
+        train_stream,
+        heldout,
+        cfg,
+        cfg["target_steps"],
+        cfg["target_lr"],
+        args.seed,
+        target_deadline,
+    )
     save(target, tokenizer, args.out / "target")
     target.eval().requires_grad_(False)
 
     init_draft_embeddings(draft, target)
-    draft_rec = train_loop("draft", draft, lambda m, w: kl_loss(m, target, w), train_stream, heldout, cfg,
-                           cfg["draft_steps"], cfg["draft_lr"], args.seed + 1, cap)
+    draft_rec = train_loop(
+        "draft",
+        draft,
+        lambda m, w: kl_loss(m, target, w),
+        train_stream,
+        heldout,
+        cfg,
+        cfg["draft_steps"],
+        cfg["draft_lr"],
+        args.seed + 1,
+        cap,
+    )
     save(draft, tokenizer, args.out / "draft")
     train_seconds = time.monotonic() - wall_start
 
     info = {
-        "seed": args.seed, "smoke": args.smoke, "max_minutes": args.max_minutes,
-        "corpus": {"files": len(files), "train_files": len(train_files), "heldout_files": len(heldout_files),
-                   "train_tokens": len(train_stream), "heldout_tokens": len(heldout_stream),
-                   "heldout_fraction": corpus.HELDOUT_FRACTION, "vocab_size": len(tokenizer)},
-        "seq_len": cfg["seq_len"], "batch": cfg["batch"], "warmup_steps": cfg["warmup"],
+        "seed": args.seed,
+        "smoke": args.smoke,
+        "max_minutes": args.max_minutes,
+        "corpus": {
+            "files": len(files),
+            "train_files": len(train_files),
+            "heldout_files": len(heldout_files),
+            "train_tokens": len(train_stream),
+            "heldout_tokens": len(heldout_stream),
+            "heldout_fraction": corpus.HELDOUT_FRACTION,
+            "vocab_size": len(tokenizer),
+        },
+        "seq_len": cfg["seq_len"],
+        "batch": cfg["batch"],
+        "warmup_steps": cfg["warmup"],
         "heldout_windows": cfg["eval_windows"],
         "target": {**cfg["target"], "params": count_params(target), "loss": "cross-entropy", **target_rec},
-        "draft": {**cfg["draft"], "params": count_params(draft), "loss": "KL(target || draft), T=1",
-                  "embedding_init": "target embeddings projected on their top principal directions",
-                  **draft_rec},
+        "draft": {
+            **cfg["draft"],
+            "params": count_params(draft),
+            "loss": "KL(target || draft), T=1",
+            "embedding_init": "target embeddings projected on their top principal directions",
+            **draft_rec,
+        },
         "train_wall_seconds": round(train_seconds, 1),
     }
     measure_and_write_card(args.out, info, heldout_encoded, cfg, args.seed)

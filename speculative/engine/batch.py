@@ -13,7 +13,6 @@ from speculative.proposers.base import Proposer
 from speculative.sampling import SampleStrategy
 from speculative.sampling.context import TokenContext
 
-
 # Prefill groups on a CPU, where a prefill's cost is its padded tokens: a row joins the group of the
 # longer rows before it when its padding is at most PREFILL_PADDING tokens or 1/8 of the group's width
 # (a forward's own overhead is worth about that many tokens), and there are at most MAX_PREFILL_GROUPS.
@@ -45,8 +44,15 @@ class Batch:
     host_lengths mirrors lengths on the host, host_stop_ids stop_ids (a set per row).
     """
 
-    def __init__(self, sequences: list[Sequence], eos_token_ids: list[int], k: int, vocab_size: int,
-                 device: torch.device, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        sequences: list[Sequence],
+        eos_token_ids: list[int],
+        k: int,
+        vocab_size: int,
+        device: torch.device,
+        generator: torch.Generator,
+    ) -> None:
         self.sequences = list(sequences)
         self.eos_token_ids = list(eos_token_ids)
         for s in sequences:
@@ -60,17 +66,28 @@ class Batch:
         for row, context in enumerate(contexts):
             self.tokens[row, : len(context)] = torch.tensor(context)
         self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=device)
-        self.prompt_lengths = torch.tensor([len(s.prompt_token_ids) for s in sequences], dtype=torch.long,
-                                           device=device)
-        stops = [sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(eos_token_ids)))
-                 for s in sequences]
+        self.prompt_lengths = torch.tensor(
+            [len(s.prompt_token_ids) for s in sequences], dtype=torch.long, device=device
+        )
+        stops = [
+            sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(eos_token_ids)))
+            for s in sequences
+        ]
         width = max(1, max(len(s) for s in stops))
-        self.stop_ids = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=device)
+        self.stop_ids = torch.tensor(
+            [s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=device
+        )
         self.host_stop_ids = [frozenset(s) for s in stops]
-        self.strategy = SampleStrategy([s.params for s in sequences], vocab_size, device, generator,
-                                       generators=[s.generator for s in sequences], stop_ids=self.stop_ids,
-                                       bad_words=[s.bad_words_token_ids for s in sequences],
-                                       guides=[s.guide for s in sequences])
+        self.strategy = SampleStrategy(
+            [s.params for s in sequences],
+            vocab_size,
+            device,
+            generator,
+            generators=[s.generator for s in sequences],
+            stop_ids=self.stop_ids,
+            bad_words=[s.bad_words_token_ids for s in sequences],
+            guides=[s.guide for s in sequences],
+        )
 
     def context(self, block: Tensor | None = None) -> TokenContext | None:
         """The TokenContext of a forward whose positions are separated by `block` [B, q - 1] (None:
@@ -89,7 +106,9 @@ class Batch:
         self.eos_token_ids += [t for t in other.eos_token_ids if t not in self.eos_token_ids]
         self.capacity = max(self.capacity, other.capacity)
         width = max(self.tokens.shape[1], other.tokens.shape[1])
-        self.tokens = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (self.tokens, other.tokens)])
+        self.tokens = torch.cat(
+            [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (self.tokens, other.tokens)]
+        )
         for name in ("lengths", "prompt_lengths"):
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.strategy.append(other.strategy)

@@ -1,10 +1,10 @@
 """Adaptive draft length: the k of each step, from measured acceptance and measured step times.
 
 With c_i the chance that draft i is accepted once drafts 1..i-1 were (measured per position), a step
-that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (Leviathan et
-al. 2023's expected tokens per step, with a per-position acceptance). It costs t_B(k), measured for the batch size B:
-the whole step's wall time (drafting, verification, acceptance, the host sync), an exponential moving
-average for each k tried, the line through them for k not tried. The step drafts
+that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (Leviathan
+et al. 2023's expected tokens per step, with a per-position acceptance). It costs t_B(k), measured for
+the batch size B: the whole step's wall time (drafting, verification, acceptance, the host sync), an
+exponential moving average for each k tried, the line through them for k not tried. The step drafts
 k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculation switched off for
 batch sizes where it does not pay. The first batch size starts by measuring max_k and 0; a batch
 size met later starts from the step times of the nearest one measured, rescaled at its own first
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections import deque
 
-_WARMUP = 2      # measurements of max_k and of 0 at each batch size before choosing
-_EXPLORE = 16    # every this many steps at a batch size, a neighbour of the best k is measured
-_DECAY = 0.98    # per step, for the acceptance counts
+_WARMUP = 2  # measurements of max_k and of 0 at each batch size before choosing
+_EXPLORE = 16  # every this many steps at a batch size, a neighbour of the best k is measured
+_DECAY = 0.98  # per step, for the acceptance counts
 _SMOOTHING = 0.3  # weight of a new step time in its moving average
 
 
@@ -29,9 +29,9 @@ class DraftLength:
     def __init__(self, max_k: int, adaptive: bool) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
-        self.reached = [1.0] * max_k   # decayed counts: drafts at position i whose predecessors were accepted
+        self.reached = [1.0] * max_k  # decayed counts: drafts at position i whose predecessors were accepted
         self.accepted = [0.5] * max_k  # ... and of those, accepted (a prior of 1/2)
-        self.times: dict[int, dict[int, float]] = {}   # batch size -> k -> mean step seconds
+        self.times: dict[int, dict[int, float]] = {}  # batch size -> k -> mean step seconds
         self.borrowed: dict[int, set[int]] = {}  # batch size -> the k whose times are another size's
         self.counts: dict[int, dict[int, int]] = {}
         self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
@@ -47,7 +47,9 @@ class DraftLength:
             for k in (self.max_k, 0):
                 if counts.get(k, 0) < _WARMUP:
                     return k
-        best = max(range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self.step_time(batch_size, k))
+        best = max(
+            range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self.step_time(batch_size, k)
+        )
         steps = sum(counts.values())
         if steps and steps % _EXPLORE == 0:
             neighbours = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
@@ -63,7 +65,9 @@ class DraftLength:
             self.times[batch_size] = dict(self.times[nearest])
             self.borrowed[batch_size] = set(self.times[batch_size])
 
-    def observe(self, batch_size: int, k: int, seconds: float, accepted: list[int], drafted: list[int]) -> None:
+    def observe(
+        self, batch_size: int, k: int, seconds: float, accepted: list[int], drafted: list[int]
+    ) -> None:
         """One step's figures: its k and wall time, and per row the drafts accepted and proposed."""
         self.history.append(k)
         if not self.adaptive:

@@ -74,10 +74,17 @@ class Engine:
     adaptive: choose k per step in [0, num_speculative_tokens] (`draft_length.DraftLength`).
     """
 
-    def __init__(self, target: LanguageModel, proposer: Proposer | None, num_speculative_tokens: int,
-                 eos_token_ids: Seq[int], generator: torch.Generator, rule: AcceptanceRule | None = None,
-                 decode: Callable[[list[int], SamplingParams | None], str] | None = None,
-                 adaptive: bool = False) -> None:
+    def __init__(
+        self,
+        target: LanguageModel,
+        proposer: Proposer | None,
+        num_speculative_tokens: int,
+        eos_token_ids: Seq[int],
+        generator: torch.Generator,
+        rule: AcceptanceRule | None = None,
+        decode: Callable[[list[int], SamplingParams | None], str] | None = None,
+        adaptive: bool = False,
+    ) -> None:
         self.target = target
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
@@ -102,8 +109,9 @@ class Engine:
         for _ in self.generate(sequences):
             pass
 
-    def generate(self, sequences: list[Sequence], chunk_steps: int | None = None,
-                 eos_token_ids: Seq[int] | None = None) -> Iterator[list[Sequence]]:
+    def generate(
+        self, sequences: list[Sequence], chunk_steps: int | None = None, eos_token_ids: Seq[int] | None = None
+    ) -> Iterator[list[Sequence]]:
         """Generate the sequences, yielding them all after every `chunk_steps` target steps (the
         prefill included) and once more when every one has finished.
 
@@ -191,10 +199,14 @@ class Engine:
         draft_ids, draft_probs = self._propose(batch, k)  # [B, j] (-1: none), [B, j, V] or None
         clock.mark()
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
-        logits = self.target.forward(torch.cat([last, draft_ids.clamp(min=0)], dim=1), self.cache)  # [B, j+1, V]
+        logits = self.target.forward(
+            torch.cat([last, draft_ids.clamp(min=0)], dim=1), self.cache
+        )  # [B, j+1, V]
         clock.mark()
         if draft_ids.shape[1]:
-            emitted = self.rule.verify(logits, draft_ids, draft_probs, batch.strategy, batch.context(draft_ids))
+            emitted = self.rule.verify(
+                logits, draft_ids, draft_probs, batch.strategy, batch.context(draft_ids)
+            )
         else:  # plain step: the target's own token
             emitted = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
         commit = self._commit(batch, emitted, logits, draft_ids, first_token=False)  # the step's sync
@@ -204,8 +216,18 @@ class Engine:
             self.draft_length.observe(rows, draft_ids.shape[1], seconds, commit.accepted, commit.drafted)
         if self.step_stats is not None:
             propose_s, verify_s = clock.intervals()
-            self.step_stats.append(StepStats(rows, k, 1 + draft_ids.shape[1], sum(commit.drafted),
-                                             sum(commit.accepted), propose_s, verify_s, seconds))
+            self.step_stats.append(
+                StepStats(
+                    rows,
+                    k,
+                    1 + draft_ids.shape[1],
+                    sum(commit.drafted),
+                    sum(commit.accepted),
+                    propose_s,
+                    verify_s,
+                    seconds,
+                )
+            )
         if not batch.sequences:
             self.reset()
         return commit.finished
@@ -229,8 +251,9 @@ class Engine:
                 draft_probs = F.pad(draft_probs, (0, 0, 0, k - j))
         return draft_ids, draft_probs
 
-    def _commit(self, batch: Batch, emitted: Tensor, logits: Tensor, draft_ids: Tensor | None,
-                first_token: bool) -> Commit:
+    def _commit(
+        self, batch: Batch, emitted: Tensor, logits: Tensor, draft_ids: Tensor | None, first_token: bool
+    ) -> Commit:
         """Cut each row's block at its stop token or max_tokens and append it: to the batch's tokens
         and to each sequence's record (tokens, log-probabilities, figures, finish).
 
@@ -250,7 +273,11 @@ class Engine:
         batch.lengths += kept
         accepted = [sum(t >= 0 for t in values[:width]) - 1 for values in host]
         drafted = [sum(t >= 0 for t in values[width:]) for values in host]
-        scores = [t.tolist() for t in L.token_logprobs(logits, emitted, self.num_top)] if self.want_logprobs else None
+        scores = (
+            [t.tolist() for t in L.token_logprobs(logits, emitted, self.num_top)]
+            if self.want_logprobs
+            else None
+        )
         now = time.perf_counter()
         failures = batch.strategy.take_failures()  # {row: error} from per-row processing this step
         finished = []
@@ -259,9 +286,17 @@ class Engine:
             try:
                 if row in failures:
                     raise failures[row]
-                self._record(s, values[:n], stop, accepted[row], drafted[row], batch.eos_token_ids,
-                             [t[row][:n] for t in scores] if scores is not None else None, first_token)
-            except Exception as error:  # noqa: BLE001 - the row's own work failed: it fails alone
+                self._record(
+                    s,
+                    values[:n],
+                    stop,
+                    accepted[row],
+                    drafted[row],
+                    batch.eos_token_ids,
+                    [t[row][:n] for t in scores] if scores is not None else None,
+                    first_token,
+                )
+            except Exception as error:
                 s.finish_reason, s.error = "error", f"{type(error).__name__}: {error}"
             if first_token:
                 s.metrics.first_token_s = now - s.start_time
@@ -295,8 +330,17 @@ class Engine:
         kept = min(emitted, first_stop + 1, room)
         return kept, first_stop < kept
 
-    def _record(self, s: Sequence, new: list[int], stop: bool, accepted: int, drafted: int,
-                eos_token_ids: list[int], scores: list[list] | None, first_token: bool) -> None:
+    def _record(
+        self,
+        s: Sequence,
+        new: list[int],
+        stop: bool,
+        accepted: int,
+        drafted: int,
+        eos_token_ids: list[int],
+        scores: list[list] | None,
+        first_token: bool,
+    ) -> None:
         """One row's share of a commit, on the host: its new tokens, figures and finish."""
         n = len(new)
         s.output_token_ids.extend(new)
@@ -349,16 +393,21 @@ class Engine:
 
     def _want_logprobs(self, sequences: list[Sequence]) -> None:
         self.num_top = max([s.params.logprobs or 0 for s in sequences])
-        self.want_logprobs = any(s.params.logprobs is not None or s.params.sampled_sequences > s.params.n
-                                 for s in sequences)
+        self.want_logprobs = any(
+            s.params.logprobs is not None or s.params.sampled_sequences > s.params.n for s in sequences
+        )
 
     def _rebuild_cache(self, batch: Batch) -> KVCache:
         """Resume: the target's cache computed again from the tokens (all but the last), sampling
         nothing."""
         lengths = batch.lengths
         cache = self.target.new_cache(len(batch.sequences), batch.capacity)
-        self.target.forward(batch.tokens[:, : max(batch.host_lengths) - 1], cache, num_tokens=lengths - 1,
-                            logits_indices=torch.zeros_like(lengths)[:, None])
+        self.target.forward(
+            batch.tokens[:, : max(batch.host_lengths) - 1],
+            cache,
+            num_tokens=lengths - 1,
+            logits_indices=torch.zeros_like(lengths)[:, None],
+        )
         return cache
 
     def _prefill(self, batch: Batch) -> tuple[KVCache, list[Sequence]]:
@@ -366,12 +415,18 @@ class Engine:
         copy its cache row; each samples a first token. Returns the new cache and the sequences that
         finished with that token."""
         sequences = batch.sequences
-        heads = [row for row, s in enumerate(sequences) if row == 0 or s.prompt_index != sequences[row - 1].prompt_index]
+        heads = [
+            row
+            for row, s in enumerate(sequences)
+            if row == 0 or s.prompt_index != sequences[row - 1].prompt_index
+        ]
         all_logits = any(s.params.prompt_logprobs is not None for s in sequences)
         logits, cache, order = self._prefill_prompts(batch, heads, all_logits)  # [P, 1 or width, V]
         if all_logits:
             logits = self._prompt_logprobs(batch, heads, order, logits)
-        rows = [order[sum(h <= row for h in heads) - 1] for row in range(len(sequences))]  # row -> its cache row
+        rows = [
+            order[sum(h <= row for h in heads) - 1] for row in range(len(sequences))
+        ]  # row -> its cache row
         if rows != list(range(len(rows))):
             index = torch.tensor(rows, dtype=torch.long, device=batch.tokens.device)
             cache.select_rows(index)
@@ -381,7 +436,9 @@ class Engine:
         self._settle(batch, cache, None, commit)
         return cache, commit.finished
 
-    def _prefill_prompts(self, batch: Batch, heads: list[int], all_logits: bool) -> tuple[Tensor, KVCache, list[int]]:
+    def _prefill_prompts(
+        self, batch: Batch, heads: list[int], all_logits: bool
+    ) -> tuple[Tensor, KVCache, list[int]]:
         """The target on each prompt (batch rows `heads`). Returns its logits ([P, 1, V] at each prompt's
         last token; [P, width, V] with all_logits), its cache and, per prompt, its row in them.
 
@@ -389,16 +446,25 @@ class Engine:
         (`prefill_groups`), not all padded to the longest; elsewhere, and when every position's logits
         are wanted, in one forward."""
         prompt_lengths = [batch.host_lengths[h] for h in heads]
-        groups = (prefill_groups(prompt_lengths) if self.target.device.type == "cpu" and not all_logits
-                  else [list(range(len(heads)))])
+        groups = (
+            prefill_groups(prompt_lengths)
+            if self.target.device.type == "cpu" and not all_logits
+            else [list(range(len(heads)))]
+        )
         cache, parts = None, []
         for group in groups:  # the cache's rows: the groups' rows one after the other
             index = torch.tensor([heads[i] for i in group], dtype=torch.long, device=batch.tokens.device)
             lengths = batch.lengths[index]
             part = self.target.new_cache(len(group), batch.capacity)
             width = max(prompt_lengths[i] for i in group)
-            parts.append(self.target.forward(batch.tokens[index, :width], part, num_tokens=lengths,
-                                             logits_indices=None if all_logits else (lengths - 1)[:, None]))
+            parts.append(
+                self.target.forward(
+                    batch.tokens[index, :width],
+                    part,
+                    num_tokens=lengths,
+                    logits_indices=None if all_logits else (lengths - 1)[:, None],
+                )
+            )
             if cache is None:
                 cache = part
             else:
@@ -415,8 +481,12 @@ class Engine:
         for prompt, (head, end) in enumerate(zip(heads, ends)):
             first = batch.sequences[head]
             if first.params.prompt_logprobs is not None:
-                found = L.prompt_logprobs(logits[order[prompt]], first.prompt_token_ids, first.params.prompt_logprobs,
-                                          self._decode_token)
+                found = L.prompt_logprobs(
+                    logits[order[prompt]],
+                    first.prompt_token_ids,
+                    first.params.prompt_logprobs,
+                    self._decode_token,
+                )
                 for s in batch.sequences[head:end]:
                     s.prompt_logprobs = found
         index = torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)

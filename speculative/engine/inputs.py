@@ -37,30 +37,40 @@ class InputProcessor:
     context of `max_length` (the shorter of target and draft); `tokenizer` may be None (token ids
     only); `precompile`: prompts must fit one of its prefill buckets."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_length: int,
-                 device: torch.device, precompile: PreCompileConfig | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        vocab_size: int,
+        max_length: int,
+        device: torch.device,
+        precompile: PreCompileConfig | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_length = max_length
         self.device = device
         self.precompile = precompile
 
-    def prepare(self, prompts: PromptType | Seq[PromptType],
-                sampling_params: SamplingParams | Seq[SamplingParams] | None) -> Prepared:
+    def prepare(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None,
+    ) -> Prepared:
         """Encode and check every prompt (truncated as its params say) and make its sequences."""
         texts, token_ids = self.encode(prompts)
         params = _params(sampling_params, len(token_ids))
         sequences = []
         for i, (ids, p) in enumerate(zip(token_ids, params)):
             if p.truncate_prompt_tokens is not None:
-                ids = token_ids[i] = ids[-p.truncate_prompt_tokens:]
+                ids = token_ids[i] = ids[-p.truncate_prompt_tokens :]
             sequences.extend(self.sequences(ids, p, i))
         return Prepared(texts, token_ids, params, sequences)
 
     def encode(self, prompts: PromptType | Seq[PromptType]) -> tuple[list[str | None], list[list[int]]]:
         """Each prompt's text (None for token ids) and token ids; one prompt or a list of them."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
             prompts = [prompts]
         texts, token_ids = [], []
         for i, prompt in enumerate(prompts):
@@ -72,8 +82,10 @@ class InputProcessor:
             else:
                 ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
                 if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                    raise TypeError(f"prompt {i} must be a string, a list of token ids or "
-                                    f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+                    raise TypeError(
+                        f"prompt {i} must be a string, a list of token ids or "
+                        f"{{'prompt_token_ids': [...]}}; got {type(prompt).__name__}"
+                    )
                 texts.append(None)
             token_ids.append(list(ids))
         return texts, token_ids
@@ -90,25 +102,47 @@ class InputProcessor:
             raise ValueError(f"prompt {index} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_length - len(ids)
         if len(ids) + max_tokens > self.max_length or max_tokens < 1:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens and max_tokens={p.max_tokens}: "
-                             f"together more than the model's context of {self.max_length} tokens")
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens and max_tokens={p.max_tokens}: "
+                f"together more than the model's context of {self.max_length} tokens"
+            )
         if self.precompile is not None:
             try:
                 self.precompile.bucket(len(ids))
             except ValueError as error:
                 raise ValueError(f"prompt {index}: {error}") from None
-        needs_tokenizer = [name for name, used in (("stop", p.stop), ("bad_words", p.bad_words),
-                                                   ("guided_decoding", p.guided_decoding)) if used]
+        needs_tokenizer = [
+            name
+            for name, used in (
+                ("stop", p.stop),
+                ("bad_words", p.bad_words),
+                ("guided_decoding", p.guided_decoding),
+            )
+            if used
+        ]
         if needs_tokenizer and self.tokenizer is None:
             raise ValueError(f"SamplingParams.{needs_tokenizer[0]} needs a tokenizer, and the model has none")
         bad_words, guide = self._sampling_aids(p)
         if guide is not None and p.allowed_token_ids:
             first = guide.new_state().allowed_for_block([])[0]  # [vocab] bool: the grammar's first mask
             if not first[p.allowed_token_ids].any():
-                raise ValueError("SamplingParams.allowed_token_ids and guided_decoding leave no token allowed "
-                                 "at the first position")
-        return [Sequence(ids, p, max_tokens, index, s, _generator(p.seed, s, self.device), bad_words,
-                         guide.new_state() if guide else None) for s in range(p.sampled_sequences)]
+                raise ValueError(
+                    "SamplingParams.allowed_token_ids and guided_decoding leave no token allowed "
+                    "at the first position"
+                )
+        return [
+            Sequence(
+                ids,
+                p,
+                max_tokens,
+                index,
+                s,
+                _generator(p.seed, s, self.device),
+                bad_words,
+                guide.new_state() if guide else None,
+            )
+            for s in range(p.sampled_sequences)
+        ]
 
     def restore(self, state: SampleState) -> list[Sequence]:
         """A SampleState's sequences ready to resume: generators, bad words and grammar states (advanced
@@ -127,6 +161,7 @@ class InputProcessor:
         guide = None
         if p.guided_decoding is not None:
             from speculative.sampling.guided import Guide  # llguidance only where guided decoding is used
+
             guide = Guide.compile(p.guided_decoding, self.tokenizer, self.vocab_size)
         return bad_words, guide
 

@@ -23,8 +23,15 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> list[Tens
     return [chosen[..., 0], rank, top[0], top[1]]
 
 
-def as_dicts(token_ids: list[int], chosen: list[float], rank: list[int], top_values: list[list[float]],
-             top_ids: list[list[int]], num_top: int, decode: Callable[[int], str | None]) -> list[dict[int, Logprob]]:
+def as_dicts(
+    token_ids: list[int],
+    chosen: list[float],
+    rank: list[int],
+    top_values: list[list[float]],
+    top_ids: list[list[int]],
+    num_top: int,
+    decode: Callable[[int], str | None],
+) -> list[dict[int, Logprob]]:
     """Host lists for n tokens -> one {token id: Logprob} per token (the chosen one and the top num_top)."""
     out = []
     for token, lp, r, values, ids in zip(token_ids, chosen, rank, top_values, top_ids):
@@ -35,8 +42,9 @@ def as_dicts(token_ids: list[int], chosen: list[float], rank: list[int], top_val
     return out
 
 
-def prompt_logprobs(logits: Tensor, prompt: list[int], num_top: int,
-                    decode: Callable[[int], str | None]) -> list[dict[int, Logprob] | None]:
+def prompt_logprobs(
+    logits: Tensor, prompt: list[int], num_top: int, decode: Callable[[int], str | None]
+) -> list[dict[int, Logprob] | None]:
     """vLLM's prompt_logprobs from the prefill logits [L, V] of one prompt: None for the first token."""
     if len(prompt) < 2:
         return [None]

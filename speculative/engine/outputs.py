@@ -33,8 +33,12 @@ class SpeculationMetrics:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.elapsed_s = max(self.elapsed_s, other.elapsed_s)
         self.first_token_s = max(self.first_token_s, other.first_token_s)
-        self.drafted_per_position = [a + b for a, b in zip(self.drafted_per_position, other.drafted_per_position)]
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+        self.drafted_per_position = [
+            a + b for a, b in zip(self.drafted_per_position, other.drafted_per_position)
+        ]
+        self.accepted_per_position = [
+            a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)
+        ]
 
     @property
     def acceptance_rate(self) -> float:

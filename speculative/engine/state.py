@@ -1,4 +1,5 @@
-"""SampleState: a generation between two chunks, enough to stream it and to resume it (after EasyDeL's SampleState).
+"""SampleState: a generation between two chunks, enough to stream it and to resume it (after EasyDeL's
+SampleState).
 
 Serialized form (to_dict / to_json): plain JSON. Token tensors are lists of ints per sequence
 (`sequences` is ragged; `padded_length` is the width a padded [num_sequences, padded_length] tensor
@@ -18,8 +19,8 @@ from typing import Any
 import torch
 
 from speculative.engine.outputs import SpeculationMetrics
-from speculative.fields import DictRoundTrip
 from speculative.engine.sequence import Sequence
+from speculative.fields import DictRoundTrip
 from speculative.sampling_params import SamplingParams
 
 KV_CACHE_NOTE = "not stored: rebuilt from `sequences` by one prefill per model when resumed"
@@ -77,8 +78,15 @@ class SampleState(DictRoundTrip):
         return all(self.is_sequence_finished)
 
     @classmethod
-    def capture(cls, sequences: list[Sequence], default: torch.Generator, previous_text: list[str],
-                elapsed_s: float, texts: list[str], pad_token_id: int = 0) -> SampleState:
+    def capture(
+        cls,
+        sequences: list[Sequence],
+        default: torch.Generator,
+        previous_text: list[str],
+        elapsed_s: float,
+        texts: list[str],
+        pad_token_id: int = 0,
+    ) -> SampleState:
         """The state of `sequences` (all sequences of the generation) now; texts: their texts now,
         previous_text: as of the previous state."""
         generated = sum(len(s.output_token_ids) for s in sequences)
@@ -100,7 +108,7 @@ class SampleState(DictRoundTrip):
             finish_reasons=[s.finish_reason for s in sequences],
             stop_reasons=[s.stop_reason for s in sequences],
             text=texts,
-            new_text=[t[len(p):] if t.startswith(p) else t for t, p in zip(texts, previous_text)],
+            new_text=[t[len(p) :] if t.startswith(p) else t for t, p in zip(texts, previous_text)],
             metrics=[dataclasses.asdict(s.metrics) for s in sequences],
             pad_token_id=pad_token_id,
         )
@@ -110,8 +118,14 @@ class SampleState(DictRoundTrip):
         out = []
         for i, length in enumerate(self.prompt_lengths):
             params = SamplingParams.from_dict(self.sampling_params[i])
-            r = Sequence(self.sequences[i][:length], params, params.max_tokens, self.prompt_indices[i],
-                         self.sample_indices[i], unpack_generator(self.prng_key["sequences"][i], device))
+            r = Sequence(
+                self.sequences[i][:length],
+                params,
+                params.max_tokens,
+                self.prompt_indices[i],
+                self.sample_indices[i],
+                unpack_generator(self.prng_key["sequences"][i], device),
+            )
             r.output_token_ids = self.sequences[i][length:]
             r.finish_reason, r.stop_reason = self.finish_reasons[i], self.stop_reasons[i]
             r.metrics = SpeculationMetrics(**self.metrics[i])

@@ -48,9 +48,13 @@ def first_argmax(logits: Tensor) -> Tensor:  # [batch, vocab] -> [batch]
     return logits.max(dim=-1).indices
 
 
-def decode_steps(step: Callable[[Tensor, int], Tensor], steps: int, input_ids: Tensor,
-                 choose: Callable[[Tensor], Tensor] = first_argmax,
-                 until: Callable[[Tensor], bool] | None = None) -> tuple[Tensor, Tensor]:
+def decode_steps(
+    step: Callable[[Tensor, int], Tensor],
+    steps: int,
+    input_ids: Tensor,
+    choose: Callable[[Tensor], Tensor] = first_argmax,
+    until: Callable[[Tensor], bool] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Up to `steps` autoregressive steps from input_ids [batch, q]: `step(ids, i)` feeds step i's ids
     (the query at i = 0, then the token chosen last) and returns logits [batch, n, vocab] whose last
     position `choose` ([batch, vocab] -> [batch]) picks the next token from; `until(tokens [batch])`,
@@ -67,9 +71,14 @@ def decode_steps(step: Callable[[Tensor, int], Tensor], steps: int, input_ids: T
     return torch.cat(tokens, dim=1), torch.stack(logits, dim=1)
 
 
-def decode(model: LanguageModel, input_ids: Tensor, cache: KVCache, steps: int,
-           choose: Callable[[Tensor], Tensor] = first_argmax,
-           until: Callable[[Tensor], bool] | None = None) -> tuple[Tensor, Tensor]:
+def decode(
+    model: LanguageModel,
+    input_ids: Tensor,
+    cache: KVCache,
+    steps: int,
+    choose: Callable[[Tensor], Tensor] = first_argmax,
+    until: Callable[[Tensor], bool] | None = None,
+) -> tuple[Tensor, Tensor]:
     """`decode_steps` through `model.forward`: the query input_ids [batch, q] first (logits at its last
     token only), then one token a step. The cache gains the query and every token but the last."""
     batch, q = input_ids.shape

@@ -51,8 +51,13 @@ class BucketedModel:
         self._fresh.add(cache)
         return cache
 
-    def forward(self, input_ids: Tensor, cache: KVCache, num_tokens: Tensor | None = None,
-                logits_indices: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: KVCache,
+        num_tokens: Tensor | None = None,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
         """The model's forward; a prefill (q > 1 on a fresh cache) padded to its bucket."""
         batch, q = input_ids.shape
         fresh = cache in self._fresh
@@ -76,8 +81,12 @@ class BucketedModel:
 
 
 @torch.inference_mode()
-def warm_up(model: LanguageModel, config: PreCompileConfig, steps: Sequence[tuple[int, bool]],
-            greedy: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+def warm_up(
+    model: LanguageModel,
+    config: PreCompileConfig,
+    steps: Sequence[tuple[int, bool]],
+    greedy: Sequence[tuple[int, int]] = (),
+) -> list[tuple[int, int]]:
     """Run every standalone shape of `config` once: a prefill of batch_size rows of prefill_length tokens
     (WARM_UP_PROMPT without buckets; fewer where the model's context leaves no room for the steps, the
     padding of a BucketedModel still making it the bucket's width), then one forward per

@@ -109,13 +109,21 @@ class CompiledCausalLM:
                 torch._dynamo.mark_static_address(tensor)
         return cache
 
-    def _run(self, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
-             key_positions: Tensor, logits_indices: Tensor | None) -> Tensor:
+    def _run(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+        key_positions: Tensor,
+        logits_indices: Tensor | None,
+    ) -> Tensor:
         verification = logits_indices is None
         if verification:  # one graph for both: all positions' logits are a gather of all
             logits_indices = self._every_position(*input_ids.shape)
-        input_ids, positions, logits_indices = self._dynamic(input_ids, positions, logits_indices,
-                                                             key_positions=key_positions, few_static=verification)
+        input_ids, positions, logits_indices = self._dynamic(
+            input_ids, positions, logits_indices, key_positions=key_positions, few_static=verification
+        )
         return self._compiled(input_ids, positions, keys, values, key_positions, logits_indices)
 
     def _dynamic(self, *tensors: Tensor, key_positions: Tensor, few_static: bool) -> list[Tensor]:
@@ -147,8 +155,13 @@ class CompiledCausalLM:
                 self._positions[batch, q] = indices
         return indices
 
-    def forward(self, input_ids: Tensor, cache: StaticKVCache, num_tokens: Tensor | None = None,
-                logits_indices: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: StaticKVCache,
+        num_tokens: Tensor | None = None,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
         """NativeCausalLM.forward, compiled; on CPU, eager for more than SMALL_CALL_ROWS tokens."""
         if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
             return self.model.forward(input_ids, cache, num_tokens, logits_indices)
@@ -172,12 +185,21 @@ class CompiledCausalLM:
             return decode(self, input_ids, cache, steps)
         compiled = self._greedy.get(steps)
         if compiled is None:
-            compiled = self._greedy[steps] = torch.compile(_greedy_run(self.model.run, steps),
-                                                           **self._compile_options())
+            compiled = self._greedy[steps] = torch.compile(
+                _greedy_run(self.model.run, steps), **self._compile_options()
+            )
 
-        def run(input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
-                key_positions: Tensor, logits_indices: None) -> tuple[Tensor, Tensor]:
-            input_ids, positions = self._dynamic(input_ids, positions, key_positions=key_positions, few_static=True)
+        def run(
+            input_ids: Tensor,
+            positions: Tensor,
+            keys: list[Tensor],
+            values: list[Tensor],
+            key_positions: Tensor,
+            logits_indices: None,
+        ) -> tuple[Tensor, Tensor]:
+            input_ids, positions = self._dynamic(
+                input_ids, positions, key_positions=key_positions, few_static=True
+            )
             return compiled(input_ids, positions, keys, values, key_positions)
 
         written = input_ids.shape[1] + steps - 1
@@ -188,34 +210,45 @@ def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[T
     """`steps` greedy steps of NativeCausalLM.run as one function of tensors (what is compiled): step 0
     feeds the query at `positions` [batch, q] (logits at its last token), step i > 0 one token at the
     last position + i."""
-    def greedy(input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
-               key_positions: Tensor) -> tuple[Tensor, Tensor]:
+
+    def greedy(
+        input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor], key_positions: Tensor
+    ) -> tuple[Tensor, Tensor]:
         last = positions[:, -1:]  # [batch, 1]
 
         def step(ids: Tensor, i: int) -> Tensor:
             if i == 0:  # logits at the query's last token only
-                return run(ids, positions, keys, values, key_positions,
-                           torch.full_like(last, positions.shape[1] - 1))
+                return run(
+                    ids, positions, keys, values, key_positions, torch.full_like(last, positions.shape[1] - 1)
+                )
             return run(ids, last + i, keys, values, key_positions, None)
 
         return decode_steps(step, steps, input_ids)
+
     return greedy
 
 
-def prepare_model(model: LanguageModel, compile: bool = False,
-                  precompile: PreCompileConfig | None = None) -> LanguageModel:
+def prepare_model(
+    model: LanguageModel, compile: bool = False, precompile: PreCompileConfig | None = None
+) -> LanguageModel:
     """`model` compiled (CompiledCausalLM) when `compile`, and then bucketed (BucketedModel) when
     `precompile` is given. ValueError when compiling a model that does not run the native forward."""
     if compile and not isinstance(model, CompiledCausalLM):
         if not isinstance(model, NativeCausalLM):
-            raise ValueError(f"compile=True needs the native forward (model types llama, mistral, qwen2, "
-                             f"qwen3 with model_impl 'auto' or 'native'); got {type(model).__name__}")
+            raise ValueError(
+                f"compile=True needs the native forward (model types llama, mistral, qwen2, "
+                f"qwen3 with model_impl 'auto' or 'native'); got {type(model).__name__}"
+            )
         model = CompiledCausalLM(model)
     return BucketedModel(model, precompile) if precompile is not None else model
 
 
-def warm_up_pair(target: LanguageModel, draft: LanguageModel | None, precompile: PreCompileConfig,
-                 num_speculative_tokens: int) -> None:
+def warm_up_pair(
+    target: LanguageModel,
+    draft: LanguageModel | None,
+    precompile: PreCompileConfig,
+    num_speculative_tokens: int,
+) -> None:
     """Warm up (compiling where compiled) every standalone shape of `precompile` on the calls the engine
     makes: the target's prefill, plain step (q = 1) and verification (q = k + 1); the draft's prefill
     and its drafting: k steps from a query of 1 token or of 2 (2 tokens, last logits, and one-token

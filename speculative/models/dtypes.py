@@ -30,12 +30,14 @@ class DtypeChoice:
 def check_dtype(dtype: str | torch.dtype, name: str = "dtype") -> None:
     """ValueError naming the parameter `name` unless dtype is "auto", a known dtype name or a torch.dtype."""
     if not isinstance(dtype, torch.dtype) and dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"{name} must be 'auto', {', '.join(map(repr, DTYPES))} or a torch.dtype; got {dtype!r}")
+        raise ValueError(
+            f"{name} must be 'auto', {', '.join(map(repr, DTYPES))} or a torch.dtype; got {dtype!r}"
+        )
 
 
 def cpu_computes_natively(dtype: torch.dtype) -> bool:
-    """Whether this CPU runs `dtype` matmuls in hardware: float32 (and float64) always; bfloat16 with AVX512-BF16 or AMX
-    (and ATen's AVX-512 kernels and oneDNN's bfloat16 path enabled: ATEN_CPU_CAPABILITY and
+    """Whether this CPU runs `dtype` matmuls in hardware: float32 (and float64) always; bfloat16 with
+    AVX512-BF16 or AMX (and ATen's AVX-512 kernels and oneDNN's bfloat16 path enabled: ATEN_CPU_CAPABILITY and
     ONEDNN_MAX_CPU_ISA can turn them off); float16 with AMX-FP16."""
     if dtype in (torch.float32, torch.float64):
         return True
@@ -53,13 +55,24 @@ def cpu_features() -> str:
     """The CPU features that decide the dtype, as torch uses them, in one phrase: "AVX512 with
     AVX512-BF16", "AVX2", ..."""
     capability = torch.backends.cpu.get_cpu_capability()
-    units = [name for name, present in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
-                                        ("AMX", torch.cpu._is_amx_tile_supported())) if present]
-    return f"{capability} with {' and '.join(units)}" if units and capability in ("AVX512", "AMX") else capability
+    units = [
+        name
+        for name, present in (
+            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+            ("AMX", torch.cpu._is_amx_tile_supported()),
+        )
+        if present
+    ]
+    return (
+        f"{capability} with {' and '.join(units)}"
+        if units and capability in ("AVX512", "AMX")
+        else capability
+    )
 
 
-def resolve_dtype(requested: str | torch.dtype, checkpoint: torch.dtype | None, device: torch.device,
-                  name: str = "dtype") -> DtypeChoice:
+def resolve_dtype(
+    requested: str | torch.dtype, checkpoint: torch.dtype | None, device: torch.device, name: str = "dtype"
+) -> DtypeChoice:
     """The dtype to run in for `requested` ("auto", a name or a torch.dtype; ValueError naming `name`
     otherwise), given the checkpoint's dtype (None: it names none) and the device."""
     check_dtype(requested, name)
@@ -72,7 +85,11 @@ def resolve_dtype(requested: str | torch.dtype, checkpoint: torch.dtype | None, 
     if device.type != "cpu" or checkpoint in (torch.float32, torch.float64):
         return DtypeChoice(checkpoint, "auto: the checkpoint's dtype")
     if cpu_computes_natively(checkpoint):
-        return DtypeChoice(checkpoint, f"auto: the checkpoint's dtype, which this CPU ({cpu_features()}) "
-                                       f"computes natively")
-    return DtypeChoice(torch.float32, f"auto: the checkpoint is {stored}, but this CPU ({cpu_features()}) has "
-                                      f"no native {stored}, where float32 is faster")
+        return DtypeChoice(
+            checkpoint, f"auto: the checkpoint's dtype, which this CPU ({cpu_features()}) computes natively"
+        )
+    return DtypeChoice(
+        torch.float32,
+        f"auto: the checkpoint is {stored}, but this CPU ({cpu_features()}) has "
+        f"no native {stored}, where float32 is faster",
+    )

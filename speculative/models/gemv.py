@@ -31,7 +31,13 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.pattern_matcher import Arg, CallFunction, Match, PatternMatcherPass, register_graph_pattern
+from torch._inductor.pattern_matcher import (
+    Arg,
+    CallFunction,
+    Match,
+    PatternMatcherPass,
+    register_graph_pattern,
+)
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from speculative.models.packed import REDUCTION_MAX_ROWS, STATIC_ROWS_MAX
@@ -42,8 +48,15 @@ _PATTERNS = PatternMatcherPass(pass_name="speculative_gemv")
 
 def _one_cpu_row(x: torch.fx.Node, w: torch.fx.Node) -> bool:
     x, w = x.meta.get("val"), w.meta.get("val")
-    return (isinstance(x, Tensor) and isinstance(w, Tensor) and x.dim() == 2 and w.dim() == 2
-            and x.device.type == "cpu" and w.device.type == "cpu" and statically_known_true(x.shape[0] == 1))
+    return (
+        isinstance(x, Tensor)
+        and isinstance(w, Tensor)
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and statically_known_true(x.shape[0] == 1)
+    )
 
 
 def _gemv(x: Tensor, w: Tensor) -> Tensor:  # x [1, in], w [in, out] -> [1, out]
@@ -54,14 +67,22 @@ def _few_cpu_rows(x: torch.fx.Node, w: torch.fx.Node) -> bool:
     """x [rows, in] and w [in, out] float32 on CPU (w as stored, or converted from int8), with rows
     statically <= REDUCTION_MAX_ROWS."""
     x, w = x.meta.get("val"), w.meta.get("val")
-    return (isinstance(x, Tensor) and isinstance(w, Tensor) and x.dim() == 2 and w.dim() == 2
-            and x.device.type == "cpu" and x.dtype == w.dtype == torch.float32
-            and statically_known_true(x.shape[0] <= REDUCTION_MAX_ROWS))
+    return (
+        isinstance(x, Tensor)
+        and isinstance(w, Tensor)
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype == w.dtype == torch.float32
+        and statically_known_true(x.shape[0] <= REDUCTION_MAX_ROWS)
+    )
 
 
 def _rows(x: Tensor, w: Tensor) -> Tensor:  # x [rows, in], w [in, out] -> [rows, out]
     if statically_known_true(x.shape[0] <= STATIC_ROWS_MAX):  # static and few: a reduction per row, fused
-        return torch.stack([torch.sum(x[row, None, :] * w.t(), dim=-1) for row in range(x.shape[0])]).to(x.dtype)
+        return torch.stack([torch.sum(x[row, None, :] * w.t(), dim=-1) for row in range(x.shape[0])]).to(
+            x.dtype
+        )
     return torch.sum(x[None, :, :] * w.t()[:, None, :], dim=-1).t().contiguous().to(x.dtype)
 
 
@@ -77,7 +98,9 @@ def _replace_rows(match: Match, example, args: list[torch.fx.Node], x: torch.fx.
     for node in graph.nodes:
         if node not in before and node.target == aten.clone.default:
             node.meta["inductor_realize_to_strides"] = True
-    _replaced(x, "static_rows" if statically_known_true(x.meta["val"].shape[0] <= STATIC_ROWS_MAX) else "rows")
+    _replaced(
+        x, "static_rows" if statically_known_true(x.meta["val"].shape[0] <= STATIC_ROWS_MAX) else "rows"
+    )
 
 
 def _replaced(x: torch.fx.Node, kind: str = "gemv") -> None:

@@ -23,8 +23,9 @@ class HFKVCache(RowLengths):
     valid: [batch, slots] bool, which physical slots hold a row's context.
     """
 
-    def __init__(self, batch_size: int, max_length: int, device: torch.device,
-                 single_row_reason: str | None = None) -> None:
+    def __init__(
+        self, batch_size: int, max_length: int, device: torch.device, single_row_reason: str | None = None
+    ) -> None:
         self.past = DynamicCache()
         self.single_row_reason = single_row_reason  # why this model's cache cannot hold several rows
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
@@ -52,8 +53,12 @@ class HFKVCache(RowLengths):
             values = torch.cat([_pad_slots(mine.values, slots), _pad_slots(theirs.values, slots)])
             merged.update(keys, values, i)
         self.past = merged
-        self.valid = torch.cat([torch.cat([v, v.new_zeros(v.shape[0], slots - v.shape[1])], dim=1)
-                                for v in (self.valid, other.valid)])
+        self.valid = torch.cat(
+            [
+                torch.cat([v, v.new_zeros(v.shape[0], slots - v.shape[1])], dim=1)
+                for v in (self.valid, other.valid)
+            ]
+        )
         self._lengths = torch.cat([self._lengths, other.lengths])
         self.max_length = max(self.max_length, other.max_length)
 
@@ -71,23 +76,33 @@ class HFCausalLM:
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.config = config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.max_length = int(getattr(config, "max_position_embeddings", None)
-                              or getattr(config, "n_positions", None) or 2**31 - 1)
+        self.max_length = int(
+            getattr(config, "max_position_embeddings", None)
+            or getattr(config, "n_positions", None)
+            or 2**31 - 1
+        )
         self.device = model.device
         self.dtype = model.dtype
 
     def new_cache(self, batch_size: int, max_length: int) -> HFKVCache:
         reason = None
         if getattr(self.config, "sliding_window", None) and getattr(self.config, "use_sliding_window", True):
-            reason = (f"{self.config.model_type} uses sliding-window attention, which the transformers path "
-                      "supports one sequence at a time; pass one prompt per generate call")
+            reason = (
+                f"{self.config.model_type} uses sliding-window attention, which the transformers path "
+                "supports one sequence at a time; pass one prompt per generate call"
+            )
         if batch_size > 1 and reason is not None:
             raise ValueError(reason)
         return HFKVCache(batch_size, max_length, self.device, reason)
 
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, cache: HFKVCache, num_tokens: Tensor | None = None,
-                logits_indices: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: HFKVCache,
+        num_tokens: Tensor | None = None,
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
         batch, q = input_ids.shape
         offsets = torch.arange(q, device=input_ids.device)
         # Slots past a row's real tokens (padding, drafts past the end) get clamped positions:
@@ -96,8 +111,13 @@ class HFCausalLM:
         limit = num_tokens[:, None] if num_tokens is not None else q
         real = (offsets[None, :] < limit).expand(batch, q)  # [batch, q]
         mask = torch.cat([cache.valid, torch.ones_like(real)], dim=1).long()  # [batch, slots + q]
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache.past, use_cache=True)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache.past,
+            use_cache=True,
+        )
         cache.valid = torch.cat([cache.valid, real], dim=1)
         cache._lengths = cache.lengths + (num_tokens if num_tokens is not None else q)
         logits = out.logits.float()  # [batch, q, vocab]

@@ -118,12 +118,15 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: 
     """
     heads, kv_heads = query.shape[1], keys.shape[1]
     if not (torch.compiler.is_compiling() and query.device.type == "cpu"):
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                              enable_gqa=heads != kv_heads)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
+        )
     batch, _, q, head_dim = query.shape
     if q != 1 and statically_known_true(q <= STATIC_ROWS_MAX):  # static and few: query by query (packed.py)
-        return torch.cat([attention(query[:, :, i, None], keys, values, mask[:, :, i, None], scale)
-                          for i in range(q)], dim=2)
+        return torch.cat(
+            [attention(query[:, :, i, None], keys, values, mask[:, :, i, None], scale) for i in range(q)],
+            dim=2,
+        )
     grouped = query.float().view(batch, kv_heads, heads // kv_heads, q, 1, head_dim)
     keys, values = keys.float()[:, :, None, None], values.float()[:, :, None, None]  # [b, kv, 1, 1, span, d]
     scores = (grouped * keys).sum(-1) * scale + mask.float()[:, :, None]  # [batch, kv_heads, group, q, span]
@@ -281,10 +284,18 @@ class NativeCausalLM(nn.Module):
         self._check_not_quantized("laying the weights out again")
         silu = self.config.hidden_act == "silu"
         self._layers = [
-            _Layer(a, layer.input_layernorm, layer.post_attention_layernorm, None if silu else m.act_fn,
-                   PackedLinear([a.q_proj, a.k_proj, a.v_proj]), PackedLinear([a.o_proj]),
-                   PackedLinear([m.gate_proj, m.up_proj]), PackedLinear([m.down_proj]))
-            for layer, a, m in ((layer, layer.self_attn, layer.mlp) for layer in self.model.layers)]
+            _Layer(
+                a,
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                None if silu else m.act_fn,
+                PackedLinear([a.q_proj, a.k_proj, a.v_proj]),
+                PackedLinear([a.o_proj]),
+                PackedLinear([m.gate_proj, m.up_proj]),
+                PackedLinear([m.down_proj]),
+            )
+            for layer, a, m in ((layer, layer.self_attn, layer.mlp) for layer in self.model.layers)
+        ]
         self._lm_head = PackedLinear([self.lm_head])
         packed = [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         # only a prepacked copy can go stale: every other layout is the parameters' own storage
@@ -324,13 +335,17 @@ class NativeCausalLM(nn.Module):
 
     def packed_linears(self) -> list[PackedLinear]:
         """Every PackedLinear of the forward: each layer's q/k/v, o, gate/up and down, then the lm_head."""
-        return [*(p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                self._lm_head]
+        return [
+            *(p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+            self._lm_head,
+        ]
 
     def _check_not_quantized(self, what: str) -> None:
         if self.quantization is not None:
-            raise RuntimeError(f"this NativeCausalLM is quantized ({self.quantization}) and its float weights were "
-                               f"freed: {what} is not supported; quantize after loading and moving the model")
+            raise RuntimeError(
+                f"this NativeCausalLM is quantized ({self.quantization}) and its float weights were "
+                f"freed: {what} is not supported; quantize after loading and moving the model"
+            )
 
     def state_dict(self, *args, **kwargs):
         """The HF-named state dict (see the class docstring); a RuntimeError once quantized."""
@@ -405,9 +420,16 @@ class NativeCausalLM(nn.Module):
         """
         return self.forward_with(self.run, input_ids, cache, num_tokens, logits_indices)
 
-    def forward_with(self, run: Callable[..., Any], input_ids: Tensor, cache: StaticKVCache,
-                     num_tokens: Tensor | None = None, logits_indices: Tensor | None = None,
-                     span_multiple: int = 1, written: int | None = None) -> Any:
+    def forward_with(
+        self,
+        run: Callable[..., Any],
+        input_ids: Tensor,
+        cache: StaticKVCache,
+        num_tokens: Tensor | None = None,
+        logits_indices: Tensor | None = None,
+        span_multiple: int = 1,
+        written: int | None = None,
+    ) -> Any:
         """`forward` with `run` (this model's, or a compiled one) computing the logits; returns what
         `run` returns.
 
@@ -423,8 +445,12 @@ class NativeCausalLM(nn.Module):
         span = min(-(-span // span_multiple) * span_multiple, cache.max_length)
         self.prepare(span)
         threads, previous = self.small_call_threads, torch.get_num_threads()
-        limit = bool(threads) and previous > threads and input_ids.numel() <= SMALL_CALL_ROWS \
+        limit = (
+            bool(threads)
+            and previous > threads
+            and input_ids.numel() <= SMALL_CALL_ROWS
             and input_ids.device.type == "cpu"
+        )
         if limit:
             torch.set_num_threads(threads)
         try:
@@ -477,8 +503,13 @@ class NativeCausalLM(nn.Module):
                 allowed = attention_mask(positions, key_positions, attn.sliding_window)
                 mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
                 mask = masks[attn.sliding_window] = mask.masked_fill_(~allowed, -torch.inf)
-            out = attention(qk[:, :, :heads].transpose(1, 2), key_cache[:, :, :span], value_cache[:, :, :span],
-                            mask, attn.scaling)  # [batch, heads, q, head_dim]
+            out = attention(
+                qk[:, :, :heads].transpose(1, 2),
+                key_cache[:, :, :span],
+                value_cache[:, :, :span],
+                mask,
+                attn.scaling,
+            )  # [batch, heads, q, head_dim]
             hidden = layer.o(out.transpose(1, 2).reshape(rows, heads * head_dim), hidden)  # + residual
             gate_up = layer.gate_up(rms_norm(hidden, layer.post_norm.weight, eps))  # [rows, 2 * inner]
             gate, up = gate_up[:, : self._inner], gate_up[:, self._inner :]

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from speculative.models import llama
 from speculative.models.base import LanguageModel
@@ -28,9 +34,14 @@ class LoadedModel:
     dtype: DtypeChoice | None = None
 
 
-def load_model(model: str | PreTrainedModel | LanguageModel, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu", model_impl: ModelImpl = "auto",
-               tokenizer: PreTrainedTokenizerBase | str | None = None, dtype_name: str = "dtype") -> LoadedModel:
+def load_model(
+    model: str | PreTrainedModel | LanguageModel,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    model_impl: ModelImpl = "auto",
+    tokenizer: PreTrainedTokenizerBase | str | None = None,
+    dtype_name: str = "dtype",
+) -> LoadedModel:
     """Load `model` (hub id, local path, a transformers model, or a LanguageModel as it is).
 
     dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype (a ValueError naming `dtype_name`
@@ -45,7 +56,9 @@ def load_model(model: str | PreTrainedModel | LanguageModel, dtype: str | torch.
     device = torch.device(device)
     if isinstance(model, str):
         name = model
-        choice = resolve_dtype(dtype, _checkpoint_dtype(AutoConfig.from_pretrained(model)), device, dtype_name)
+        choice = resolve_dtype(
+            dtype, _checkpoint_dtype(AutoConfig.from_pretrained(model)), device, dtype_name
+        )
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=choice.dtype)
         if tokenizer is None:
             tokenizer = _try_tokenizer(model)
@@ -56,13 +69,17 @@ def load_model(model: str | PreTrainedModel | LanguageModel, dtype: str | torch.
     elif isinstance(model, LanguageModel):
         return LoadedModel(model, _tokenizer(tokenizer), [], type(model).__name__)
     else:
-        raise TypeError(f"model must be a hub id or path, a transformers PreTrainedModel or a "
-                        f"LanguageModel; got {type(model).__name__}")
+        raise TypeError(
+            f"model must be a hub id or path, a transformers PreTrainedModel or a "
+            f"LanguageModel; got {type(model).__name__}"
+        )
     hf = hf.to(device).eval()
     native = model_impl != "transformers" and llama.supports(hf.config)
     if model_impl == "native" and not native:
-        raise ValueError(f"model_impl='native' supports model types {sorted(llama.SUPPORTED_MODEL_TYPES)}; "
-                         f"{name} is {hf.config.model_type!r}")
+        raise ValueError(
+            f"model_impl='native' supports model types {sorted(llama.SUPPORTED_MODEL_TYPES)}; "
+            f"{name} is {hf.config.model_type!r}"
+        )
     wrapped = llama.NativeCausalLM.from_hf(hf) if native else HFCausalLM(hf)
     return LoadedModel(wrapped, _tokenizer(tokenizer), _eos_token_ids(hf, wrapped.vocab_size), name, choice)
 

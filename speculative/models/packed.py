@@ -85,7 +85,11 @@ _handles = itertools.count()
 
 
 def _should_prepack(weight: Tensor) -> bool:  # weight [out, in]
-    if weight.device.type != "cpu" or weight.dtype not in _PACKABLE or not torch.backends.mkldnn.is_available():
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in _PACKABLE
+        or not torch.backends.mkldnn.is_available()
+    ):
         return False
     return weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -118,8 +122,10 @@ class PackedLinear:
     def pack(self) -> None:
         """(Re)build the layouts from the current weights of the nn.Linears."""
         if self.quantization is not None:
-            raise RuntimeError("this PackedLinear is quantized: its float weights were freed, there is nothing "
-                               "to lay out again")
+            raise RuntimeError(
+                "this PackedLinear is quantized: its float weights were freed, there is nothing "
+                "to lay out again"
+            )
         linears = self.linears
         if len(linears) == 1:
             self.weight = linears[0].weight.detach()  # shares the parameter's storage and version counter
@@ -128,8 +134,14 @@ class PackedLinear:
             self.weight = torch.cat([linear.weight.detach() for linear in linears])  # [out, in]
             self.bias = None
             if any(linear.bias is not None for linear in linears):
-                self.bias = torch.cat([linear.bias.detach() if linear.bias is not None
-                                       else self.weight.new_zeros(linear.out_features) for linear in linears])
+                self.bias = torch.cat(
+                    [
+                        linear.bias.detach()
+                        if linear.bias is not None
+                        else self.weight.new_zeros(linear.out_features)
+                        for linear in linears
+                    ]
+                )
             offset = 0
             for linear in linears:  # the parameters become views into the fused weight
                 end = offset + linear.out_features
@@ -138,8 +150,11 @@ class PackedLinear:
                 if linear.bias is not None:
                     linear.bias = nn.Parameter(self.bias[offset:end], requires_grad=grad)
                 offset = end
-        self.prepacked = (torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous())
-                          if _should_prepack(self.weight) else None)
+        self.prepacked = (
+            torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous())
+            if _should_prepack(self.weight)
+            else None
+        )
         self.out_features = self.weight.shape[0]
         self._version = self._weights_version()
         self.handle = next(_handles)
@@ -191,9 +206,14 @@ class PackedLinear:
         """x @ W.T + bias, plus `residual` ([rows, out]) when given."""
         if self.quantization is not None:
             if torch.compiler.is_compiling():
-                if self.quantization == "int8" and x.dtype in ONE_ROW_REDUCTION_DTYPES and (
+                if (
+                    self.quantization == "int8"
+                    and x.dtype in ONE_ROW_REDUCTION_DTYPES
+                    and (
                         statically_known_true(x.shape[0] == 1)
-                        or (x.dtype != torch.bfloat16 and x.shape[0] <= REDUCTION_MAX_ROWS)):  # a guard
+                        or (x.dtype != torch.bfloat16 and x.shape[0] <= REDUCTION_MAX_ROWS)
+                    )
+                ):  # a guard
                     # left to inductor: a reduction over the int8 weight, converted in the loop (gemv.py)
                     y = F.linear(x.float(), self.qweight.float()) * self.scales.float()
                     return _linear_epilogue(y, self.bias, residual).to(x.dtype)
@@ -202,9 +222,12 @@ class PackedLinear:
         if self.prepacked is not None:
             if torch.compiler.is_compiling():
                 if statically_known_true(x.shape[0] == 1) or (  # left to inductor: a reduction (gemv.py)
-                        x.dtype == torch.float32 and (
-                            statically_known_true(x.shape[0] <= STATIC_ROWS_MAX)
-                            or (FLOAT_REDUCTION_MAX_ROWS > 1 and x.shape[0] <= FLOAT_REDUCTION_MAX_ROWS))):  # a guard
+                    x.dtype == torch.float32
+                    and (
+                        statically_known_true(x.shape[0] <= STATIC_ROWS_MAX)
+                        or (FLOAT_REDUCTION_MAX_ROWS > 1 and x.shape[0] <= FLOAT_REDUCTION_MAX_ROWS)
+                    )
+                ):  # a guard
                     return _linear(x, self.weight, self.bias, residual)
                 # an opaque op to the compiler, which calls it as it is
                 return torch.ops.speculative.prepacked_linear(x, residual, self.handle)
@@ -219,8 +242,9 @@ class PackedLinear:
         kernel is a scalar loop) W dequantized chunk by chunk into a buffer that stays in cache, and
         multiplied (_dequantized_mm)."""
         if self.quantization == "int4":
-            y = torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, self.group_size,
-                                                  self.scales_and_zeros)
+            y = torch._weight_int4pack_mm_for_cpu(
+                x.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
+            )
         elif x.dtype == torch.bfloat16 and self._int8_kernel and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
             y = torch._weight_int8pack_mm(_aligned(x), self.qweight, self.scales)
         else:

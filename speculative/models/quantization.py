@@ -86,7 +86,9 @@ def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
     """quantize_int4's output -> the float weight [out, in] (float32) the kernel computes with."""
     out_features, in_features = q.shape
     groups = scales.shape[1]
-    w = (q.float().reshape(out_features, groups, -1) - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    w = (q.float().reshape(out_features, groups, -1) - 8) * scales.float()[..., None] + zeros.float()[
+        ..., None
+    ]
     return w.reshape(out_features, in_features)
 
 
@@ -128,16 +130,22 @@ def quantize_model(model, quantization: str | None, role: str = "model", dtype_n
     if quantization is None:
         return model
     if not isinstance(model, NativeCausalLM):
-        raise ValueError(f"quantization={quantization!r} needs the native forward (model types llama, mistral, "
-                         f"qwen2, qwen3 with model_impl 'auto' or 'native'); the {role} runs on "
-                         f"{type(model).__name__}")
+        raise ValueError(
+            f"quantization={quantization!r} needs the native forward (model types llama, mistral, "
+            f"qwen2, qwen3 with model_impl 'auto' or 'native'); the {role} runs on "
+            f"{type(model).__name__}"
+        )
     if model.quantization == quantization:
         return model
     if model.device.type != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPU only (torch's weight-only int8/int4 "
-                         f"kernels used here are CPU ones); the {role} is on {model.device}")
+        raise ValueError(
+            f"quantization={quantization!r} runs on CPU only (torch's weight-only int8/int4 "
+            f"kernels used here are CPU ones); the {role} is on {model.device}"
+        )
     if quantization == "int4" and model.dtype != torch.bfloat16:
-        raise ValueError(f"quantization='int4' needs a bfloat16 {role} ({dtype_name}='bfloat16'): torch's int4 "
-                         f"CPU kernel is vectorized only for bfloat16; the {role} is {model.dtype}")
+        raise ValueError(
+            f"quantization='int4' needs a bfloat16 {role} ({dtype_name}='bfloat16'): torch's int4 "
+            f"CPU kernel is vectorized only for bfloat16; the {role} is {model.dtype}"
+        )
     model.quantize(quantization)
     return model

@@ -36,8 +36,7 @@ class Proposer(Protocol):
         tokens[b, :lengths[b]] (lengths >= 2: the prompt and at least its first generated token)."""
         ...
 
-    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
-                strategy: SampleStrategy) -> Proposal:
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         """Propose `num_tokens` tokens after each row's context."""
         ...
 

@@ -36,16 +36,19 @@ class DraftModelProposer:
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         cache = self.model.new_cache(tokens.shape[0], tokens.shape[1])
         width = int(lengths.max()) - 1  # the prefill feeds all but the last token
-        self.model.forward(tokens[:, :width], cache, num_tokens=lengths - 1,
-                           logits_indices=torch.zeros_like(lengths)[:, None])
+        self.model.forward(
+            tokens[:, :width],
+            cache,
+            num_tokens=lengths - 1,
+            logits_indices=torch.zeros_like(lengths)[:, None],
+        )
         if self.cache is None or self.cache.batch_size == 0:
             self.cache, self.behind, self.missing = cache, 0, 1
         else:  # the running rows lack their last `missing` tokens: so will these
             cache.rollback(lengths - self.missing, width + 1 - self.missing)
             self.cache.append_rows(cache)
 
-    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
-                strategy: SampleStrategy) -> Proposal:
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         fed = self.missing + self.behind
         query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))  # [B, fed]
         greedy_decode = getattr(self.model, "greedy_decode", None)

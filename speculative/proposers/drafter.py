@@ -30,8 +30,13 @@ class Drafter:
     def __init__(self, inferencer: Inferencer) -> None:
         self.inferencer = inferencer
 
-    def draft(self, query_token_ids: Tensor, kv_cache: KVCache, num_draft_tokens: int,
-              sample_strategy: SampleStrategy) -> DraftOut:
+    def draft(
+        self,
+        query_token_ids: Tensor,
+        kv_cache: KVCache,
+        num_draft_tokens: int,
+        sample_strategy: SampleStrategy,
+    ) -> DraftOut:
         """Feed query_token_ids [batch, q >= 1] (a prefill) and draft up to num_draft_tokens (> 0)
         tokens, the first from the prefill, the rest from a decode.
 
@@ -47,5 +52,6 @@ class Drafter:
         if num_draft_tokens == 1:
             return DraftOut(first.token_ids, last)
         rest = self.inferencer.decode(first.token_ids, kv_cache, num_draft_tokens - 1, sample_strategy)
-        return DraftOut(torch.cat([first.token_ids, rest.token_ids], dim=1),
-                        torch.cat([last, rest.token_logits], dim=1))
+        return DraftOut(
+            torch.cat([first.token_ids, rest.token_ids], dim=1), torch.cat([last, rest.token_logits], dim=1)
+        )

@@ -28,8 +28,7 @@ class NgramProposer:
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         pass
 
-    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int,
-                strategy: SampleStrategy) -> Proposal:
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         batch, capacity = tokens.shape
         device = tokens.device
         found = torch.full((batch,), -1, dtype=torch.long, device=device)  # [batch] continuation start

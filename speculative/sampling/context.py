@@ -72,8 +72,10 @@ class TokenContext:
     def tail(self, n: int) -> Tensor:
         """[B, q, n] int64: the last n tokens of each position's context (-1 before its start)."""
         batch, width = self.block.shape
-        extended = torch.cat([self.tokens, torch.full((batch, width), -1, dtype=self.tokens.dtype,
-                                                      device=self.tokens.device)], dim=1)
+        extended = torch.cat(
+            [self.tokens, torch.full((batch, width), -1, dtype=self.tokens.dtype, device=self.tokens.device)],
+            dim=1,
+        )
         if width:
             slots = self.lengths[:, None] + torch.arange(width, device=self.lengths.device)
             extended.scatter_(1, slots, self.block)

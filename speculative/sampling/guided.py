@@ -20,8 +20,9 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ with needs_extra("guided", "guided decoding"):
     import llguidance.hf
     import llguidance.numpy as llg_np
 
-__all__ = ["GuidedDecodingParams", "Guide", "GuideState", "allowed_for_blocks"]
+__all__ = ["Guide", "GuideState", "GuidedDecodingParams", "allowed_for_blocks"]
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDE_CACHE_SIZE = 128  # compiled guides kept per tokenizer (least recently used dropped first)
@@ -45,7 +46,8 @@ class GuidedDecodingParams:
 
     json: a JSON schema (a dict or its JSON text); the output is a JSON value valid under it. Object
         properties come out in the schema's order; compact (no free whitespace) unless the schema's
-        "x-guidance" options say otherwise. regex: the whole output matches it (Rust `regex` syntax, as llguidance reads it).
+        "x-guidance" options say otherwise. regex: the whole output matches it (Rust `regex` syntax, as
+        llguidance reads it).
     choice: the output is exactly one of these strings. grammar: a Lark grammar in llguidance's syntax
         (or GBNF, which is converted). json_object: the output is any JSON object.
     """
@@ -59,8 +61,10 @@ class GuidedDecodingParams:
     def __post_init__(self) -> None:
         chosen = self._set_fields()
         if len(chosen) != 1:
-            raise ValueError(f"exactly one of {', '.join(_KINDS)} must be set; got "
-                             f"{', '.join(chosen) if chosen else 'none'}")
+            raise ValueError(
+                f"exactly one of {', '.join(_KINDS)} must be set; got "
+                f"{', '.join(chosen) if chosen else 'none'}"
+            )
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError(f"json must be a dict or a JSON string, not {type(self.json).__name__}")
         for name in ("regex", "grammar"):
@@ -126,8 +130,8 @@ def _grammar_text(params: GuidedDecodingParams) -> str:
 # --- caches -----------------------------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_ll_tokenizers: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-_guides: "weakref.WeakKeyDictionary[Any, OrderedDict]" = weakref.WeakKeyDictionary()
+_ll_tokenizers: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+_guides: weakref.WeakKeyDictionary[Any, OrderedDict] = weakref.WeakKeyDictionary()
 _executor: llguidance.LLExecutor | None = None
 
 
@@ -175,6 +179,7 @@ def _ll_tokenizer(tokenizer, eos: tuple[int, ...] | None) -> llguidance.LLTokeni
 
 # --- guides -----------------------------------------------------------------------------------------------
 
+
 class Guide:
     """A compiled grammar for one tokenizer (cache compiled guides by (params, tokenizer id)).
 
@@ -182,8 +187,13 @@ class Guide:
     give the same Guide. A Guide is immutable and can be shared by any number of states and threads.
     """
 
-    def __init__(self, params: GuidedDecodingParams, ll_tokenizer: llguidance.LLTokenizer, grammar: str,
-                 vocab_size: int) -> None:
+    def __init__(
+        self,
+        params: GuidedDecodingParams,
+        ll_tokenizer: llguidance.LLTokenizer,
+        grammar: str,
+        vocab_size: int,
+    ) -> None:
         self.params = params
         self.vocab_size = int(vocab_size)  # width of the masks (the model's logits)
         self.tokenizer_vocab_size = int(ll_tokenizer.vocab_size)  # ids at or past it are never allowed
@@ -202,8 +212,14 @@ class Guide:
         self._eos_only_row = eos_only
 
     @classmethod
-    def compile(cls, params: GuidedDecodingParams, tokenizer, vocab_size: int, *,
-                eos_token_ids: int | Sequence[int] | None = None) -> "Guide":
+    def compile(
+        cls,
+        params: GuidedDecodingParams,
+        tokenizer,
+        vocab_size: int,
+        *,
+        eos_token_ids: int | Sequence[int] | None = None,
+    ) -> Guide:
         """Compile (or fetch from the cache) the guide for params on this tokenizer.
 
         tokenizer: a HF PreTrainedTokenizerFast. vocab_size: the model's logits width (may exceed
@@ -243,7 +259,7 @@ class Guide:
             pass
         return guide
 
-    def new_state(self) -> "GuideState":
+    def new_state(self) -> GuideState:
         """A fresh matcher at the start of the output (a copy of the compiled one: microseconds)."""
         return GuideState(self, self._template.deep_copy())
 
@@ -251,7 +267,7 @@ class Guide:
         """int32 bitmask [rows, words] -> bool [rows, vocab_size]; ids past the tokenizer's are False."""
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
         if self.vocab_size > self.tokenizer_vocab_size:
-            bits[:, self.tokenizer_vocab_size:] = 0
+            bits[:, self.tokenizer_vocab_size :] = 0
         return torch.from_numpy(bits.view(np.bool_))
 
     def __repr__(self) -> str:
@@ -295,7 +311,7 @@ class GuideState:
         eos = self.guide.eos_token_ids
         if not any(t in eos for t in drafts):
             return
-        rows = bitmask[offset: offset + len(drafts) + 1].view(np.uint32)
+        rows = bitmask[offset : offset + len(drafts) + 1].view(np.uint32)
         for j, t in enumerate(drafts):
             if not (int(rows[j, t // 32]) >> (t % 32)) & 1:
                 return  # invalid draft: later rows are never reached
@@ -357,8 +373,10 @@ class GuideState:
                 return
             if done:
                 m.rollback(done)
-            raise ValueError(f"token {tokens[done]} at position {done} of {tokens} is not allowed by the "
-                             f"{self.guide.params.kind()} constraint after {self.num_accepted} tokens")
+            raise ValueError(
+                f"token {tokens[done]} at position {done} of {tokens} is not allowed by the "
+                f"{self.guide.params.kind()} constraint after {self.num_accepted} tokens"
+            )
         self.num_accepted += done
 
     # -- status -----------------------------------------------------------------------------------------
@@ -377,8 +395,9 @@ class GuideState:
         return f"GuideState({self.guide!r}, accepted={self.num_accepted}, finished={self.finished})"
 
 
-def allowed_for_blocks(states: Sequence[GuideState],
-                       draft_token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def allowed_for_blocks(
+    states: Sequence[GuideState], draft_token_ids: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
     """`allowed_for_block` for many rows in one llguidance call (the rows' matchers run in parallel on
     the executor's threads). states[i] gets draft_token_ids[i]; returns the masks in order. All states
     must come from guides with the same vocab_size and tokenizer vocabulary (one model).
@@ -405,4 +424,4 @@ def allowed_for_blocks(states: Sequence[GuideState],
     for s, o, d in zip(states, offsets, drafts):
         s._fix_after_eos(bitmask, o, d)
     allowed = guide._unpack(bitmask)
-    return [allowed[offsets[i]:offsets[i + 1]] for i in range(len(states))]
+    return [allowed[offsets[i] : offsets[i + 1]] for i in range(len(states))]

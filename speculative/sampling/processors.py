@@ -47,8 +47,9 @@ def apply_min_tokens(logits: Tensor, context: TokenContext, min_tokens: Tensor, 
     return logits.masked_fill(banned, NEG_INF)
 
 
-def apply_penalties(logits: Tensor, context: TokenContext, presence: Tensor, frequency: Tensor,
-                    repetition: Tensor) -> Tensor:
+def apply_penalties(
+    logits: Tensor, context: TokenContext, presence: Tensor, frequency: Tensor, repetition: Tensor
+) -> Tensor:
     """vLLM's penalties, with each position's own context (drafts before it included).
 
     repetition [B]: tokens in the prompt or output: positive logits / r, negative * r.

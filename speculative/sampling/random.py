@@ -21,8 +21,9 @@ class RowRandom:
     default: the generator shared (in one batched draw) by the rows without a seed.
     """
 
-    def __init__(self, generators: Sequence[torch.Generator | None], default: torch.Generator,
-                 device: torch.device) -> None:
+    def __init__(
+        self, generators: Sequence[torch.Generator | None], default: torch.Generator, device: torch.device
+    ) -> None:
         self.generators = list(generators)
         self.default = default
         self.device = device

@@ -38,10 +38,17 @@ class SampleStrategy:
     guides: per row, a guided-decoding state (speculative.sampling.guided.GuideState) or None.
     """
 
-    def __init__(self, params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str,
-                 default_generator: torch.Generator | None = None,
-                 generators: Sequence[torch.Generator | None] | None = None, stop_ids: Tensor | None = None,
-                 bad_words: Sequence[list[list[int]]] | None = None, guides: Sequence | None = None) -> None:
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device | str,
+        default_generator: torch.Generator | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+        stop_ids: Tensor | None = None,
+        bad_words: Sequence[list[list[int]]] | None = None,
+        guides: Sequence | None = None,
+    ) -> None:
         self.params = list(params)
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -103,14 +110,25 @@ class SampleStrategy:
         self.presence = column([p.presence_penalty for p in ps])
         self.frequency = column([p.frequency_penalty for p in ps])
         self.repetition = column([p.repetition_penalty for p in ps])
-        self._use_penalties = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                                  for p in ps)
-        self._user = [(row, [(_arity(f), f) for f in p.logits_processors]) for row, p in enumerate(ps)
-                      if p.logits_processors]
+        self._use_penalties = any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in ps
+        )
+        self._user = [
+            (row, [(_arity(f), f) for f in p.logits_processors])
+            for row, p in enumerate(ps)
+            if p.logits_processors
+        ]
         self._guided = [(row, g) for row, g in enumerate(self.guides) if g is not None]
         self._failures: dict[int, Exception] = {}
-        self.needs_context = bool(self._allowed is not None or self._bad_words or self._use_min_tokens
-                                  or self._bias is not None or self._user or self._use_penalties or self._guided)
+        self.needs_context = bool(
+            self._allowed is not None
+            or self._bad_words
+            or self._use_min_tokens
+            or self._bias is not None
+            or self._user
+            or self._use_penalties
+            or self._guided
+        )
 
     @property
     def batch_size(self) -> int:
@@ -206,7 +224,7 @@ class SampleStrategy:
             drafts = drafts[: drafts.index(-1)] if -1 in drafts else drafts
             try:
                 masks[row, : len(drafts) + 1] = guide.allowed_for_block(drafts)
-            except Exception as error:  # noqa: BLE001 - this row fails alone
+            except Exception as error:
                 self._failures[row] = error
         return masks.to(self.device)
 
@@ -220,8 +238,10 @@ class SampleStrategy:
                     prompt, output = context.row_context(row, position)
                     for arity, fn in functions:
                         row_logits = logits[row, position]
-                        logits[row, position] = fn(output, row_logits) if arity == 2 else fn(prompt, output, row_logits)
-            except Exception as error:  # noqa: BLE001 - this row fails alone
+                        logits[row, position] = (
+                            fn(output, row_logits) if arity == 2 else fn(prompt, output, row_logits)
+                        )
+            except Exception as error:
                 self._failures[row] = error
         return logits
 

@@ -36,8 +36,16 @@ CLIENT_CLOSED = 499
 """The status counted for a request whose client left before its answer (nginx's convention)."""
 
 
-def create_app(scheduler: Scheduler, *, model_name: str, tokenizer, api_key: str | None,
-               max_prompt_tokens: int | None, max_model_len: int, shutdown_timeout: float = 30.0) -> FastAPI:
+def create_app(
+    scheduler: Scheduler,
+    *,
+    model_name: str,
+    tokenizer,
+    api_key: str | None,
+    max_prompt_tokens: int | None,
+    max_model_len: int,
+    shutdown_timeout: float = 30.0,
+) -> FastAPI:
     """The OpenAI-compatible app serving `scheduler`'s model as `model_name`.
 
     tokenizer: the model's (text prompts, chat templates, token texts); None accepts token ids only.
@@ -47,14 +55,16 @@ def create_app(scheduler: Scheduler, *, model_name: str, tokenizer, api_key: str
     finish within shutdown_timeout seconds. Setting `app.state.draining = True` (the CLI does on
     SIGTERM) answers 503 to new /v1 requests and to /health.
     """
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
         yield
         await scheduler.shutdown(shutdown_timeout)
 
-    app = FastAPI(title="speculative", summary="OpenAI-compatible speculative decoding server",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="speculative", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan
+    )
     app.state.draining = False
     limits = _Limits(tokenizer, max_prompt_tokens, max_model_len)
     app.add_middleware(_Gate, api_key=api_key, metrics=scheduler.metrics)
@@ -70,12 +80,23 @@ def create_app(scheduler: Scheduler, *, model_name: str, tokenizer, api_key: str
         decode = limits.decode_token
 
         def render(index: int, seq, offset: int, chunk: bool) -> dict:
-            lp = None if seq.logprobs is None else P.completion_logprobs(seq.token_ids, seq.logprobs, decode, offset)
+            lp = (
+                None
+                if seq.logprobs is None
+                else P.completion_logprobs(seq.token_ids, seq.logprobs, decode, offset)
+            )
             return P.completion_choice(index, seq.text, lp, seq.finish_reason, seq.stop_reason)
 
-        answer = _Answer(request_id, created=int(time.time()), model=model_name, object="text_completion",
-                         chunk_object="text_completion", render=render, n=params[0].n,
-                         include_usage=body.include_usage)
+        answer = _Answer(
+            request_id,
+            created=int(time.time()),
+            model=model_name,
+            object="text_completion",
+            chunk_object="text_completion",
+            render=render,
+            n=params[0].n,
+            include_usage=body.include_usage,
+        )
         return await _respond(scheduler, request, answer, prompts, params, bool(body.stream))
 
     @app.post("/v1/chat/completions")
@@ -86,20 +107,42 @@ def create_app(scheduler: Scheduler, *, model_name: str, tokenizer, api_key: str
         num_top, decode = body.top_logprobs or 0, limits.decode_token
 
         def render(index: int, seq, offset: int, chunk: bool) -> dict:
-            lp = None if seq.logprobs is None else P.chat_logprobs(seq.token_ids, seq.logprobs, num_top, decode)
+            lp = (
+                None
+                if seq.logprobs is None
+                else P.chat_logprobs(seq.token_ids, seq.logprobs, num_top, decode)
+            )
             return P.chat_choice(index, seq.text, lp, seq.finish_reason, seq.stop_reason, chunk=chunk)
 
-        answer = _Answer(f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_name,
-                         object="chat.completion", chunk_object="chat.completion.chunk", render=render,
-                         n=params.n, include_usage=body.include_usage,
-                         first_choices=[P.chat_choice(i, "", None, None, None, role=True, chunk=True)
-                                        for i in range(params.n)])
+        answer = _Answer(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=model_name,
+            object="chat.completion",
+            chunk_object="chat.completion.chunk",
+            render=render,
+            n=params.n,
+            include_usage=body.include_usage,
+            first_choices=[
+                P.chat_choice(i, "", None, None, None, role=True, chunk=True) for i in range(params.n)
+            ],
+        )
         return await _respond(scheduler, request, answer, [ids], [params], bool(body.stream))
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "speculative", "max_model_len": max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "speculative",
+                    "max_model_len": max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -116,8 +159,12 @@ def create_app(scheduler: Scheduler, *, model_name: str, tokenizer, api_key: str
 
 def _check_model(requested: str | None, served: str) -> None:
     if requested is not None and requested != served:
-        raise P.APIError(404, f"The model `{requested}` does not exist; this server serves `{served}`",
-                         param="model", code="model_not_found")
+        raise P.APIError(
+            404,
+            f"The model `{requested}` does not exist; this server serves `{served}`",
+            param="model",
+            code="model_not_found",
+        )
 
 
 @dataclass
@@ -131,7 +178,9 @@ class _Limits:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise P.APIError(400, "the model has no tokenizer: send the prompt as token ids", param="prompt")
+                raise P.APIError(
+                    400, "the model has no tokenizer: send the prompt as token ids", param="prompt"
+                )
             prompt = self.tokenizer(prompt)["input_ids"]
         if not prompt:
             raise P.APIError(400, "prompt is empty: it needs at least one token", param="prompt")
@@ -139,33 +188,52 @@ class _Limits:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
-            raise P.APIError(400, "the model's tokenizer has no chat template, so chat completions are not "
-                                  "available: use /v1/completions with a prompt", param="messages")
+            raise P.APIError(
+                400,
+                "the model's tokenizer has no chat template, so chat completions are not "
+                "available: use /v1/completions with a prompt",
+                param="messages",
+            )
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
-        except Exception as error:  # noqa: BLE001 - the template's own checks (roles must alternate, ...)
-            raise P.APIError(400, f"the chat template refused these messages: {error}", param="messages") from None
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as error:
+            raise P.APIError(
+                400, f"the chat template refused these messages: {error}", param="messages"
+            ) from None
         return self.encode(list(ids))
 
     def budget(self, ids: list[int], max_tokens: int | None, field: str) -> int:
         """The request's max_tokens, or what the context leaves when it has none; 400 past the limits."""
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            raise P.APIError(400, f"the prompt has {len(ids)} tokens, more than this server's limit of "
-                                  f"{self.max_prompt_tokens} (--max-prompt-tokens)", param="prompt",
-                             code="context_length_exceeded")
+            raise P.APIError(
+                400,
+                f"the prompt has {len(ids)} tokens, more than this server's limit of "
+                f"{self.max_prompt_tokens} (--max-prompt-tokens)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         room = self.max_model_len - len(ids)
         if max_tokens is None:
             if room < 1:
-                raise P.APIError(400, f"the prompt has {len(ids)} tokens, leaving no room in the model's "
-                                      f"context of {self.max_model_len} tokens (max_model_len)", param="prompt",
-                                 code="context_length_exceeded")
+                raise P.APIError(
+                    400,
+                    f"the prompt has {len(ids)} tokens, leaving no room in the model's "
+                    f"context of {self.max_model_len} tokens (max_model_len)",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
             return room
         if max_tokens > room:
-            raise P.APIError(400, f"the prompt ({len(ids)} tokens) plus {field} ({max_tokens}) is "
-                                  f"{len(ids) + max_tokens} tokens, more than the model's context of "
-                                  f"{self.max_model_len} (max_model_len)", param=field,
-                             code="context_length_exceeded")
+            raise P.APIError(
+                400,
+                f"the prompt ({len(ids)} tokens) plus {field} ({max_tokens}) is "
+                f"{len(ids) + max_tokens} tokens, more than the model's context of "
+                f"{self.max_model_len} (max_model_len)",
+                param=field,
+                code="context_length_exceeded",
+            )
         return max_tokens
 
     def decode_token(self, token: int) -> str:
@@ -192,17 +260,33 @@ class _Answer:
     first_choices: list[dict] = field(default_factory=list)
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        body = P.response_object(self.chunk_object, self.request_id, self.created, self.model, choices, usage,
-                                 with_usage=self.include_usage)
+        body = P.response_object(
+            self.chunk_object,
+            self.request_id,
+            self.created,
+            self.model,
+            choices,
+            usage,
+            with_usage=self.include_usage,
+        )
         return _event(body)
 
 
-async def _respond(scheduler: Scheduler, request: Request, answer: _Answer, prompts: list[list[int]],
-                   params: list[SamplingParams], stream: bool) -> Response:
+async def _respond(
+    scheduler: Scheduler,
+    request: Request,
+    answer: _Answer,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    stream: bool,
+) -> Response:
     streams = _submit(scheduler, prompts, params, answer.request_id)
     if stream:
-        return StreamingResponse(_sse(request, answer, streams, prompts), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _sse(request, answer, streams, prompts),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     collect = asyncio.ensure_future(_collect(answer, streams))
     try:  # a client that leaves before the answer frees its rows too
         while not collect.done():
@@ -212,13 +296,20 @@ async def _respond(scheduler: Scheduler, request: Request, answer: _Answer, prom
         choices, num_generated = collect.result()
     finally:
         collect.cancel()
-    body = P.response_object(answer.object, answer.request_id, answer.created, answer.model, choices,
-                             P.usage(sum(map(len, prompts)), num_generated))
+    body = P.response_object(
+        answer.object,
+        answer.request_id,
+        answer.created,
+        answer.model,
+        choices,
+        P.usage(sum(map(len, prompts)), num_generated),
+    )
     return JSONResponse(body)
 
 
-def _submit(scheduler: Scheduler, prompts: list[list[int]], params: list[SamplingParams],
-            request_id: str) -> list[RequestStream]:
+def _submit(
+    scheduler: Scheduler, prompts: list[list[int]], params: list[SamplingParams], request_id: str
+) -> list[RequestStream]:
     """One stream per prompt, or none and the scheduler's refusal as an APIError."""
     streams: list[RequestStream] = []
     try:
@@ -269,8 +360,9 @@ async def _collect(answer: _Answer, streams: list[RequestStream]) -> tuple[list[
     return [answer.render(i, c, 0, False) for i, c in sorted(choices.items())], sum(generated)
 
 
-async def _sse(request: Request, answer: _Answer, streams: list[RequestStream],
-               prompts: list[list[int]]) -> AsyncIterator[str]:
+async def _sse(
+    request: Request, answer: _Answer, streams: list[RequestStream], prompts: list[list[int]]
+) -> AsyncIterator[str]:
     """The server-sent events of a streamed request: one chunk per update (several tokens when a step
     accepted several), the usage chunk when asked, then [DONE]. Whatever ends it early (the client
     leaving cancels it) aborts the request's unfinished sequences."""
@@ -311,7 +403,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         try:
             async for update in stream:
                 queue.put_nowait((i, update))
-        except Exception as error:  # noqa: BLE001 - raised again by the reader
+        except Exception as error:
             queue.put_nowait((i, error))
         queue.put_nowait((i, None))
 
@@ -374,8 +466,11 @@ class _Gate:
         if self.expected is not None and path != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                return P.APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
-                                  code="invalid_api_key")
+                return P.APIError(
+                    401,
+                    "a valid API key is required: send `Authorization: Bearer <key>`",
+                    code="invalid_api_key",
+                )
         if path.startswith("/v1/") and scope["app"].state.draining:
             return P.APIError(503, "the server is shutting down and takes no new requests")
         return None
@@ -394,19 +489,25 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         if error.status_code == 404:
-            message = (f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
-                       f"POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics")
+            message = (
+                f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
+                f"POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics"
+            )
         elif error.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(error.detail)
-        return JSONResponse(P.APIError(error.status_code, message).body(), status_code=error.status_code,
-                            headers=error.headers)
+        return JSONResponse(
+            P.APIError(error.status_code, message).body(),
+            status_code=error.status_code,
+            headers=error.headers,
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        return JSONResponse(P.error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
-                            status_code=500)
+        return JSONResponse(
+            P.error_body(f"internal error: {type(error).__name__}: {error}", "server_error"), status_code=500
+        )
 
 
 def _validation_message(errors) -> tuple[str, str | None]:

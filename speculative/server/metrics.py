@@ -12,8 +12,25 @@ from speculative.extras import needs_extra
 with needs_extra("server", "speculative.server"):
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 _PREFIX = "speculative:"
 
 
@@ -29,26 +46,36 @@ class ServerMetrics:
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(_PREFIX + name, doc, buckets=_LATENCY_BUCKETS, registry=registry)
 
-        self.http_requests = counter("http_requests", "HTTP requests to /v1 routes by endpoint and status.",
-                                     ("endpoint", "status"))
-        self.requests_finished = counter("request_finished", "Generation requests finished, by reason.",
-                                         ("finished_reason",))
+        self.http_requests = counter(
+            "http_requests", "HTTP requests to /v1 routes by endpoint and status.", ("endpoint", "status")
+        )
+        self.requests_finished = counter(
+            "request_finished", "Generation requests finished, by reason.", ("finished_reason",)
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.running = Gauge(_PREFIX + "num_sequences_running", "Sequences in the running batch.",
-                             registry=registry)
-        self.waiting = Gauge(_PREFIX + "num_sequences_waiting", "Sequences queued for the running batch.",
-                             registry=registry)
-        self.time_to_first_token = histogram("time_to_first_token_seconds",
-                                             "From arrival to a request's first generated token.")
-        self.inter_token_latency = histogram("inter_token_latency_seconds",
-                                             "Time per generated token (a step's time / tokens it gave a sequence).")
+        self.running = Gauge(
+            _PREFIX + "num_sequences_running", "Sequences in the running batch.", registry=registry
+        )
+        self.waiting = Gauge(
+            _PREFIX + "num_sequences_waiting", "Sequences queued for the running batch.", registry=registry
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "From arrival to a request's first generated token."
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Time per generated token (a step's time / tokens it gave a sequence).",
+        )
         self.e2e_latency = histogram("e2e_request_latency_seconds", "From arrival to a request's last token.")
         self.num_drafts = counter("spec_decode_num_drafts", "Proposals that drafted at least one token.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.accepted_per_position = counter("spec_decode_num_accepted_tokens_per_pos",
-                                             "Draft tokens accepted at each draft position.", ("position",))
+        self.accepted_per_position = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position.",
+            ("position",),
+        )
 
     def request_finished(self, status: int, endpoint: str) -> None:
         """Count one HTTP request to a /v1 route by its response status."""

@@ -41,8 +41,15 @@ _INT64 = 2**63
 class APIError(Exception):
     """A request answered with OpenAI's error JSON: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _ERROR_TYPES.get(status, "invalid_request_error")
@@ -51,29 +58,39 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-                500: "server_error", 503: "service_unavailable"}
+_ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def _one_of(description: str):
     """A validator that reports a failed union as one clear error instead of one per member."""
+
     def validate(value, handler):
         try:
             return handler(value)
         except ValidationError:
             raise PydanticCustomError("invalid_type", f"must be {description}") from None
+
     return WrapValidator(validate)
 
 
 TokenIds = list[Annotated[int, Field(ge=0, lt=_INT64)]]
-Prompt = Annotated[str | TokenIds | list[str] | list[TokenIds],
-                   _one_of("a string, a list of token ids (integers >= 0), or a non-empty list of either")]
+Prompt = Annotated[
+    str | TokenIds | list[str] | list[TokenIds],
+    _one_of("a string, a list of token ids (integers >= 0), or a non-empty list of either"),
+]
 Stop = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
 
 
@@ -100,9 +117,25 @@ class ResponseFormat(_Body):
     """Required with type "json_schema"."""
 
 
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-                   "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                   "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words")
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "allowed_token_ids",
+    "bad_words",
+)
 """Request fields that are SamplingParams fields of the same name and meaning."""
 
 
@@ -139,12 +172,22 @@ class SamplingRequest(_Body):
     def _sampling_params(self, max_tokens: int, logprobs: int | None, best_of: int | None) -> SamplingParams:
         """SamplingParams of this request, or an APIError (400) naming the offending field."""
         if self.stream and best_of is not None and best_of != (self.n or 1):
-            raise APIError(400, "best_of must equal n (or be left out) when stream is true: only the "
-                                "n best sequences are returned, known at the end", param="best_of")
+            raise APIError(
+                400,
+                "best_of must equal n (or be left out) when stream is true: only the "
+                "n best sequences are returned, known at the end",
+                param="best_of",
+            )
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
-            return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, best_of=best_of,
-                                  logit_bias=self._logit_bias(), guided_decoding=self._guided_decoding())
+            return SamplingParams(
+                **given,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                best_of=best_of,
+                logit_bias=self._logit_bias(),
+                guided_decoding=self._guided_decoding(),
+            )
         except ValueError as error:
             raise invalid_request(error) from None
 
@@ -153,8 +196,11 @@ class SamplingRequest(_Body):
             return None
         bad = [key for key in self.logit_bias if not re.fullmatch(r"\d{1,18}", key)]
         if bad:
-            raise APIError(400, f"logit_bias keys must be token ids (decimal integers >= 0); got {bad[0]!r}",
-                           param="logit_bias")
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids (decimal integers >= 0); got {bad[0]!r}",
+                param="logit_bias",
+            )
         return {int(key): bias for key, bias in self.logit_bias.items()}
 
     def _guided_decoding(self) -> GuidedDecodingParams | None:
@@ -166,12 +212,18 @@ class SamplingRequest(_Body):
         try:
             from speculative.sampling.guided import GuidedDecodingParams
         except ModuleNotFoundError as error:
-            raise APIError(400, f"response_format {fmt.type!r} is not available on this server: {error}",
-                           param="response_format") from None
+            raise APIError(
+                400,
+                f"response_format {fmt.type!r} is not available on this server: {error}",
+                param="response_format",
+            ) from None
         if fmt.type == "json_schema":
             if fmt.json_schema is None:
-                raise APIError(400, 'response_format.json_schema is required when response_format.type is '
-                                    '"json_schema"', param="response_format.json_schema")
+                raise APIError(
+                    400,
+                    'response_format.json_schema is required when response_format.type is "json_schema"',
+                    param="response_format.json_schema",
+                )
             if fmt.json_schema.schema_ is not None:
                 return GuidedDecodingParams(json=fmt.json_schema.schema_)
         return GuidedDecodingParams(json_object=True)
@@ -202,7 +254,8 @@ class CompletionRequest(SamplingRequest):
         return list(prompt)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams with max_tokens resolved by the server (the request's, or what the context allows)."""
+        """SamplingParams with max_tokens resolved by the server (the request's, or what the context
+        allows)."""
         if self.echo:
             raise APIError(400, "echo is not supported by this server; leave it out or false", param="echo")
         if self.suffix:
@@ -217,13 +270,16 @@ class ContentPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[ContentPart] | None,
-                       _one_of('a string or a list of {"type": "text", "text": ...} parts')] = None
+    content: Annotated[
+        str | list[ContentPart] | None, _one_of('a string or a list of {"type": "text", "text": ...} parts')
+    ] = None
     name: str | None = None
 
     def template_input(self) -> dict[str, str]:
         """The message as chat templates take it: role and content as one string."""
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        content = (
+            self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        )
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
@@ -246,7 +302,8 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams with max_tokens resolved by the server (the request's, or what the context allows)."""
+        """SamplingParams with max_tokens resolved by the server (the request's, or what the context
+        allows)."""
         if self.tools:
             raise APIError(400, "tools are not supported by this server", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
@@ -264,13 +321,24 @@ def invalid_request(error: Exception) -> APIError:
 
 # ---- responses ----
 
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
 
 
-def response_object(object: str, request_id: str, created: int, model: str, choices: list[dict],
-                    usage: dict | None, with_usage: bool = True) -> dict:
+def response_object(
+    object: str,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict],
+    usage: dict | None,
+    with_usage: bool = True,
+) -> dict:
     """A response or streamed chunk: object is "text_completion", "chat.completion" or
     "chat.completion.chunk". Chunks carry "usage" (null but on the last) only when the request asked
     for it (stream_options.include_usage)."""
@@ -280,23 +348,44 @@ def response_object(object: str, request_id: str, created: int, model: str, choi
     return body
 
 
-def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                      stop_reason: int | str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+def completion_choice(
+    index: int, text: str, logprobs: dict | None, finish_reason: str | None, stop_reason: int | str | None
+) -> dict:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
-def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: int | str | None, *, role: bool = False, chunk: bool = False) -> dict:
+def chat_choice(
+    index: int,
+    text: str | None,
+    logprobs: dict | None,
+    finish_reason: str | None,
+    stop_reason: int | str | None,
+    *,
+    role: bool = False,
+    chunk: bool = False,
+) -> dict:
     """A chat choice: with chunk=True its `delta` holds the role (first chunk) and the new text."""
     message: dict[str, str] = {"role": "assistant"} if role or not chunk else {}
     if text is not None and (text or not chunk or role):
         message["content"] = text
-    return {"index": index, "delta" if chunk else "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return {
+        "index": index,
+        "delta" if chunk else "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], decode, text_offset: int) -> dict:
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], decode, text_offset: int
+) -> dict:
     """The completions endpoint's log-probabilities of some tokens.
 
     token_ids: the chosen tokens; logprobs: one {token id: Logprob} per token (the chosen and the top
@@ -320,10 +409,16 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
     top_logprobs being the num_top most likely tokens at each position, most likely first."""
     content = []
     for token, entries in zip(token_ids, logprobs):
-        top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= num_top),
-                     key=lambda item: item[1].rank)
-        content.append({**_chat_token(token, entries[token], entries, decode),
-                        "top_logprobs": [_chat_token(t, e, entries, decode) for t, e in top]})
+        top = sorted(
+            ((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= num_top),
+            key=lambda item: item[1].rank,
+        )
+        content.append(
+            {
+                **_chat_token(token, entries[token], entries, decode),
+                "top_logprobs": [_chat_token(t, e, entries, decode) for t, e in top],
+            }
+        )
     return {"content": content}
 
 

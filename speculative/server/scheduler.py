@@ -123,10 +123,18 @@ class Scheduler:
         QueueFull.
     """
 
-    def __init__(self, llm: LLM, *, max_num_seqs: int = 32, max_waiting: int = 128,
-                 metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        llm: LLM,
+        *,
+        max_num_seqs: int = 32,
+        max_waiting: int = 128,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         if max_num_seqs < 1 or max_waiting < 0:
-            raise ValueError(f"max_num_seqs must be >= 1 and max_waiting >= 0; got {max_num_seqs}, {max_waiting}")
+            raise ValueError(
+                f"max_num_seqs must be >= 1 and max_waiting >= 0; got {max_num_seqs}, {max_waiting}"
+            )
         self.llm = llm
         self.engine = llm.engine
         self.max_num_seqs = max_num_seqs
@@ -168,16 +176,26 @@ class Scheduler:
             raise ShuttingDown("the server is shutting down and takes no new requests")
         sequences = self.llm.make_sequences(list(prompt_token_ids), params)
         if len(sequences) > self.max_num_seqs:
-            raise ValueError(f"the request needs {len(sequences)} sequences (n / best_of), more than the "
-                             f"server's max_num_seqs={self.max_num_seqs}")
-        request = Request(request_id, next(self._numbers), sequences, asyncio.Queue(), time.perf_counter(),
-                   [_Sent(accepted_per_position=[0] * self.engine.k) for _ in sequences])
+            raise ValueError(
+                f"the request needs {len(sequences)} sequences (n / best_of), more than the "
+                f"server's max_num_seqs={self.max_num_seqs}"
+            )
+        request = Request(
+            request_id,
+            next(self._numbers),
+            sequences,
+            asyncio.Queue(),
+            time.perf_counter(),
+            [_Sent(accepted_per_position=[0] * self.engine.k) for _ in sequences],
+        )
         with self._lock:
             queued = sum(len(j.sequences) for j in self._waiting) + len(sequences)
             if queued - (self.max_num_seqs - self._num_running) > self.max_waiting:
-                raise QueueFull(f"the server is full: {self._num_running} sequences running (max_num_seqs="
-                                f"{self.max_num_seqs}) and the queue is at max_waiting={self.max_waiting}; "
-                                "retry later")
+                raise QueueFull(
+                    f"the server is full: {self._num_running} sequences running (max_num_seqs="
+                    f"{self.max_num_seqs}) and the queue is at max_waiting={self.max_waiting}; "
+                    "retry later"
+                )
             self._waiting.append(request)
         self._wake.set()
         return RequestStream(request, self)
@@ -229,7 +247,7 @@ class Scheduler:
             start = time.perf_counter()
             try:
                 self.engine.step()
-            except Exception as error:  # noqa: BLE001 - the step's requests fail; the server goes on
+            except Exception as error:
                 self._fail_all(f"{type(error).__name__}: {error}")
                 continue
             self._publish(list(self._running), time.perf_counter() - start)
@@ -254,7 +272,7 @@ class Scheduler:
         start = time.perf_counter()
         try:
             self.engine.add([r for request in requests for r in request.sequences])
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             if len(requests) == 1:
                 self._fail(requests[0], f"{type(error).__name__}: {error}")
                 return
@@ -283,9 +301,16 @@ class Scheduler:
                 self._retire(request)
                 self.metrics.e2e_latency.observe(now - request.arrival)
                 self.metrics.requests_finished.labels(finished_reason=_reason(request)).inc()
-            self._send(request, RequestUpdate(deltas, finished, len(request.sequences[0].prompt_token_ids),
-                                          sum(len(r.output_token_ids) for r in request.sequences),
-                                          _metrics(request) if finished else None))
+            self._send(
+                request,
+                RequestUpdate(
+                    deltas,
+                    finished,
+                    len(request.sequences[0].prompt_token_ids),
+                    sum(len(r.output_token_ids) for r in request.sequences),
+                    _metrics(request) if finished else None,
+                ),
+            )
 
     def _deltas(self, request: Request) -> list[SequenceDelta]:
         """Each sequence's new text and tokens. best_of > n sends the best n whole, at the end."""
@@ -293,20 +318,32 @@ class Scheduler:
         if params.sampled_sequences > params.n:
             if not all(r.finished for r in request.sequences):
                 return []
-            best = sorted(request.sequences, key=lambda r: r.cumulative_logprob or 0.0, reverse=True)[: params.n]
-            return [SequenceDelta(i, self._text(r), list(r.output_token_ids), r.logprobs, r.finish_reason,
-                                  r.stop_reason) for i, r in enumerate(best)]
+            best = sorted(request.sequences, key=lambda r: r.cumulative_logprob or 0.0, reverse=True)[
+                : params.n
+            ]
+            return [
+                SequenceDelta(
+                    i, self._text(r), list(r.output_token_ids), r.logprobs, r.finish_reason, r.stop_reason
+                )
+                for i, r in enumerate(best)
+            ]
         deltas = []
         for i, (r, sent) in enumerate(zip(request.sequences, request.sent)):
             if sent.finished:
                 continue
             text = self._text(r)
-            new_text = text[len(sent.text):] if len(text) > len(sent.text) else ""
-            new_ids = r.output_token_ids[sent.tokens:]
+            new_text = text[len(sent.text) :] if len(text) > len(sent.text) else ""
+            new_ids = r.output_token_ids[sent.tokens :]
             if not new_ids and not new_text and not r.finished:
                 continue
-            logprobs = r.logprobs[sent.tokens: sent.tokens + len(new_ids)] if r.logprobs is not None else None
-            sent.text, sent.tokens, sent.finished = sent.text + new_text, sent.tokens + len(new_ids), r.finished
+            logprobs = (
+                r.logprobs[sent.tokens : sent.tokens + len(new_ids)] if r.logprobs is not None else None
+            )
+            sent.text, sent.tokens, sent.finished = (
+                sent.text + new_text,
+                sent.tokens + len(new_ids),
+                r.finished,
+            )
             deltas.append(SequenceDelta(i, new_text, new_ids, logprobs, r.finish_reason, r.stop_reason))
         return deltas
 
@@ -340,7 +377,9 @@ class Scheduler:
             m.num_drafts.inc(drafts - sent.drafts)
             m.num_draft_tokens.inc(s.num_drafted - sent.drafted)
             m.num_accepted_tokens.inc(s.num_accepted - sent.accepted)
-            for position, (now_count, before) in enumerate(zip(s.accepted_per_position, sent.accepted_per_position)):
+            for position, (now_count, before) in enumerate(
+                zip(s.accepted_per_position, sent.accepted_per_position)
+            ):
                 if now_count > before:
                     m.accepted_per_position.labels(position=str(position)).inc(now_count - before)
             sent.drafts, sent.drafted, sent.accepted = drafts, s.num_drafted, s.num_accepted
@@ -360,7 +399,9 @@ class Scheduler:
 
     def _fail(self, request: Request, error: str) -> None:
         self._finish(request, "error")
-        self._send(request, RequestUpdate([], True, len(request.sequences[0].prompt_token_ids), 0, None, error))
+        self._send(
+            request, RequestUpdate([], True, len(request.sequences[0].prompt_token_ids), 0, None, error)
+        )
 
     def _fail_all(self, error: str) -> None:
         with self._lock:
@@ -384,8 +425,10 @@ def _reason(request: Request) -> str:
 
 
 def _metrics(request: Request) -> SpeculationMetrics:
-    total = SpeculationMetrics(drafted_per_position=[0] * len(request.sequences[0].metrics.drafted_per_position),
-                               accepted_per_position=[0] * len(request.sequences[0].metrics.accepted_per_position))
+    total = SpeculationMetrics(
+        drafted_per_position=[0] * len(request.sequences[0].metrics.drafted_per_position),
+        accepted_per_position=[0] * len(request.sequences[0].metrics.accepted_per_position),
+    )
     for r in request.sequences:
         total.merge(r.metrics)
     return total

@@ -26,8 +26,10 @@ API_KEY = "test-key"
 MODEL = "tiny"
 MAX_PROMPT_TOKENS = 128
 MAX_MODEL_LEN = 256  # the tiny model's context
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def ascii_tokenizer() -> PreTrainedTokenizerFast:
@@ -39,7 +41,9 @@ def ascii_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -54,8 +58,12 @@ def tiny_pair(**overrides):
 
 
 def speculative_llm(target, draft, tokenizer) -> LLM:
-    return LLM(target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=3),
-               tokenizer=tokenizer)
+    return LLM(
+        target,
+        draft_model=draft,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+        tokenizer=tokenizer,
+    )
 
 
 def free_port() -> int:
@@ -97,22 +105,28 @@ class Served:
     def client(self, **options) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, timeout=60, **options)
 
-    def post(self, path: str, body=None, *, content: bytes | None = None, auth: bool = True,
-             timeout: float = 60) -> httpx.Response:
+    def post(
+        self, path: str, body=None, *, content: bytes | None = None, auth: bool = True, timeout: float = 60
+    ) -> httpx.Response:
         headers = {"Authorization": f"Bearer {API_KEY}"} if auth else {}
         if content is not None:
             headers["Content-Type"] = "application/json"
         return httpx.post(self.url + path, json=body, content=content, headers=headers, timeout=timeout)
 
     def get(self, path: str, *, auth: bool = True) -> httpx.Response:
-        return httpx.get(self.url + path, headers={"Authorization": f"Bearer {API_KEY}"} if auth else {}, timeout=30)
+        return httpx.get(
+            self.url + path, headers={"Authorization": f"Bearer {API_KEY}"} if auth else {}, timeout=30
+        )
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """/metrics as {(sample name, sorted labels): value}."""
         response = self.get("/metrics")
         assert response.status_code == 200, response.text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(response.text) for s in family.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text)
+            for s in family.samples
+        }
 
     def requests_counted(self, endpoint: str, status: int) -> float:
         key = ("speculative:http_requests_total", (("endpoint", endpoint), ("status", str(status))))
@@ -129,7 +143,13 @@ class Served:
 def served() -> Iterator[Served]:
     target, draft, tokenizer = tiny_pair()
     scheduler = Scheduler(speculative_llm(target, draft, tokenizer), max_num_seqs=32, max_waiting=128)
-    app = create_app(scheduler, model_name=MODEL, tokenizer=tokenizer, api_key=API_KEY,
-                     max_prompt_tokens=MAX_PROMPT_TOKENS, max_model_len=MAX_MODEL_LEN)
+    app = create_app(
+        scheduler,
+        model_name=MODEL,
+        tokenizer=tokenizer,
+        api_key=API_KEY,
+        max_prompt_tokens=MAX_PROMPT_TOKENS,
+        max_model_len=MAX_MODEL_LEN,
+    )
     with running(app) as url:
         yield Served(url, scheduler, speculative_llm(target, draft, tokenizer), tokenizer)

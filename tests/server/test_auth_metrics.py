@@ -9,9 +9,16 @@ import pytest
 from .conftest import MODEL
 
 
-@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
-                                          ("POST", "/v1/chat/completions"), ("GET", "/metrics"),
-                                          ("GET", "/v1/no-such-route")])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/no-such-route"),
+    ],
+)
 @pytest.mark.parametrize("header", [None, "Bearer wrong-key", "test-key"])
 def test_every_route_but_health_needs_the_key(served, method, path, header) -> None:
     headers = {"Authorization": header} if header else {}
@@ -34,11 +41,13 @@ def test_metrics_parse_and_move(served) -> None:
     before = served.metrics()
     ok_before = served.requests_counted("/v1/completions", 200)
     bad_before = served.requests_counted("/v1/completions", 400)
-    served.client().completions.create(model=MODEL, prompt="def f(x):", max_tokens=10, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    served.client().completions.create(
+        model=MODEL, prompt="def f(x):", max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert served.post("/v1/completions", {"prompt": "x", "top_p": 7}).status_code == 400
-    served.wait_for(lambda: served.requests_counted("/v1/completions", 400) == bad_before + 1,
-                    what="the 400 counted")
+    served.wait_for(
+        lambda: served.requests_counted("/v1/completions", 400) == bad_before + 1, what="the 400 counted"
+    )
     assert served.requests_counted("/v1/completions", 200) == ok_before + 1
     after = served.metrics()
 

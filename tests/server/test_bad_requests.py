@@ -31,34 +31,119 @@ CASES = [  # (name, path, body (a dict, or raw bytes), status, words the message
     ("stop of numbers", COMPLETIONS, {**OK, "stop": [1]}, 400, "stop: must be a string or a list of strings"),
     ("top_p out of range", COMPLETIONS, {**OK, "top_p": 1.5}, 400, "top_p must be in (0, 1]"),
     ("temperature below 0", COMPLETIONS, {**OK, "temperature": -1}, 400, "temperature must be"),
-    ("presence_penalty out of range", CHAT, {**CHAT_OK, "presence_penalty": 3}, 400, "presence_penalty must be in [-2, 2]"),
+    (
+        "presence_penalty out of range",
+        CHAT,
+        {**CHAT_OK, "presence_penalty": 3},
+        400,
+        "presence_penalty must be in [-2, 2]",
+    ),
     ("max_tokens 0", COMPLETIONS, {**OK, "max_tokens": 0}, 400, "max_tokens must be"),
     ("n 0", COMPLETIONS, {**OK, "n": 0}, 400, "n: Input should be greater than or equal to 1"),
     ("n > 1 with greedy", COMPLETIONS, {**OK, "n": 2, "temperature": 0}, 400, "n must be 1 with greedy"),
     ("top_k 0", COMPLETIONS, {**OK, "top_k": 0}, 400, "top_k must be -1"),
     ("min_tokens over max_tokens", COMPLETIONS, {**OK, "min_tokens": 9}, 400, "min_tokens must be"),
-    ("logprobs over 20", COMPLETIONS, {**OK, "logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20"),
-    ("top_logprobs without logprobs", CHAT, {**CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    (
+        "logprobs over 20",
+        COMPLETIONS,
+        {**OK, "logprobs": 21},
+        400,
+        "logprobs: Input should be less than or equal to 20",
+    ),
+    (
+        "top_logprobs without logprobs",
+        CHAT,
+        {**CHAT_OK, "top_logprobs": 2},
+        400,
+        "top_logprobs needs logprobs",
+    ),
     ("logit_bias key not a token id", COMPLETIONS, {**OK, "logit_bias": {"a": 1}}, 400, "logit_bias keys"),
-    ("logit_bias token outside the vocabulary", COMPLETIONS, {**OK, "logit_bias": {"5000": 1}}, 400, "logit_bias"),
-    ("stop_token_ids outside the vocabulary", COMPLETIONS, {**OK, "stop_token_ids": [5000]}, 400, "stop_token_ids"),
-    ("prompt token ids outside the vocabulary", COMPLETIONS, {**OK, "prompt": [1, 5000]}, 400, "outside [0, 97)"),
+    (
+        "logit_bias token outside the vocabulary",
+        COMPLETIONS,
+        {**OK, "logit_bias": {"5000": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "stop_token_ids outside the vocabulary",
+        COMPLETIONS,
+        {**OK, "stop_token_ids": [5000]},
+        400,
+        "stop_token_ids",
+    ),
+    (
+        "prompt token ids outside the vocabulary",
+        COMPLETIONS,
+        {**OK, "prompt": [1, 5000]},
+        400,
+        "outside [0, 97)",
+    ),
     ("empty prompt", COMPLETIONS, {**OK, "prompt": ""}, 400, "prompt is empty"),
-    ("prompt over --max-prompt-tokens", COMPLETIONS, {**OK, "prompt": "x" * (MAX_PROMPT_TOKENS + 1)}, 400,
-     f"limit of {MAX_PROMPT_TOKENS} (--max-prompt-tokens)"),
-    ("prompt + max_tokens over the context", COMPLETIONS, {**OK, "max_tokens": MAX_MODEL_LEN}, 400,
-     f"more than the model's context of {MAX_MODEL_LEN}"),
-    ("best_of with stream", COMPLETIONS, {**OK, "temperature": 1, "best_of": 3, "stream": True}, 400, "best_of"),
+    (
+        "prompt over --max-prompt-tokens",
+        COMPLETIONS,
+        {**OK, "prompt": "x" * (MAX_PROMPT_TOKENS + 1)},
+        400,
+        f"limit of {MAX_PROMPT_TOKENS} (--max-prompt-tokens)",
+    ),
+    (
+        "prompt + max_tokens over the context",
+        COMPLETIONS,
+        {**OK, "max_tokens": MAX_MODEL_LEN},
+        400,
+        f"more than the model's context of {MAX_MODEL_LEN}",
+    ),
+    (
+        "best_of with stream",
+        COMPLETIONS,
+        {**OK, "temperature": 1, "best_of": 3, "stream": True},
+        400,
+        "best_of",
+    ),
     ("echo", COMPLETIONS, {**OK, "echo": True}, 400, "echo is not supported"),
     ("empty messages", CHAT, {**CHAT_OK, "messages": []}, 400, "messages: List should have at least 1 item"),
-    ("unknown role", CHAT, {**CHAT_OK, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
-    ("image content", CHAT, {**CHAT_OK, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "messages[0].content"),
-    ("unknown response_format", CHAT, {**CHAT_OK, "response_format": {"type": "xml"}}, 400, "response_format.type"),
-    ("json_schema without a schema object", CHAT, {**CHAT_OK, "response_format": {"type": "json_schema"}}, 400,
-     "response_format.json_schema is required"),
-    ("invalid JSON schema", CHAT, {**CHAT_OK, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "no-such-type"}}}}, 400, "invalid json constraint"),
+    (
+        "unknown role",
+        CHAT,
+        {**CHAT_OK, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),
+    (
+        "image content",
+        CHAT,
+        {**CHAT_OK, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "unknown response_format",
+        CHAT,
+        {**CHAT_OK, "response_format": {"type": "xml"}},
+        400,
+        "response_format.type",
+    ),
+    (
+        "json_schema without a schema object",
+        CHAT,
+        {**CHAT_OK, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format.json_schema is required",
+    ),
+    (
+        "invalid JSON schema",
+        CHAT,
+        {
+            **CHAT_OK,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "no-such-type"}},
+            },
+        },
+        400,
+        "invalid json constraint",
+    ),
     ("seed out of range", COMPLETIONS, {**OK, "seed": 2**70}, 400, "seed"),
     ("unknown model", COMPLETIONS, {**OK, "model": "gpt-9"}, 404, "gpt-9` does not exist"),
     ("unknown route", "/v1/embeddings", OK, 404, "no route POST /v1/embeddings"),
@@ -85,29 +170,85 @@ def test_wrong_method_and_still_serving(served) -> None:
         assert response.status_code == 200, response.text
 
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-          "stop", "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-          "response_format", "stream", "stream_options", "user", "echo", "best_of", "top_k", "min_p",
-          "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-          "include_stop_str_in_output", "allowed_token_ids", "bad_words", "unknown_field"]
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=8),
-                 st.lists(st.integers(-3, 120), max_size=4), st.lists(st.text(max_size=4), max_size=3),
-                 st.dictionaries(st.text(max_size=4), st.integers(-200, 200), max_size=2))
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "response_format",
+    "stream",
+    "stream_options",
+    "user",
+    "echo",
+    "best_of",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "allowed_token_ids",
+    "bad_words",
+    "unknown_field",
+]
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
+    st.text(max_size=8),
+    st.lists(st.integers(-3, 120), max_size=4),
+    st.lists(st.text(max_size=4), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(-200, 200), max_size=2),
+)
 TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=12)
 PLAUSIBLE = {
-    "model": st.just(MODEL), "prompt": st.one_of(TEXT, st.lists(st.integers(0, 96), min_size=1, max_size=6)),
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                                "content": TEXT}), min_size=1, max_size=3),
-    "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "n": st.integers(1, 3),
+    "model": st.just(MODEL),
+    "prompt": st.one_of(TEXT, st.lists(st.integers(0, 96), min_size=1, max_size=6)),
+    "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT}),
+        min_size=1,
+        max_size=3,
+    ),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.05, 1),
+    "n": st.integers(1, 3),
     "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=2)),
-    "seed": st.integers(0, 2**32), "logprobs": st.one_of(st.integers(0, 5), st.booleans()),
-    "top_logprobs": st.integers(0, 5), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "seed": st.integers(0, 2**32),
+    "logprobs": st.one_of(st.integers(0, 5), st.booleans()),
+    "top_logprobs": st.integers(0, 5),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
     "logit_bias": st.dictionaries(st.integers(0, 96).map(str), st.floats(-100, 100), max_size=2),
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
-                                        "json_schema": {"name": "n", "schema": {"type": "integer"}}}]),
-    "stream": st.booleans(), "stream_options": st.just({"include_usage": True}), "best_of": st.integers(1, 3),
-    "top_k": st.integers(-1, 200), "min_p": st.floats(0, 1), "repetition_penalty": st.floats(0.5, 2),
-    "min_tokens": st.integers(0, 4), "ignore_eos": st.booleans(), "stop_token_ids": st.lists(st.integers(0, 96)),
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+        ]
+    ),
+    "stream": st.booleans(),
+    "stream_options": st.just({"include_usage": True}),
+    "best_of": st.integers(1, 3),
+    "top_k": st.integers(-1, 200),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "min_tokens": st.integers(0, 4),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 96)),
     "allowed_token_ids": st.lists(st.integers(0, 96), min_size=1, max_size=4),
     "bad_words": st.lists(st.text(min_size=1, max_size=3), max_size=2),
 }
@@ -137,7 +278,7 @@ def test_fuzzed_requests_never_500(served, data) -> None:
     body = data.draw(bodies(path))
     response = served.post(path, content=json.dumps(body).encode(), timeout=30)  # NaN and Infinity too
     assert response.status_code < 500, (body, response.text)
-    if response.status_code != 200 or not body.get("stream") is True:
+    if response.status_code != 200 or body.get("stream") is not True:
         response.json()  # an error (or answer) in JSON
         return
     events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
@@ -148,9 +289,28 @@ def test_fuzzed_requests_never_500(served, data) -> None:
 
 def test_nulls_mean_defaults(served) -> None:
     """Clients that send null for fields they leave unset (as some SDKs do) get the defaults."""
-    nulls = dict.fromkeys(["n", "temperature", "top_p", "stop", "seed", "logprobs", "presence_penalty", "echo",
-                           "stream", "stream_options", "logit_bias", "best_of", "suffix", "user", "ignore_eos",
-                           "min_tokens", "skip_special_tokens", "response_format"])
+    nulls = dict.fromkeys(
+        [
+            "n",
+            "temperature",
+            "top_p",
+            "stop",
+            "seed",
+            "logprobs",
+            "presence_penalty",
+            "echo",
+            "stream",
+            "stream_options",
+            "logit_bias",
+            "best_of",
+            "suffix",
+            "user",
+            "ignore_eos",
+            "min_tokens",
+            "skip_special_tokens",
+            "response_format",
+        ]
+    )
     response = served.post(COMPLETIONS, {**OK, **nulls})
     assert response.status_code == 200, response.text
     response = served.post(CHAT, {**CHAT_OK, **nulls, "top_logprobs": None, "max_completion_tokens": None})
@@ -162,8 +322,14 @@ def test_chat_without_a_chat_template(served) -> None:
     scheduler, which this app never starts)."""
     tokenizer = ascii_tokenizer()
     tokenizer.chat_template = None
-    app = create_app(served.scheduler, model_name=MODEL, tokenizer=tokenizer, api_key=None, max_prompt_tokens=None,
-                     max_model_len=MAX_MODEL_LEN)
+    app = create_app(
+        served.scheduler,
+        model_name=MODEL,
+        tokenizer=tokenizer,
+        api_key=None,
+        max_prompt_tokens=None,
+        max_model_len=MAX_MODEL_LEN,
+    )
     response = TestClient(app).post(CHAT, json=CHAT_OK)
     assert response.status_code == 400
     assert "no chat template" in response.json()["error"]["message"]

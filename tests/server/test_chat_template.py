@@ -21,8 +21,9 @@ def serve_app(*flags: str):
 
 def chat(url: str, model: str, max_tokens: int = 8):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    return client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=max_tokens,
-                                          temperature=0)
+    return client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=max_tokens, temperature=0
+    )
 
 
 def test_chat_on_the_demo_server_with_no_flags() -> None:
@@ -39,8 +40,10 @@ def test_chat_on_the_demo_server_with_no_flags() -> None:
 @pytest.mark.parametrize("from_file", [False, True], ids=["template", "file"])
 def test_chat_template_flag(model_dirs, tmp_path, from_file) -> None:
     marker = "file" if from_file else "flag"  # which template rendered the prompt
-    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                "{% if add_generation_prompt %}<" + marker + ">{% endif %}")
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<" + marker + ">{% endif %}"
+    )
     if from_file:
         (tmp_path / "chat.jinja").write_text(template)
     flag = str(tmp_path / "chat.jinja") if from_file else template

@@ -39,9 +39,29 @@ def cli_server(model_paths):
     """`speculative serve` with the key from SPECULATIVE_API_KEY; yields (base URL, process)."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "speculative.cli", "serve", "--model", model_paths[0], "--draft-model",
-         model_paths[1], "-k", "3", "--port", str(port), "--served-model-name", "tiny", "--shutdown-timeout", "20"],
-        env={**os.environ, "SPECULATIVE_API_KEY": KEY}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "speculative.cli",
+            "serve",
+            "--model",
+            model_paths[0],
+            "--draft-model",
+            model_paths[1],
+            "-k",
+            "3",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--shutdown-timeout",
+            "20",
+        ],
+        env={**os.environ, "SPECULATIVE_API_KEY": KEY},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -62,14 +82,30 @@ def cli_server(model_paths):
 
 def test_openai_client_against_speculative_serve(cli_server, model_paths) -> None:
     url, _ = cli_server
-    offline = LLM(model_paths[0], draft_model=model_paths[1], speculative_config=SpeculativeConfig(num_speculative_tokens=3))
+    offline = LLM(
+        model_paths[0],
+        draft_model=model_paths[1],
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
-    text = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=16, temperature=0).choices[0].text
-    assert text == offline.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    text = (
+        client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=16, temperature=0)
+        .choices[0]
+        .text
+    )
+    assert (
+        text
+        == offline.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+    )
     messages = [{"role": "user", "content": "hello"}]
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
-                                                 stream=True))
-    ids = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True
+        )
+    )
+    ids = offline.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     expected = offline.generate(ids, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert httpx.get(url + "/v1/models").status_code == 401  # the key came from SPECULATIVE_API_KEY
@@ -100,10 +136,18 @@ def test_sigterm_lets_the_running_stream_finish(cli_server) -> None:
     first_event = threading.Event()
 
     def read_stream() -> None:
-        body = {"model": "tiny", "prompt": "x", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                          timeout=60) as response:
+        body = {
+            "model": "tiny",
+            "prompt": "x",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+        ) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])

@@ -11,7 +11,10 @@ from speculative import SamplingParams
 from .conftest import MODEL
 
 PROMPT = "def add(a, b):"
-MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Add two numbers."}]
+MESSAGES = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "Add two numbers."},
+]
 
 
 def offline(served, prompt, **params):
@@ -20,8 +23,9 @@ def offline(served, prompt, **params):
 
 
 def chat_prompt_ids(served, messages) -> list[int]:
-    return served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
+    return served.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_completion_greedy_equals_generate(served) -> None:
@@ -30,16 +34,25 @@ def test_completion_greedy_equals_generate(served) -> None:
     choice = response.choices[0]
     assert choice.text == expected.outputs[0].text
     assert choice.finish_reason == expected.outputs[0].finish_reason
-    assert response.object == "text_completion" and response.model == MODEL and response.id.startswith("cmpl-")
+    assert (
+        response.object == "text_completion" and response.model == MODEL and response.id.startswith("cmpl-")
+    )
     assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
 
 
 def test_completion_stream_several_tokens_per_event(served) -> None:
-    stream = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
-                                                logprobs=1, stream=True, stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True})
+    stream = served.client().completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=40,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     expected = offline(served, PROMPT, temperature=0, max_tokens=40, ignore_eos=True, logprobs=1).outputs[0]
     text_chunks = [c for c in chunks if c.choices]
@@ -51,22 +64,28 @@ def test_completion_stream_several_tokens_per_event(served) -> None:
     assert max(tokens_per_event) > 1, "a speculative step that accepts drafts sends several tokens at once"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
     streamed = [lp for c in text_chunks for lp in c.choices[0].logprobs.token_logprobs]
-    assert all(math.isclose(a, expected.logprobs[i][t].logprob, abs_tol=1e-4)
-               for i, (a, t) in enumerate(zip(streamed, expected.token_ids)))
+    assert all(
+        math.isclose(a, expected.logprobs[i][t].logprob, abs_tol=1e-4)
+        for i, (a, t) in enumerate(zip(streamed, expected.token_ids))
+    )
 
 
 def test_chat_greedy_equals_generate(served) -> None:
     client = served.client()
-    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=20,
-                                              temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=20, temperature=0
+    )
     expected = offline(served, chat_prompt_ids(served, MESSAGES), temperature=0, max_tokens=20).outputs[0]
     assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
     assert response.choices[0].message.role == "assistant"
     assert response.choices[0].message.content == expected.text
     assert response.usage.completion_tokens == len(expected.token_ids)
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
@@ -74,8 +93,9 @@ def test_chat_greedy_equals_generate(served) -> None:
 
 
 def test_chat_logprobs(served) -> None:
-    response = served.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6,
-                                                       temperature=0, logprobs=True, top_logprobs=3)
+    response = served.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = response.choices[0].logprobs.content
     assert "".join(t.token for t in content) == response.choices[0].message.content
     for entry in content:
@@ -87,8 +107,9 @@ def test_chat_logprobs(served) -> None:
 
 
 def test_completion_logprobs_format(served) -> None:
-    response = served.client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
-                                                  logprobs=2)
+    response = served.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2
+    )
     lp = response.choices[0].logprobs
     assert "".join(lp.tokens) == response.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
@@ -103,29 +124,54 @@ def test_token_id_prompt_and_batch_of_prompts(served) -> None:
     assert single.choices[0].text == offline(served, ids, temperature=0, max_tokens=8).outputs[0].text
     batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1]
-    assert [c.text for c in batch.choices] == [offline(served, p, temperature=0, max_tokens=8).outputs[0].text
-                                               for p in prompts]
+    assert [c.text for c in batch.choices] == [
+        offline(served, p, temperature=0, max_tokens=8).outputs[0].text for p in prompts
+    ]
 
 
 def test_seeded_sampling_n_and_stop(served) -> None:
     client = served.client()
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.95,
-                                         n=2, seed=7, extra_body={"top_k": 20})
+    response = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.9,
+        top_p=0.95,
+        n=2,
+        seed=7,
+        extra_body={"top_k": 20},
+    )
     expected = offline(served, PROMPT, temperature=0.9, top_p=0.95, top_k=20, n=2, seed=7, max_tokens=12)
     assert [c.text for c in response.choices] == [o.text for o in expected.outputs]
     stop = expected.outputs[0].text[3:5]
-    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.95,
-                                        seed=7, stop=[stop], extra_body={"top_k": 20})
+    stopped = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.9,
+        top_p=0.95,
+        seed=7,
+        stop=[stop],
+        extra_body={"top_k": 20},
+    )
     assert stopped.choices[0].finish_reason == "stop"
-    assert stopped.choices[0].text == expected.outputs[0].text[:expected.outputs[0].text.index(stop)]
+    assert stopped.choices[0].text == expected.outputs[0].text[: expected.outputs[0].text.index(stop)]
 
 
 def test_json_schema_response_format(served) -> None:
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
     response = served.client().chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=30, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "color", "schema": schema}})
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=30,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "color", "schema": schema}},
+    )
     assert json.loads(response.choices[0].message.content)["color"] in ("red", "green")
     assert response.choices[0].finish_reason == "stop"
 
