@@ -109,6 +109,25 @@ class StaticKVCache(RowLengths):
         if max_length is not None:
             self.host_max_length = max_length
 
+    def keep_path(self, start: Tensor, path: Tensor) -> None:
+        """Keep one path of a tree forward (NativeCausalLM.forward_tree) as if it had been fed as a chain.
+
+        start: [batch] int64, the lengths before the tree forward (its node i sits at slot start + i);
+        path: [batch, n] int64 node indices, increasing, -1 after a row's last kept node (n <= the
+        tree's M). Row b's K/V at slots start_b + path[b, j] are copied to slots start_b + j in every
+        layer (gathered first, then written), and the row's length becomes start_b + its number of
+        kept nodes: no rollback is needed after. A path that starts with the root (node 0) keeps the
+        root's K/V, which a verification must (the root is the last context token).
+        """
+        offsets = torch.arange(path.shape[1], device=path.device)
+        destination = start[:, None] + offsets  # [batch, n]
+        kept = path >= 0
+        source = torch.where(kept, start[:, None] + path, destination)  # not kept: copied onto itself
+        rows = torch.arange(path.shape[0], device=path.device)[:, None]
+        for buffer in (*self.keys, *self.values):  # [batch, kv_heads, max_length, head_dim]
+            buffer[rows, :, destination] = buffer[rows, :, source]  # [batch, n, kv_heads, head_dim]
+        self._lengths.copy_(start + kept.sum(1))
+
     def append_rows(self, other: StaticKVCache) -> None:
         """Concatenate `other`'s rows; the shorter buffers are padded to the longer max_length."""
         self.max_length = max(self.max_length, other.max_length)

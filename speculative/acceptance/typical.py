@@ -15,6 +15,17 @@ from ._checks import check_sampler_inputs
 from .greedy import assemble_output, count_accepted
 
 
+def typical_threshold(
+    target_probs: torch.Tensor,  # [..., V]
+    posterior_threshold: float,
+    posterior_alpha: float,
+) -> torch.Tensor:  # [...]
+    """The probability a draft drawn after each distribution must exceed to be accepted:
+    ``min(posterior_threshold, posterior_alpha * exp(-H))``, H the entropy (see TypicalAcceptanceSampler)."""
+    entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(dim=-1)  # [...]
+    return torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
+
+
 def typical_accept(
     target_with_bonus_probs: torch.Tensor,  # [B, k+1, V]
     bonus_token_ids: torch.Tensor,  # [B, 1] int64
@@ -28,8 +39,7 @@ def typical_accept(
     target_probs = target_with_bonus_probs[:, :k]  # [B, k, V]
     valid = draft_token_ids >= 0  # [B, k]
     q_x = target_probs.gather(-1, draft_token_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # [B, k]
-    entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(dim=-1)  # [B, k]
-    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # [B, k]
+    threshold = typical_threshold(target_probs, posterior_threshold, posterior_alpha)  # [B, k]
     num_accepted = count_accepted(valid & (q_x > threshold))  # [B, 1]
     recovered = target_probs.max(dim=-1).indices  # [B, k], the first argmax
     candidates = torch.cat([recovered, bonus_token_ids.to(torch.int64)], dim=1)  # [B, k+1]

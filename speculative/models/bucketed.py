@@ -74,6 +74,15 @@ class BucketedModel:
 
     __call__ = forward
 
+    def forward_tree(self, input_ids: Tensor, cache: KVCache, parents: Tensor) -> Tensor:
+        """The wrapped model's `forward_tree` (a tree is never a prefill, never padded); a
+        NotImplementedError if it has none."""
+        forward_tree = getattr(self.model, "forward_tree", None)
+        if forward_tree is None:
+            raise NotImplementedError(f"{type(self.model).__name__} has no tree forward")
+        self._fresh.discard(cache)
+        return forward_tree(input_ids, cache, parents)
+
     @property
     def greedy_decode(self):
         """The wrapped model's `greedy_decode` (decoding is never padded), None if it has none."""

@@ -169,6 +169,12 @@ class CompiledCausalLM:
 
     __call__ = forward
 
+    def forward_tree(self, input_ids: Tensor, cache: StaticKVCache, parents: Tensor) -> Tensor:
+        """NativeCausalLM.forward_tree, eager: no graph is compiled for trees (the compiled graphs
+        and their shapes stay those of chains); the weights are the model's, so the result is the
+        same."""
+        return self.model.forward_tree(input_ids, cache, parents)
+
     def greedy_decode(self, input_ids: Tensor, cache: StaticKVCache, steps: int) -> tuple[Tensor, Tensor]:
         """`steps` greedy decoding steps in one compiled call: input_ids [batch, q >= 1] fed first, then
         each step's argmax. Returns the tokens [batch, steps] and the float32 logits [batch, steps,

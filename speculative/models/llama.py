@@ -37,6 +37,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from speculative.kv_cache import StaticKVCache
 from speculative.models.packed import STATIC_ROWS_MAX, PackedLinear
+from speculative.tree import tree_ancestors, tree_attention_mask
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # NativeCausalLM.quantize's default: quantize the lm_head too (see the README's Quantization section).
@@ -420,6 +421,43 @@ class NativeCausalLM(nn.Module):
         """
         return self.forward_with(self.run, input_ids, cache, num_tokens, logits_indices)
 
+    @torch.no_grad()
+    def forward_tree(
+        self,
+        input_ids: Tensor,  # [batch, M] the nodes' tokens; a padding node's (-1) is fed as 0
+        cache: StaticKVCache,
+        parents: Tensor,  # [batch, M] int64, the trees (models/tree.py's convention)
+    ) -> Tensor:  # [batch, M, vocab] float32
+        """A tree verification: every node's logits, which predict the token after the path from the
+        root (node 0, the row's last context token) to that node.
+
+        With row b's cache holding L_b tokens, node i's K/V go to cache slot L_b + i, at RoPE position
+        L_b + depth[i], and node i attends to the context [0, L_b) and to the slots of its
+        ancestors-or-self (a padding node to itself only: its logits are garbage). The cache's lengths
+        then advance by M, as after a chain of M tokens: `cache.keep_path(start, path)`, with start
+        the lengths before this call, keeps one root-to-node path as if it had been fed as a chain.
+        A chain tree (parents [-1, 0, ..., M - 2]) gives forward's logits and cache.
+        Raises ValueError if the cache has no room for M more tokens. Runs eagerly (also under
+        CompiledCausalLM); the plain forward's ops and compiled graphs are those without trees.
+        """
+        if parents.shape != input_ids.shape:
+            raise ValueError(f"parents {tuple(parents.shape)} and input_ids {tuple(input_ids.shape)} differ")
+        ancestors = tree_ancestors(parents)
+        depths = ancestors.sum(-1) - 1  # tree_depths
+
+        def run(
+            input_ids: Tensor,
+            slots: Tensor,
+            keys: list[Tensor],
+            values: list[Tensor],
+            key_positions: Tensor,
+            logits_indices: None,
+        ) -> Tensor:
+            positions = slots[:, :1] + depths
+            return self.run(input_ids, positions, keys, values, key_positions, None, slots, ancestors)
+
+        return self.forward_with(run, input_ids.clamp(min=0), cache)
+
     def forward_with(
         self,
         run: Callable[..., Any],
@@ -471,12 +509,18 @@ class NativeCausalLM(nn.Module):
         values: list[Tensor],  # per layer, the same
         key_positions: Tensor,  # [span] = arange(span): attention reads cache positions [0, span)
         logits_indices: Tensor | None = None,  # [batch, n] int64
+        slots: Tensor | None = None,  # [batch, q] int64, where the K/V are written; default positions
+        ancestors: Tensor | None = None,  # [batch, q, q] bool, a tree's (models/tree.py)
     ) -> Tensor:  # [batch, n, vocab] float32
         """The forward as a function of tensors: what torch.compile compiles.
 
         Writes the K/V of the tokens at `positions` and attends over keys [0, span), masking every
         key after a query's own position (and outside the sliding window, where there is one).
         span must exceed every row's last position; `prepare(span)` must have run.
+
+        A tree (forward_tree): `positions` are the nodes' RoPE positions (L_b + depth), their K/V go
+        to `slots` (L_b + arange(q)), and the mask is tree_attention_mask's (context and
+        ancestors-or-self). Without them (every compiled call), the ops are those of a chain alone.
         """
         batch, q = input_ids.shape
         rows, heads, kv_heads, head_dim = batch * q, self._num_heads, self._num_kv_heads, self._head_dim
@@ -496,11 +540,17 @@ class NativeCausalLM(nn.Module):
                 qk = rms_norm(qk, torch.cat(norms), eps)  # [batch, q, heads + kv_heads, head_dim]
             qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # RoPE of queries and keys at once
             # index_put_ (not scatter_): inductor then writes into the cache in place, not into a copy
-            key_cache[batch_index, :, positions] = qk[:, :, heads:]  # [batch, q, kv_heads, head_dim]
-            value_cache[batch_index, :, positions] = qkv[:, :, heads + kv_heads :]
+            write = positions if slots is None else slots
+            key_cache[batch_index, :, write] = qk[:, :, heads:]  # [batch, q, kv_heads, head_dim]
+            value_cache[batch_index, :, write] = qkv[:, :, heads + kv_heads :]
             mask = masks.get(attn.sliding_window)
             if mask is None:
-                allowed = attention_mask(positions, key_positions, attn.sliding_window)
+                if ancestors is None:
+                    allowed = attention_mask(positions, key_positions, attn.sliding_window)
+                else:
+                    allowed = tree_attention_mask(
+                        positions, slots, ancestors, key_positions, attn.sliding_window
+                    )
                 mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
                 mask = masks[attn.sliding_window] = mask.masked_fill_(~allowed, -torch.inf)
             out = attention(

@@ -1,0 +1,84 @@
+"""Token trees for tree verification: the convention, their depths and ancestors, their attention mask.
+
+A batch of trees is `parents` [batch, M] int64, M nodes per row. Node 0 is the root: the last
+context token (the token a chain verification feeds first). Nodes 1 .. M-1 are draft tokens: a real
+node i has its parent `parents[b, i]` in [0, i) (so a root-to-leaf path has increasing indices); a
+padding node has parent -1 (rows with fewer nodes pad at their end; their tokens are fed clamped to
+0). `parents[b, 0]` is -1. depth[0] = 0 and depth[i] = depth[parents[i]] + 1; a padding node has depth
+0. A chain of k drafts is parents = [-1, 0, 1, ..., k - 1].
+
+A tree forward (NativeCausalLM.forward_tree) writes node i's K/V at cache slot L_b + i, with L_b the
+row's cached length, at RoPE position L_b + depth[i]; node i attends to the context [0, L_b) and to the
+slots of its ancestors-or-self (a padding node to itself only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_tree(parents: Tensor) -> None:
+    """Raise a ValueError unless `parents` [batch, M] int64 follows the convention of the module
+    docstring (a device sync: call it on host-side trees, or once in tests)."""
+    if parents.dim() != 2 or parents.shape[1] < 1:
+        raise ValueError(f"parents must be [batch, M >= 1]; got shape {tuple(parents.shape)}")
+    if parents.dtype != torch.int64:
+        raise ValueError(f"parents must be int64; got {parents.dtype}")
+    m = parents.shape[1]
+    index = torch.arange(m, device=parents.device)
+    if not bool((parents[:, 0] == -1).all()):
+        raise ValueError("parents[:, 0] must be -1 (node 0 is the root)")
+    if not bool(((parents >= -1) & (parents < index)).all()):
+        raise ValueError("every parents[b, i] must be -1 (padding) or a node index in [0, i)")
+    real = (parents >= 0) | (index == 0)  # [batch, M]
+    parent_real = real.gather(1, parents.clamp(min=0))
+    if not bool((parent_real | ~real).all()):
+        raise ValueError("a real node's parent must be a real node, not a padding node")
+
+
+def tree_ancestors(parents: Tensor) -> Tensor:
+    """[batch, M, M] bool: [b, i, j] iff node j is node i or one of its ancestors in row b's tree (a
+    padding node: itself only). Vectorised: the reflexive parent relation squared ceil(log2(M)) times."""
+    batch, m = parents.shape
+    eye = torch.eye(m, dtype=torch.float32, device=parents.device).expand(batch, m, m)
+    # [b, i, parents[b, i]] = 1 for real non-root nodes
+    step = torch.zeros(batch, m, m + 1, dtype=torch.float32, device=parents.device)
+    step.scatter_(2, torch.where(parents >= 0, parents, m)[..., None], 1.0)
+    relation = eye + step[..., :m]  # reach within one step
+    reach = 1
+    while reach < m - 1:  # paths of up to `reach` steps -> up to 2 * reach
+        relation = (relation @ relation).clamp_(max=1.0)
+        reach *= 2
+    return relation > 0
+
+
+def tree_depths(parents: Tensor, ancestors: Tensor | None = None) -> Tensor:
+    """[batch, M] int64: each node's depth (the root's 0, a padding node's 0). `ancestors`, if given, is
+    tree_ancestors(parents), not computed again."""
+    ancestors = tree_ancestors(parents) if ancestors is None else ancestors
+    return ancestors.sum(-1) - 1
+
+
+def tree_attention_mask(
+    positions: Tensor, slots: Tensor, ancestors: Tensor, keys: Tensor, window: int | None
+) -> Tensor:
+    """Boolean mask [batch, 1, M, span] of a tree forward: key slot j is visible to node i of row b iff
+    j < L_b (the context; L_b = slots[b, 0]) or j = L_b + a for an ancestor-or-self a of i, and, with
+    a sliding window W, positions[b, i] minus the key's position (j in the context, L_b + depth[a] in
+    the tree) is below W.
+
+    positions: [batch, M] the nodes' RoPE positions (L_b + depth); slots: [batch, M] = L_b + arange(M),
+    where their K/V are written; ancestors: tree_ancestors; keys: [span] = arange(span).
+    """
+    m = slots.shape[1]
+    start = slots[:, :1]  # [batch, 1]: L_b
+    offset = keys - start  # [batch, span]: key j's node index, where in [0, M)
+    in_tree = (offset >= 0) & (offset < m)
+    node = offset.clamp(0, m - 1)  # [batch, span]
+    visible = ancestors.gather(2, node[:, None, :].expand(-1, m, -1)) & in_tree[:, None]  # [batch, M, span]
+    visible |= (offset < 0)[:, None]  # the context
+    if window is not None:
+        key_position = torch.where(in_tree, positions.gather(1, node), keys)  # [batch, span]
+        visible &= positions[:, :, None] - key_position[:, None, :] < window
+    return visible[:, None]
