@@ -89,14 +89,17 @@ class Batch:
             guides=[s.guide for s in sequences],
         )
 
-    def context(self, block: Tensor | None = None) -> TokenContext | None:
+    def context(self, block: Tensor | None = None, parents: Tensor | None = None) -> TokenContext | None:
         """The TokenContext of a forward whose positions are separated by `block` [B, q - 1] (None:
-        one position, after the context). None when no row's processing depends on its context."""
+        one position, after the context), a chain, or a token tree's nodes with `parents` [B, q] (see
+        TokenContext). None when no row's processing depends on its context."""
         if not self.strategy.needs_context:
             return None
         if block is None:
             block = self.tokens.new_empty((len(self.sequences), 0))
-        return TokenContext(self.tokens, self.lengths, self.prompt_lengths, block, self.strategy.vocab_size)
+        return TokenContext(
+            self.tokens, self.lengths, self.prompt_lengths, block, self.strategy.vocab_size, parents
+        )
 
     def append(self, other: Batch) -> None:
         """Add `other`'s rows (same k, vocabulary and device) after these; caches are the caller's."""

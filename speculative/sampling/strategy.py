@@ -215,7 +215,13 @@ class SampleStrategy:
         return self.sample(self.probs(logits[:, None], context)[:, 0])
 
     def _guide_masks(self, context: TokenContext) -> Tensor:
-        """[B, q, V] bool: each guided row's grammar mask at each position (all True elsewhere)."""
+        """[B, q, V] bool: each guided row's grammar mask at each position (all True elsewhere).
+
+        For a tree context, the mask at each real node is the grammar's after that node's path: one
+        `allowed_for_block` call per leaf, its rows scattered to the root and the path's nodes (a node
+        on several leaves' paths gets the same row from each: it depends on its own path only)."""
+        if context.parents is not None:
+            return self._tree_guide_masks(context)
         q = context.num_positions
         masks = torch.ones(self.batch_size, q, self.vocab_size, dtype=torch.bool)
         block = context.block.tolist()
@@ -228,13 +234,31 @@ class SampleStrategy:
                 self._failures[row] = error
         return masks.to(self.device)
 
+    def _tree_guide_masks(self, context: TokenContext) -> Tensor:
+        """_guide_masks of a tree context (padding nodes all True)."""
+        masks = torch.ones(self.batch_size, context.num_positions, self.vocab_size, dtype=torch.bool)
+        block = context.block.tolist()
+        for row, guide in self._guided:
+            try:
+                for leaf in context.leaves(row):
+                    nodes = context.path_nodes(row, leaf)
+                    masks[row, [0, *nodes]] = guide.allowed_for_block([block[row][i - 1] for i in nodes])
+            except Exception as error:
+                self._failures[row] = error
+        return masks.to(self.device)
+
     def _apply_user(self, logits: Tensor, context: TokenContext) -> Tensor:
+        """The rows' user logits processors, called at each used position with its own context (for a
+        tree: at each real node, with its path's context; padding nodes are left as they are)."""
         logits = logits.clone()
         block = context.block.tolist()
         for row, functions in self._user:
-            usable = block[row].index(-1) + 1 if -1 in block[row] else context.num_positions
+            if context.parents is not None:
+                used = context.real_nodes(row)
+            else:  # positions after a missing draft are never used
+                used = range(block[row].index(-1) + 1 if -1 in block[row] else context.num_positions)
             try:
-                for position in range(usable):  # positions after a missing draft are never used
+                for position in used:
                     prompt, output = context.row_context(row, position)
                     for arity, fn in functions:
                         row_logits = logits[row, position]
