@@ -1,11 +1,19 @@
 """Acceptance rules for speculative decoding: greedy, lossless rejection sampling,
 and typical acceptance (not lossless), each an AcceptanceRule (`verify`) over a pure
 tensor function. Token-id outputs are int64 [B, k+1]: accepted drafts, one more token,
-then -1 padding."""
+then -1 padding. Over token trees (`verify_tree`; speculative.acceptance.tree) the same
+layout at width M, with the accepted path's node indices beside it."""
 
 from .base import AcceptanceRule
 from .greedy import GreedyAcceptance, greedy_accept
 from .rejection import RejectionSampler, rejection_sample
+from .tree import (
+    assemble_tree_output,
+    path_from_mask,
+    tree_greedy_accept,
+    tree_rejection_sample,
+    tree_typical_accept,
+)
 from .typical import TypicalAcceptanceSampler, typical_accept
 
 __all__ = [
@@ -13,7 +21,12 @@ __all__ = [
     "GreedyAcceptance",
     "RejectionSampler",
     "TypicalAcceptanceSampler",
+    "assemble_tree_output",
     "greedy_accept",
+    "path_from_mask",
     "rejection_sample",
+    "tree_greedy_accept",
+    "tree_rejection_sample",
+    "tree_typical_accept",
     "typical_accept",
 ]

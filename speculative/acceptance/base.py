@@ -8,6 +8,10 @@ SampleStrategy (every processor of each row's SamplingParams, each position with
 and draws its randomness from the strategy's per-row generators, so a seeded row's output does not
 depend on its neighbours. The tensor algorithms themselves are pure functions beside each rule
 (`greedy_accept`, `rejection_sample`, `typical_accept`), with their randomness passed in.
+
+`verify_tree` does the same over a token tree (speculative.tree): the rule keeps one root-to-node path
+and adds one token of the target's own after it (`tree_greedy_accept`, `tree_rejection_sample`,
+`tree_typical_accept` in speculative.acceptance.tree).
 """
 
 from __future__ import annotations
@@ -44,5 +48,31 @@ class AcceptanceRule(Protocol):
         strategy: the batch's sampling (processors, temperatures, per-row generators).
         context: the positions' contexts for context-dependent processors (None when none is used).
         Returns int64 [B, k + 1]: accepted drafts, one more token, then -1.
+        """
+        ...
+
+    def verify_tree(
+        self,
+        logits: Tensor,
+        tokens: Tensor,
+        parents: Tensor,
+        draft_probs: Tensor | None,
+        strategy: SampleStrategy,
+        context: TokenContext | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The kept path of each row's token tree (speculative.tree's convention).
+
+        logits: [B, M, V] the target's raw logits at each node (node i's: the token after the path
+            root .. i).
+        tokens: [B, M] int64 the nodes' tokens (tokens[:, 0] the root's: the last context token; -1 at
+            padding nodes).
+        parents: [B, M] int64 each node's parent, -1 for the root and padding nodes.
+        draft_probs: [B, M, V] row i the distribution node i's token was drawn from (given its path and
+            its earlier siblings; row 0 unused), or None for deterministic drafts (one-hot at each token).
+        strategy: the batch's sampling (processors, temperatures, per-row generators).
+        context: the nodes' contexts for context-dependent processors (None when none is used), passed to
+            the strategy unchanged.
+        Returns (emitted, path), each int64 [B, M]: the accepted drafts' tokens in path order, one more
+        token, then -1; and the accepted path's node indices from the root (0), then -1.
         """
         ...

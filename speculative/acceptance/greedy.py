@@ -8,6 +8,8 @@ import torch
 from speculative.sampling import SampleStrategy
 from speculative.sampling.context import TokenContext
 
+from .tree import tree_greedy_accept
+
 
 def count_accepted(accepted: torch.Tensor) -> torch.Tensor:  # [B, k] bool -> [B, 1] int64
     """Length of the all-True prefix of each row (acceptance stops at the first rejection)."""
@@ -73,3 +75,19 @@ class GreedyAcceptance:
                 "GreedyAcceptance needs temperature 0 in every row; RejectionSampler samples exactly"
             )
         return greedy_accept(strategy.argmax(logits, context), draft_token_ids)
+
+    def verify_tree(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        strategy: SampleStrategy,
+        context: TokenContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, M], [B, M]
+        """See AcceptanceRule.verify_tree: `tree_greedy_accept` on the processed argmax at each node."""
+        if not strategy.all_greedy:
+            raise ValueError(
+                "GreedyAcceptance needs temperature 0 in every row; RejectionSampler samples exactly"
+            )
+        return tree_greedy_accept(strategy.argmax(logits, context), tokens, parents)

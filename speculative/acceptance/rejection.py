@@ -25,6 +25,7 @@ from speculative.sampling.context import TokenContext
 
 from ._checks import check_sampler_inputs
 from .greedy import assemble_output, count_accepted, greedy_accept
+from .tree import tree_greedy_accept, tree_rejection_sample
 
 # Smallest Exp(1) sample we allow: keeps residual / noise finite.
 _MIN_NOISE = 1e-10
@@ -125,6 +126,27 @@ class RejectionSampler(torch.nn.Module):
             strategy.random.uniform(k),
             strategy.random.exponential(vocab),
         )
+
+    def verify_tree(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        strategy: SampleStrategy,
+        context: TokenContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, M], [B, M]
+        """AcceptanceRule.verify_tree: `tree_rejection_sample` with each node's processed distribution.
+        A greedy batch is the temperature-0 case, `tree_greedy_accept` on the processed argmax.
+        Otherwise the uniforms [B, M] and then the noise [B, V] are drawn from each row's own
+        generator."""
+        if strategy.all_greedy:
+            return tree_greedy_accept(strategy.argmax(logits, context), tokens, parents)
+        m, vocab = tokens.shape[1], logits.shape[-1]
+        target_probs = strategy.probs(logits, context)  # [B, M, V]
+        uniforms = strategy.random.uniform(m)
+        noise = strategy.random.exponential(vocab)
+        return tree_rejection_sample(target_probs, draft_probs, tokens, parents, uniforms, noise)
 
     def forward(
         self,

@@ -13,6 +13,7 @@ from speculative.sampling.context import TokenContext
 
 from ._checks import check_sampler_inputs
 from .greedy import assemble_output, count_accepted
+from .tree import tree_typical_accept
 
 
 def typical_threshold(
@@ -109,3 +110,22 @@ class TypicalAcceptanceSampler(torch.nn.Module):
         target_probs = strategy.probs(logits, context)  # [B, k + 1, V]
         bonus = strategy.sample(target_probs[:, -1])[:, None]  # [B, 1]
         return self.forward(target_probs, bonus, draft_probs, draft_token_ids)
+
+    def verify_tree(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        strategy: SampleStrategy,
+        context: TokenContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, M], [B, M]
+        """AcceptanceRule.verify_tree: `tree_typical_accept` with each node's processed distribution
+        (draft_probs unused); a bonus is drawn at every node, by exponential race with noise [B, M, V]
+        from the row's own generator (as `verify` draws its one bonus)."""
+        target_probs = strategy.probs(logits, context)  # [B, M, V]
+        noise = strategy.random.exponential(*target_probs.shape[1:])  # [B, M, V]
+        bonus = (target_probs / noise).max(dim=-1).indices  # [B, M]
+        return tree_typical_accept(
+            target_probs, tokens, parents, bonus, self.posterior_threshold, self.posterior_alpha
+        )
