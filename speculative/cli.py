@@ -68,6 +68,15 @@ def _engine_flags() -> argparse.ArgumentParser:
         help="choose k per step in [0, -k] from measured acceptance and step times",
     )
     flags.add_argument(
+        "--tree",
+        choices=["static", "dynamic"],
+        help="verify a token tree of depth -k per step: dynamic (follows the draft's confidence) or static",
+    )
+    flags.add_argument(
+        "--tree-width", type=int, default=4, help="a draft tree's children per expanded node (4)"
+    )
+    flags.add_argument("--tree-nodes", type=int, default=16, help="drafts per tree (16)")
+    flags.add_argument(
         "--acceptance",
         choices=["rejection", "typical"],
         default="rejection",
@@ -270,6 +279,8 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
     """A completion's figures: tokens, steps and finish; the time to its first token (the prefill) and
     the decoding speed after it; with a drafter, the acceptance."""
     method = f"{config.method}, k={config.num_speculative_tokens}" if config else "autoregressive"
+    if config and config.tree:
+        method += f", {config.tree} tree of {config.tree_nodes}"
     decoding = f"decoding {m.decode_tokens_per_second:.1f} tokens/s"
     speed = f"time to first token {1000 * m.first_token_s:.1f} ms, {decoding}"
     lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, finish: {finish_reason}", speed]
@@ -433,6 +444,9 @@ def _speculative_config(args: argparse.Namespace, draft: str | None) -> Speculat
         adaptive=args.adaptive,
         num_speculative_tokens=args.num_speculative_tokens,
         acceptance=args.acceptance,
+        tree=args.tree,
+        tree_width=args.tree_width,
+        tree_nodes=args.tree_nodes,
     )
 
 

@@ -27,6 +27,12 @@ class SpeculativeConfig:
     adaptive: choose k per step in [0, num_speculative_tokens] from the measured acceptance and
         step times (`speculative.engine.draft_length`); 0 switches speculation off where it does not
         pay. The output stays exact, but a seeded sampled request's text then depends on timing.
+    tree: None (a chain of k drafts), or a token tree of depth <= k verified in one forward:
+        "dynamic" (the draft model's tree follows its confidence, as EAGLE-2's) or "static" (a fixed
+        topology); for "ngram" either one merges every match's continuation into a trie. Trees need
+        the native forward (model types llama, mistral, qwen2, qwen3) and exclude `adaptive`.
+    tree_width: a draft-model tree's candidates per expanded node and nodes expanded per depth. [1, 16].
+    tree_nodes: drafts per tree. [1, 128].
     """
 
     method: Literal["draft_model", "ngram"] = "draft_model"
@@ -37,6 +43,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     adaptive: bool = False
+    tree: Literal["static", "dynamic"] | None = None
+    tree_width: int = 4
+    tree_nodes: int = 16
 
     def __post_init__(self) -> None:
         _check(self.method in ("draft_model", "ngram"), "method", self.method, '"draft_model" or "ngram"')
@@ -73,6 +82,20 @@ class SpeculativeConfig:
             f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})",
         )
         _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
+        _check(self.tree in (None, "static", "dynamic"), "tree", self.tree, 'None, "static" or "dynamic"')
+        _check(not (self.tree and self.adaptive), "adaptive", self.adaptive, "False with a tree")
+        _check(
+            is_int(self.tree_width) and 1 <= self.tree_width <= 16,
+            "tree_width",
+            self.tree_width,
+            "an integer in [1, 16]",
+        )
+        _check(
+            is_int(self.tree_nodes) and 1 <= self.tree_nodes <= 128,
+            "tree_nodes",
+            self.tree_nodes,
+            "an integer in [1, 128]",
+        )
 
 
 _check = functools.partial(check, owner="SpeculativeConfig")

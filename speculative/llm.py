@@ -22,7 +22,7 @@ from speculative.models.dtypes import check_dtype
 from speculative.models.loading import ModelImpl, load_model
 from speculative.models.quantization import check_quantization, quantize_model
 from speculative.precompile import PreCompileConfig
-from speculative.proposers import DraftModelProposer, NgramProposer
+from speculative.proposers import DraftModelProposer, DraftTreeProposer, NgramProposer
 from speculative.sampling_params import SamplingParams
 
 
@@ -109,11 +109,15 @@ class LLM:
             )
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
-            proposer = DraftModelProposer(self.draft.model)
+            proposer = _draft_proposer(self.draft.model, speculative_config)
         elif method == "ngram":
             proposer = NgramProposer(
-                speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max
+                speculative_config.prompt_lookup_min,
+                speculative_config.prompt_lookup_max,
+                speculative_config.tree_nodes if speculative_config.tree else None,
             )
+        if speculative_config is not None and speculative_config.tree:
+            _check_tree_forward(self.target.model)
         rule = RejectionSampler()
         if speculative_config is not None and speculative_config.acceptance == "typical":
             rule = TypicalAcceptanceSampler(
@@ -132,6 +136,7 @@ class LLM:
             rule,
             self.detokenize if self.tokenizer is not None else None,
             adaptive=bool(speculative_config and speculative_config.adaptive),
+            room=_room(speculative_config),
         )
         context = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
         self.inputs = InputProcessor(
@@ -254,6 +259,31 @@ class LLM:
             ids,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+
+
+def _draft_proposer(model: LanguageModel, config: SpeculativeConfig) -> DraftModelProposer:
+    """The draft model's proposer: a chain of k tokens, or the config's tree."""
+    if config.tree is None:
+        return DraftModelProposer(model)
+    _check_tree_forward(model, "draft model")
+    return DraftTreeProposer(model, config.tree, config.tree_width, config.tree_nodes)
+
+
+def _room(config: SpeculativeConfig | None) -> int | None:
+    """The cache room a step needs beyond the context: a tree's nodes, or the most a draft feeds
+    while growing one (its root and `tree_width` nodes at each depth but the last); None: k."""
+    if config is None or config.tree is None:
+        return None
+    return max(config.tree_nodes, config.tree_width * config.num_speculative_tokens)
+
+
+def _check_tree_forward(model: LanguageModel, which: str = "model") -> None:
+    """Trees need a forward that takes them (the native one); a ValueError naming `tree` otherwise."""
+    if getattr(model, "forward_tree", None) is None:
+        raise ValueError(
+            f"SpeculativeConfig.tree needs the native forward for the {which} (model types llama, mistral, "
+            f"qwen2, qwen3; model_impl 'native' or 'auto'); {type(model).__name__} verifies chains only"
         )
 
 

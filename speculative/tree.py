@@ -61,24 +61,26 @@ def tree_depths(parents: Tensor, ancestors: Tensor | None = None) -> Tensor:
 
 
 def tree_attention_mask(
-    positions: Tensor, slots: Tensor, ancestors: Tensor, keys: Tensor, window: int | None
+    query_ancestors: Tensor, node_positions: Tensor, start: Tensor, keys: Tensor, window: int | None
 ) -> Tensor:
-    """Boolean mask [batch, 1, M, span] of a tree forward: key slot j is visible to node i of row b iff
-    j < L_b (the context; L_b = slots[b, 0]) or j = L_b + a for an ancestor-or-self a of i, and, with
-    a sliding window W, positions[b, i] minus the key's position (j in the context, L_b + depth[a] in
-    the tree) is below W.
+    """Boolean mask [batch, 1, q, span] of a tree forward whose queries are the tree's last q nodes:
+    key slot j is visible to query node i of row b iff j < S_b (the context; S_b = start[b], the
+    slot of the root) or j = S_b + a for an ancestor-or-self a of i, and, with a sliding window W,
+    i's position minus the key's position (j in the context, node_positions[b, a] in the tree) is
+    below W.
 
-    positions: [batch, M] the nodes' RoPE positions (L_b + depth); slots: [batch, M] = L_b + arange(M),
-    where their K/V are written; ancestors: tree_ancestors; keys: [span] = arange(span).
+    query_ancestors: [batch, q, M] the query nodes' rows of tree_ancestors; node_positions: [batch,
+    M] every node's RoPE position (S_b + depth); start: [batch, 1]; keys: [span] = arange(span).
     """
-    m = slots.shape[1]
-    start = slots[:, :1]  # [batch, 1]: L_b
+    m = node_positions.shape[1]
     offset = keys - start  # [batch, span]: key j's node index, where in [0, M)
     in_tree = (offset >= 0) & (offset < m)
     node = offset.clamp(0, m - 1)  # [batch, span]
-    visible = ancestors.gather(2, node[:, None, :].expand(-1, m, -1)) & in_tree[:, None]  # [batch, M, span]
-    visible |= (offset < 0)[:, None]  # the context
+    q = query_ancestors.shape[1]
+    visible = query_ancestors.gather(2, node[:, None, :].expand(-1, q, -1)) & in_tree[:, None]
+    visible |= (offset < 0)[:, None]  # the context; [batch, q, span]
     if window is not None:
-        key_position = torch.where(in_tree, positions.gather(1, node), keys)  # [batch, span]
-        visible &= positions[:, :, None] - key_position[:, None, :] < window
+        key_position = torch.where(in_tree, node_positions.gather(1, node), keys)  # [batch, span]
+        query_position = node_positions[:, m - q :]  # [batch, q]
+        visible &= query_position[:, :, None] - key_position[:, None, :] < window
     return visible[:, None]

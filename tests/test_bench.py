@@ -34,6 +34,8 @@ METHODS = {
     "ours_ngram",
     "ours_draft_adaptive",
     "ours_ngram_adaptive",
+    "ours_draft_tree",
+    "ours_ngram_tree",
 } | SKIPPED
 PLOTS = ("tokens_per_s.png", "acceptance_by_position.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 
@@ -142,6 +144,7 @@ def run_quick(out: Path, *model_args: str) -> dict:
             if name.startswith("ours"):
                 assert entry["identical_fraction"] == 1.0, (name, entry)
         assert len(methods["ours_draft"]["acceptance_per_position"]) == 4
+        assert methods["ours_draft_tree"]["tree"] == "dynamic" and methods["ours_draft"]["tree"] is None
     for sweeps in results["sweeps"]["k"].values():
         for points in sweeps.values():
             assert [p["k"] for p in points] == [1, 4]

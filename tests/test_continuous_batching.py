@@ -15,13 +15,19 @@ SETUPS = {
     "draft, transformers": dict(model_impl="transformers", method="draft_model"),
     "ngram, native": dict(model_impl="native", method="ngram"),
     "autoregressive, native": dict(model_impl="native", method=None),
+    "draft tree, native": dict(model_impl="native", method="draft_model", tree="dynamic"),
+    "ngram trie, native": dict(model_impl="native", method="ngram", tree="static"),
 }
 
 
-def _llm(model_impl: str, method: str | None) -> LLM:
+def _llm(model_impl: str, method: str | None, tree: str | None = None) -> LLM:
     target = tiny_model("llama", num_layers=2)
     draft = noisy_copy(target, 0.03) if method == "draft_model" else None
-    config = SpeculativeConfig(method=method, num_speculative_tokens=3) if method else None
+    config = (
+        SpeculativeConfig(method=method, num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6)
+        if method
+        else None
+    )
     return LLM(target, draft_model=draft, speculative_config=config, model_impl=model_impl, seed=0)
 
 

@@ -14,11 +14,13 @@ from conftest import tiny_model
 from scipy.stats import chi2
 
 import speculative.acceptance.rejection as rejection_module
+import speculative.acceptance.tree as tree_module
 from speculative import LLM, SamplingParams, SpeculativeConfig
 
 VOCAB = 8
 LENGTH = 3
 SAMPLES = 20_000
+TREE_SAMPLES = 6_000  # a tree step costs more; the broken rule still fails far below 1e-6 with these
 
 
 def exact_probs(model, prompt: list[int], temperature: float, top_k: int) -> np.ndarray:
@@ -150,3 +152,24 @@ def test_acceptance_is_exercised(pair) -> None:
     )
     rate = sum(o.metrics.num_accepted for o in outputs) / sum(o.metrics.num_drafted for o in outputs)
     assert 0.2 < rate < 0.9, rate
+
+
+def tree_llm(pair) -> LLM:
+    """The draft's dynamic trees, 2 deep, 2 candidates per node, 4 drafts: siblings everywhere."""
+    target, draft = pair
+    config = SpeculativeConfig(num_speculative_tokens=2, tree="dynamic", tree_width=2, tree_nodes=4)
+    return LLM(target, draft_model=draft, speculative_config=config, seed=11)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_tree_speculation_matches_target(pair, monkeypatch, broken) -> None:
+    """Sibling by sibling rejection over trees: exact; without the residual update between siblings
+    (a rejected sibling's probability left in q), the same test fails."""
+    if broken:
+        monkeypatch.setattr(tree_module, "_residual", lambda q, p: q)
+    target, _ = pair
+    prompt = [2, 3, 4, 5]
+    params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
+    samples = sample(tree_llm(pair), [prompt] * TREE_SAMPLES, [params] * TREE_SAMPLES)
+    p_value = chi2.sf(*chi_square(samples, exact_probs(target, prompt, 1.0, -1)))
+    assert p_value < 1e-6 if broken else p_value > 1e-3

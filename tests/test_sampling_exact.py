@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import byte_tokenizer, noisy_copy, tiny_model
 from scipy.stats import chi2
-from test_distribution import LENGTH, SAMPLES, VOCAB, chi_square
+from test_distribution import LENGTH, SAMPLES, TREE_SAMPLES, VOCAB, chi_square
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.engine.batch import Batch
@@ -96,13 +96,15 @@ FILTERS = SamplingParams(
 )
 
 
-def run(pair, params: SamplingParams, seed: int) -> float:
+def run(pair, params: SamplingParams, seed: int, tree: bool = False) -> float:
+    """The chi-square p-value of SAMPLES continuations (TREE_SAMPLES over the draft's dynamic trees)."""
     target, draft = pair
     prompt = [2, 3, 2, 5]
-    llm = LLM(
-        target, draft_model=draft, speculative_config=SpeculativeConfig(num_speculative_tokens=2), seed=seed
-    )
-    outputs = llm.generate([prompt] * SAMPLES, params)
+    config = SpeculativeConfig(num_speculative_tokens=2)
+    if tree:
+        config = SpeculativeConfig(num_speculative_tokens=2, tree="dynamic", tree_width=2, tree_nodes=4)
+    llm = LLM(target, draft_model=draft, speculative_config=config, seed=seed)
+    outputs = llm.generate([prompt] * (TREE_SAMPLES if tree else SAMPLES), params)
     stat, dof = chi_square([o.outputs[0].token_ids for o in outputs], exact_probs(target, prompt, params))
     return chi2.sf(stat, dof)
 
@@ -110,6 +112,11 @@ def run(pair, params: SamplingParams, seed: int) -> float:
 @pytest.mark.parametrize("params", [PENALTIES, FILTERS], ids=["penalties+min_p", "top_k+top_p+bias+allowed"])
 def test_processors_keep_sampling_exact(pair, params) -> None:
     assert run(pair, params, seed=21) > 1e-3
+
+
+def test_processors_over_trees_keep_sampling_exact(pair) -> None:
+    """Each node's penalties and min_p see its own path (TokenContext over a tree)."""
+    assert run(pair, PENALTIES, seed=21, tree=True) > 1e-3
 
 
 def test_processors_without_the_draft_prefix_fail(pair, monkeypatch) -> None:
@@ -138,13 +145,13 @@ def test_greedy_with_penalties_equals_plain_decoding() -> None:
     assert [o.outputs[0].token_ids for o in unpenalized] != [o.outputs[0].token_ids for o in plain]
 
 
-def test_logprobs_equal_plain_decoding() -> None:
+@pytest.mark.parametrize("tree", [None, "static"])
+def test_logprobs_equal_plain_decoding(tree) -> None:
     target = tiny_model("llama")
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=3, prompt_logprobs=2)
     plain = LLM(target).generate([[5, 6, 7, 8]], params)[0]
-    spec = LLM(
-        target, draft_model=target, speculative_config=SpeculativeConfig(num_speculative_tokens=4)
-    ).generate([[5, 6, 7, 8]], params)[0]
+    config = SpeculativeConfig(num_speculative_tokens=4, tree=tree, tree_width=2, tree_nodes=8)
+    spec = LLM(target, draft_model=target, speculative_config=config).generate([[5, 6, 7, 8]], params)[0]
     assert spec.metrics.num_accepted > 0
     a, b = spec.outputs[0], plain.outputs[0]
     assert a.token_ids == b.token_ids and len(a.logprobs) == 24

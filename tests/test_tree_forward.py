@@ -137,6 +137,30 @@ def test_compiled_tree_is_the_eager_one_and_hf_has_none() -> None:
     cache = compiled.new_cache(2, 40)
     compiled.model(context, cache, num_tokens=torch.tensor(CONTEXT))
     assert torch.equal(compiled.forward_tree(nodes, cache, PARENTS), expected)
-    hf = HFCausalLM(tiny_model("llama", vocab_size=96))
-    with pytest.raises(NotImplementedError, match="tree"):
-        hf.forward_tree(nodes, hf.new_cache(2, 40), PARENTS)
+    assert getattr(HFCausalLM(tiny_model("llama", vocab_size=96)), "forward_tree", None) is None
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral_window"])
+def test_a_tree_grown_a_level_at_a_time_is_the_tree_fed_at_once(name: str) -> None:
+    """A drafter's growth: the root, then each level's nodes given the nodes already cached."""
+    model = native(name)
+    context, nodes = ids(2, 9), ids(2, 7, seed=5)
+    nodes[0, 6] = -1
+    whole = model.forward_tree(nodes, prefilled(model, context, CONTEXT), PARENTS)
+    cache = prefilled(model, context, CONTEXT)
+    # levels by node index: {0}, then 1..3 / 1 and 4, then the rest
+    parts = [model.forward_tree(nodes[:, :1], cache, PARENTS[:, :1])]
+    for end in (4, 7):
+        begin = sum(part.shape[1] for part in parts)
+        parts.append(model.forward_tree(nodes[:, begin:end], cache, PARENTS[:, :end]))
+    grown = torch.cat(parts, dim=1)
+    real = (PARENTS >= 0) | (torch.arange(7) == 0)
+    torch.testing.assert_close(grown[real], whole[real], rtol=TOL, atol=TOL)
+    assert cache.lengths.tolist() == [length + 7 for length in CONTEXT]
+
+
+def test_forward_tree_refuses_a_query_longer_than_its_tree() -> None:
+    model = native("llama")
+    cache = prefilled(model, ids(2, 9), CONTEXT)
+    with pytest.raises(ValueError, match="q <= M"):
+        model.forward_tree(ids(2, 3), cache, PARENTS[:, :2])

@@ -42,12 +42,13 @@ class CallTimes:
         )
 
 
-def run_step_times(calls: list[CallTimes], k: int) -> dict[str, float | None]:
-    """Mean T_1 (target, 1 token), T_v (target, k + 1 tokens) and T_d (per drafted token) over the
-    recorded calls of a method's runs; None where no such call was recorded.
+def run_step_times(calls: list[CallTimes], k: int, tree: bool = False) -> dict[str, float | None]:
+    """Mean T_1 (target, 1 token), T_v (target, k + 1 tokens; a tree method's: every verification,
+    whatever its tree's size) and T_d (per drafted token, a tree's depth counting as its drafts) over
+    the recorded calls of a method's runs; None where no such call was recorded.
     Means, not medians: the bound is to hold the time the runs spent in these calls."""
     t_1 = [s for c in calls for q, s in c.target if q == 1]
-    t_v = [s for c in calls for q, s in c.target if q == k + 1] if k else []
+    t_v = [s for c in calls for q, s in c.target if (q > 1 if tree else q == k + 1)] if k else []
     drafting = [d for c in calls for d in c.drafting]
     drafted = sum(n for n, _ in drafting)
     return {

@@ -107,7 +107,8 @@ def engine_timings(runs: list[list[Generation]], tokens: list[int]) -> dict:
 def run_times(method: Method, runs: list[list[Generation]], baseline_runs: list[list[Generation]]) -> dict:
     """The step times of the bound as a method's runs paid them (clock.py): T_v and T_d from its own
     runs, T_1 from its engine's plain decoding's runs."""
-    own = run_step_times([g.calls for repeats in runs for g in repeats if g.calls is not None], method.k)
+    calls = [g.calls for repeats in runs for g in repeats if g.calls is not None]
+    own = run_step_times(calls, method.k, tree=getattr(method, "tree", None) is not None)
     plain = run_step_times([g.calls for repeats in baseline_runs for g in repeats if g.calls is not None], 0)
     return {**own, "T_1": plain["T_1"]}
 
@@ -144,6 +145,7 @@ def compare_methods(
             "drafter": method.drafter,
             "k": method.k,
             "adaptive": getattr(method, "adaptive", False),
+            "tree": getattr(method, "tree", None),
             "status": "ok",
             "tokens": sum(tokens),
             "seconds_median": statistics.median(seconds[method.name]),

@@ -65,10 +65,12 @@ class Method:
 @dataclass
 class OursMethod(Method):
     """Our engine through the public API: `LLM.generate` with greedy SamplingParams. adaptive: the LLM
-    chooses k per step (up to `k`)."""
+    chooses k per step (up to `k`); tree: the shape of its token trees ("static" or "dynamic", k
+    deep), None for chains."""
 
     llm: LLM | None = None
     adaptive: bool = False
+    tree: str | None = None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -164,10 +164,18 @@ class Pair:
                 config.k,
             )
 
-    def ours(self, drafter: str | None, k: int, compiled: bool = False, adaptive: bool = False) -> OursMethod:
+    def ours(
+        self,
+        drafter: str | None,
+        k: int,
+        compiled: bool = False,
+        adaptive: bool = False,
+        tree: str | None = None,
+    ) -> OursMethod:
         """Our engine on the shared models: plain decoding (drafter None), draft model or n-gram; with
         `compiled`, on the compiled models (engine "ours_compiled"); with `adaptive`, k chosen per step
-        in [0, k] (SpeculativeConfig.adaptive)."""
+        in [0, k] (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep and of
+        SpeculativeConfig's default width and size."""
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
         if drafter is None:
@@ -180,7 +188,7 @@ class Pair:
         llm = LLM(
             target,
             draft_model=draft if drafter == "draft_model" else None,
-            speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive),
+            speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive, tree=tree),
             device=self.device,
             seed=self.config.seed,
             tokenizer=self.tokenizer,
@@ -188,6 +196,9 @@ class Pair:
         short = {"draft_model": "draft", "ngram": "ngram"}[drafter]
         if adaptive:
             suffix, label = f"_adaptive{suffix}", f"{label}, adaptive"
+        if tree:
+            nodes = SpeculativeConfig().tree_nodes
+            suffix, label = f"_tree{suffix}", f"{label}, {tree} tree of {nodes}"
         return OursMethod(
             f"ours_{short}{suffix}",
             f"ours {short} k{'<=' if adaptive else '='}{k}{label}",
@@ -196,6 +207,7 @@ class Pair:
             k,
             llm=llm,
             adaptive=adaptive,
+            tree=tree,
         )
 
     def hf(self, drafter: str | None, k: int) -> HFMethod:
@@ -267,6 +279,10 @@ NOTES = [
     "which the bound, at T_v(k) for every step, does not count: its efficiency can exceed 1.",
     "Adaptive methods choose k per step in [0, k] from the acceptance and step times they measure "
     "(SpeculativeConfig.adaptive); with no single k they have no bound.",
+    "Tree methods verify a token tree of depth k in one forward (SpeculativeConfig.tree). Their bound "
+    "takes the measured tokens per step (a the per-depth acceptance giving it), T_v over their own tree "
+    "verifications whatever their size, and T_d per depth of drafting: E * T_1 / (k * T_d + T_v), what a "
+    "perfect engine would reach with the same trees at the same call times.",
 ]
 
 LLAMA_CPP_NOTE = (
@@ -281,6 +297,11 @@ LLAMA_CPP_NOTE = (
 )
 
 
+# The tree each drafter's tree method grows: the draft model's follows its confidence; an n-gram trie
+# has no scores (either shape merges every match).
+TREES = {"draft_model": "dynamic", "ngram": "static"}
+
+
 def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[str, dict]]:
     """The methods of the side-by-side table, and those skipped (with why). llama.cpp's servers are
     started here and registered on `servers`, which stops them."""
@@ -288,9 +309,11 @@ def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[st
     methods: list[Method] = [pair.hf(None, 0)] + [pair.hf(d, config.k) for d in drafters]
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in drafters]
+    methods += [pair.ours(d, config.k, tree=TREES[d]) for d in drafters]
     if config.compile:
         methods += [pair.ours(None, 0, compiled=True)]
         methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
+        methods += [pair.ours(d, config.k, compiled=True, tree=TREES[d]) for d in drafters]
     skipped = {}
     if pair.draft is None:
         for name, label in (

@@ -39,7 +39,8 @@ def prefill_groups(lengths: Seq[int]) -> list[list[int]]:
 class Batch:
     """The active rows: one per sequence.
 
-    tokens: [B, width] contexts (prompt + output) with room for a block of k + 1 beyond the longest;
+    tokens: [B, width] contexts (prompt + output) with room for a query of `room` + 1 beyond the
+    longest (room: the most drafts a step verifies, k for a chain, default k);
     lengths / prompt_lengths: [B]; stop_ids: [B, s] tokens that finish each row (-1 padded).
     host_lengths mirrors lengths on the host, host_stop_ids stop_ids (a set per row).
     """
@@ -52,7 +53,9 @@ class Batch:
         vocab_size: int,
         device: torch.device,
         generator: torch.Generator,
+        room: int | None = None,
     ) -> None:
+        room = k if room is None else room
         self.sequences = list(sequences)
         self.eos_token_ids = list(eos_token_ids)
         for s in sequences:
@@ -61,8 +64,8 @@ class Batch:
                 s.metrics.accepted_per_position = [0] * k
         contexts = [s.prompt_token_ids + s.output_token_ids for s in sequences]
         self.host_lengths = [len(c) for c in contexts]
-        self.capacity = max(len(s.prompt_token_ids) + s.max_tokens for s in sequences) + k + 1
-        self.tokens = torch.zeros(len(sequences), self.capacity + k + 1, dtype=torch.long, device=device)
+        self.capacity = max(len(s.prompt_token_ids) + s.max_tokens for s in sequences) + room + 1
+        self.tokens = torch.zeros(len(sequences), self.capacity + room + 1, dtype=torch.long, device=device)
         for row, context in enumerate(contexts):
             self.tokens[row, : len(context)] = torch.tensor(context)
         self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=device)

@@ -46,18 +46,19 @@ from speculative.engine.sequence import Sequence, StopStrings
 from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
-from speculative.proposers.base import Proposer
+from speculative.proposers.base import Proposal, Proposer
 from speculative.sampling_params import SamplingParams
+from speculative.tree import tree_depths
 
 
 class Commit(NamedTuple):
     """What one commit did: the sequences it finished; per row, the drafts it kept and the drafts it
-    was given; whether some row kept its whole block (the proposer's cue, see Proposer.on_commit)."""
+    was given; the most tokens a row kept (the proposer's cue, see Proposer.on_commit)."""
 
     finished: list[Sequence]
     accepted: list[int]
     drafted: list[int]
-    whole_block_kept: bool
+    most_kept: int
 
 
 class Engine:
@@ -72,6 +73,8 @@ class Engine:
     decode: (token ids, SamplingParams or None) -> text, for stop strings and log-probability
         tokens; None when there is no tokenizer.
     adaptive: choose k per step in [0, num_speculative_tokens] (`draft_length.DraftLength`).
+    room: the most tokens a proposal's forwards add to a cache beyond the context (a tree's nodes,
+        or what a drafter feeds while it grows one); default k.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class Engine:
         rule: AcceptanceRule | None = None,
         decode: Callable[[list[int], SamplingParams | None], str] | None = None,
         adaptive: bool = False,
+        room: int | None = None,
     ) -> None:
         self.target = target
         self.proposer = proposer
@@ -93,6 +97,7 @@ class Engine:
         self.generator = generator
         self.decode = decode
         self.draft_length = DraftLength(self.k, adaptive)
+        self.room = self.k if room is None or proposer is None else room
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
         self.stop_strings: dict[int, StopStrings] = {}
@@ -168,7 +173,9 @@ class Engine:
             if s.params.stop:
                 self.stop_strings[id(s)] = StopStrings(s, lambda ids, p=s.params: self.decode(ids, p))
         eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        batch = Batch(sequences, eos, self.k, self.target.vocab_size, self.target.device, self.generator)
+        batch = Batch(
+            sequences, eos, self.k, self.target.vocab_size, self.target.device, self.generator, self.room
+        )
         self._want_logprobs(self.sequences + sequences)
         if any(s.output_token_ids for s in sequences):
             cache, finished = self._rebuild_cache(batch), []
@@ -196,20 +203,30 @@ class Engine:
             return []
         start, rows, clock = time.perf_counter(), len(batch.sequences), StepClock(self.target.device)
         k = self.draft_length.choose(rows) if self.proposer is not None else 0
-        draft_ids, draft_probs = self._propose(batch, k)  # [B, j] (-1: none), [B, j, V] or None
+        draft_ids, draft_probs, parents = self._propose(batch, k)  # [B, j] (-1: none), [B, j, V], tree
         clock.mark()
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
-        logits = self.target.forward(
-            torch.cat([last, draft_ids.clamp(min=0)], dim=1), self.cache
-        )  # [B, j+1, V]
+        query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, j+1]
+        if parents is None:
+            logits = self.target.forward(query, self.cache)  # [B, j+1, V]
+        else:
+            root_slots = self.cache.lengths.clone()  # [B]
+            logits = self.target.forward_tree(query, self.cache, parents)  # [B, j+1, V]
         clock.mark()
-        if draft_ids.shape[1]:
+        if parents is not None:
+            emitted, logits = self._verify_tree(
+                batch, logits, last, draft_ids, draft_probs, parents, root_slots
+            )
+            drafted = tree_depths(parents).max(dim=1).values  # [B]: a tree drafts as deep as a chain
+        elif draft_ids.shape[1]:
             emitted = self.rule.verify(
                 logits, draft_ids, draft_probs, batch.strategy, batch.context(draft_ids)
             )
+            drafted = (draft_ids >= 0).sum(dim=1)  # [B]
         else:  # plain step: the target's own token
             emitted = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
-        commit = self._commit(batch, emitted, logits, draft_ids, first_token=False)  # the step's sync
+            drafted = torch.zeros_like(batch.lengths)
+        commit = self._commit(batch, emitted, logits, drafted, first_token=False)  # the step's sync
         self._settle(batch, self.cache, self.proposer, commit)
         seconds = time.perf_counter() - start
         if self.proposer is not None:
@@ -232,47 +249,75 @@ class Engine:
             self.reset()
         return commit.finished
 
-    def _propose(self, batch: Batch, k: int) -> tuple[Tensor, Tensor | None]:
-        """The step's drafts: token ids [B, j] (-1 where a row has nothing) and the distributions
-        they were drawn from ([B, j, V], or None for a deterministic proposer); j = 0 for a plain step.
+    def _propose(self, batch: Batch, k: int) -> Proposal:
+        """The step's drafts: token ids [B, j] (-1 where a row has nothing), the distributions they
+        were drawn from ([B, j, V], or None for a deterministic proposer) and their tree (None for a
+        chain); j = 0 for a plain step.
 
-        A proposal narrower than k (no row had more) is verified as it is when a lossless rule meets
-        a greedy batch, which draws no randomness (an empty one is then a plain step). Otherwise it is
+        A chain narrower than k (no row had more) is verified as it is when a lossless rule meets a
+        greedy batch, which draws no randomness (an empty one is then a plain step). Otherwise it is
         padded back to k: random draws are made per position of k, so a seeded row's output does not
-        depend on its neighbours.
+        depend on its neighbours. (A tree proposer keeps its width fixed unless the batch is greedy.)
         """
         if k == 0:
-            return batch.tokens.new_empty((len(batch.sequences), 0)), None
-        draft_ids, draft_probs = self.proposer.propose(batch.tokens, batch.lengths, k, batch.strategy)
+            return Proposal(batch.tokens.new_empty((len(batch.sequences), 0)), None)
+        proposal = self.proposer.propose(batch.tokens, batch.lengths, k, batch.strategy)
+        draft_ids, draft_probs, parents = proposal
         j = draft_ids.shape[1]
-        if j < k and not (self.rule.lossless and batch.strategy.all_greedy):
+        if parents is None and j < k and not (self.rule.lossless and batch.strategy.all_greedy):
             draft_ids = F.pad(draft_ids, (0, k - j), value=-1)
             if draft_probs is not None:
                 draft_probs = F.pad(draft_probs, (0, 0, 0, k - j))
-        return draft_ids, draft_probs
+            return Proposal(draft_ids, draft_probs)
+        return proposal
+
+    def _verify_tree(
+        self,
+        batch: Batch,
+        logits: Tensor,
+        last: Tensor,
+        draft_ids: Tensor,
+        draft_probs: Tensor | None,
+        parents: Tensor,
+        root_slots: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """The rule over each row's tree (logits [B, M, V] at its nodes; last [B, 1] the roots' tokens;
+        draft_ids [B, M - 1]; draft_probs [B, M - 1, V] or None; parents [B, M]); the accepted path's
+        K/V are moved to the cache as a chain from `root_slots` [B] on. Returns the emitted tokens [B,
+        M] (-1 padded) and the logits each was chosen from [B, M, V] (the path's nodes)."""
+        tokens = torch.cat([last, draft_ids], dim=1)  # [B, M], the nodes' tokens
+        probs = None if draft_probs is None else F.pad(draft_probs, (0, 0, 1, 0))  # [B, M, V]
+        context = batch.context(draft_ids, parents)
+        emitted, path = self.rule.verify_tree(logits, tokens, parents, probs, batch.strategy, context)
+        self.cache.keep_path(root_slots, path)
+        along = path.clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1])  # [B, M, V]
+        return emitted, logits.gather(1, along)
 
     def _commit(
-        self, batch: Batch, emitted: Tensor, logits: Tensor, draft_ids: Tensor | None, first_token: bool
+        self, batch: Batch, emitted: Tensor, logits: Tensor, drafted: Tensor | None, first_token: bool
     ) -> Commit:
         """Cut each row's block at its stop token or max_tokens and append it: to the batch's tokens
         and to each sequence's record (tokens, log-probabilities, figures, finish).
 
         emitted: [B, m] tokens of this step, -1 padded; logits: [B, m, V] the target's raw logits
-        they were chosen from; draft_ids: [B, j] the step's drafts, or None for the prefill's first
-        token (not a step of the metrics). A row whose own host-side work (stop strings, grammar,
-        log-probability tokens) raises fails alone: finish_reason "error".
-        The blocks (and drafts) come to the host in the step's one sync; the cut is worked out there,
-        row by row, where a handful of tokens costs less than the tensor ops that would do it.
+        they were chosen from; drafted: [B] int64 the drafts each row was given (a tree's: its
+        depth), or None for the prefill's first token (not a step of the metrics). A row whose own
+        host-side work (stop strings, grammar, log-probability tokens) raises fails alone:
+        finish_reason "error". The blocks (and draft counts) come to the host in the step's one
+        sync; the cut is worked out there, row by row, where a handful of tokens costs less than the
+        tensor ops that would do it.
         """
         width = emitted.shape[1]
-        host = (emitted if draft_ids is None else torch.cat([emitted, draft_ids], dim=1)).tolist()  # the sync
+        host = (
+            emitted if drafted is None else torch.cat([emitted, drafted[:, None]], dim=1)
+        ).tolist()  # sync
         cuts = [self._cut(batch, row, values[:width]) for row, values in enumerate(host)]
         kept = torch.tensor([n for n, _ in cuts], dtype=torch.long, device=emitted.device)  # [B]
         positions = torch.arange(width, device=emitted.device)
         batch.tokens.scatter_(1, batch.lengths[:, None] + positions, emitted.clamp(min=0))
         batch.lengths += kept
         accepted = [sum(t >= 0 for t in values[:width]) - 1 for values in host]
-        drafted = [sum(t >= 0 for t in values[width:]) for values in host]
+        drafted = [values[width] if len(values) > width else 0 for values in host]
         scores = (
             [t.tolist() for t in L.token_logprobs(logits, emitted, self.num_top)]
             if self.want_logprobs
@@ -304,7 +349,7 @@ class Engine:
                 s.metrics.elapsed_s = now - s.start_time
                 self.stop_strings.pop(id(s), None)
                 finished.append(s)
-        return Commit(finished, accepted, drafted, any(n == width for n, _ in cuts))
+        return Commit(finished, accepted, drafted, max(n for n, _ in cuts))
 
     @staticmethod
     def _settle(batch: Batch, cache: KVCache, proposer: Proposer | None, commit: Commit) -> None:
@@ -317,7 +362,7 @@ class Engine:
             max_length = max(batch.host_lengths)
             cache.rollback(batch.lengths - 1, max_length - 1)
             if proposer is not None:
-                proposer.on_commit(batch.lengths, max_length, commit.whole_block_kept)
+                proposer.on_commit(batch.lengths, max_length, commit.most_kept)
 
     @staticmethod
     def _cut(batch: Batch, row: int, block: list[int]) -> tuple[int, bool]:

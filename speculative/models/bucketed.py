@@ -74,14 +74,19 @@ class BucketedModel:
 
     __call__ = forward
 
-    def forward_tree(self, input_ids: Tensor, cache: KVCache, parents: Tensor) -> Tensor:
-        """The wrapped model's `forward_tree` (a tree is never a prefill, never padded); a
-        NotImplementedError if it has none."""
+    @property
+    def forward_tree(self):
+        """The wrapped model's `forward_tree` (a tree is never a prefill, never padded), None if it has
+        none."""
         forward_tree = getattr(self.model, "forward_tree", None)
         if forward_tree is None:
-            raise NotImplementedError(f"{type(self.model).__name__} has no tree forward")
-        self._fresh.discard(cache)
-        return forward_tree(input_ids, cache, parents)
+            return None
+
+        def tree(input_ids: Tensor, cache: KVCache, parents: Tensor) -> Tensor:
+            self._fresh.discard(cache)
+            return forward_tree(input_ids, cache, parents)
+
+        return tree
 
     @property
     def greedy_decode(self):

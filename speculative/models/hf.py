@@ -125,13 +125,6 @@ class HFCausalLM:
             logits = logits.gather(1, logits_indices[:, :, None].expand(-1, -1, logits.shape[-1]))
         return logits
 
-    def forward_tree(self, input_ids: Tensor, cache: HFKVCache, parents: Tensor) -> Tensor:
-        """Not supported: tree verification needs the native forward (models/llama.py)."""
-        raise NotImplementedError(
-            "tree verification (forward_tree) needs the native forward (model types llama, mistral, "
-            f"qwen2, qwen3); the transformers path ({self.config.model_type}) runs chains only"
-        )
-
 
 def _pad_slots(t: Tensor, slots: int) -> Tensor:
     """[batch, heads, s, dim] -> [batch, heads, slots, dim], zero (False) padded at the end."""

@@ -424,26 +424,31 @@ class NativeCausalLM(nn.Module):
     @torch.no_grad()
     def forward_tree(
         self,
-        input_ids: Tensor,  # [batch, M] the nodes' tokens; a padding node's (-1) is fed as 0
+        input_ids: Tensor,  # [batch, q] the tokens of the tree's last q nodes; a padding node's -1 fed as 0
         cache: StaticKVCache,
-        parents: Tensor,  # [batch, M] int64, the trees (models/tree.py's convention)
-    ) -> Tensor:  # [batch, M, vocab] float32
-        """A tree verification: every node's logits, which predict the token after the path from the
-        root (node 0, the row's last context token) to that node.
+        parents: Tensor,  # [batch, M] int64, the whole tree (speculative/tree.py's convention), M >= q
+    ) -> Tensor:  # [batch, q, vocab] float32
+        """Score the nodes of token trees: each query node's logits predict the token after the path
+        from the root (node 0, the row's last context token) to that node.
 
-        With row b's cache holding L_b tokens, node i's K/V go to cache slot L_b + i, at RoPE position
-        L_b + depth[i], and node i attends to the context [0, L_b) and to the slots of its
-        ancestors-or-self (a padding node to itself only: its logits are garbage). The cache's lengths
-        then advance by M, as after a chain of M tokens: `cache.keep_path(start, path)`, with start
-        the lengths before this call, keeps one root-to-node path as if it had been fed as a chain.
-        A chain tree (parents [-1, 0, ..., M - 2]) gives forward's logits and cache.
-        Raises ValueError if the cache has no room for M more tokens. Runs eagerly (also under
-        CompiledCausalLM); the plain forward's ops and compiled graphs are those without trees.
+        The tree's first M - q nodes are already in the cache (an earlier forward_tree of the same
+        trees wrote them: a drafter grows its tree a level at a time); with q = M the whole tree is
+        fed (a verification). With the root at cache slot S_b (row b), node i's K/V go to slot S_b + i
+        at RoPE position S_b + depth[i], and node i attends to the context [0, S_b) and to the slots
+        of its ancestors-or-self (a padding node to itself only: its logits are garbage). The cache's
+        lengths advance by q, as after a chain; `cache.keep_path(start, path)`, with start = S, keeps
+        one root-to-node path as if it had been fed as a chain. A chain tree (parents [-1, 0, ...,
+        M - 2]) gives forward's logits and cache. Raises ValueError if the cache has no room for q
+        more tokens. Runs eagerly (also under CompiledCausalLM): compiled graphs stay those of chains.
         """
-        if parents.shape != input_ids.shape:
-            raise ValueError(f"parents {tuple(parents.shape)} and input_ids {tuple(input_ids.shape)} differ")
-        ancestors = tree_ancestors(parents)
-        depths = ancestors.sum(-1) - 1  # tree_depths
+        batch, m = parents.shape
+        q = input_ids.shape[1]
+        if input_ids.shape[0] != batch or not 0 < q <= m:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} must be [batch, q <= M] for parents [{batch}, {m}]"
+            )
+        ancestors = tree_ancestors(parents)  # [batch, M, M]
+        depths = ancestors.sum(-1) - 1  # [batch, M]
 
         def run(
             input_ids: Tensor,
@@ -453,8 +458,16 @@ class NativeCausalLM(nn.Module):
             key_positions: Tensor,
             logits_indices: None,
         ) -> Tensor:
-            positions = slots[:, :1] + depths
-            return self.run(input_ids, positions, keys, values, key_positions, None, slots, ancestors)
+            start = slots[:, :1] - (m - q)  # [batch, 1]: the root's slot
+            node_positions = start + depths  # [batch, M]
+
+            def mask(window: int | None) -> Tensor:
+                return tree_attention_mask(
+                    ancestors[:, m - q :], node_positions, start, key_positions, window
+                )
+
+            positions = node_positions[:, m - q :]
+            return self.run(input_ids, positions, keys, values, key_positions, None, slots, mask)
 
         return self.forward_with(run, input_ids.clamp(min=0), cache)
 
@@ -510,7 +523,7 @@ class NativeCausalLM(nn.Module):
         key_positions: Tensor,  # [span] = arange(span): attention reads cache positions [0, span)
         logits_indices: Tensor | None = None,  # [batch, n] int64
         slots: Tensor | None = None,  # [batch, q] int64, where the K/V are written; default positions
-        ancestors: Tensor | None = None,  # [batch, q, q] bool, a tree's (models/tree.py)
+        tree_mask: Callable[[int | None], Tensor] | None = None,  # window -> [batch, 1, q, span] bool
     ) -> Tensor:  # [batch, n, vocab] float32
         """The forward as a function of tensors: what torch.compile compiles.
 
@@ -518,9 +531,9 @@ class NativeCausalLM(nn.Module):
         key after a query's own position (and outside the sliding window, where there is one).
         span must exceed every row's last position; `prepare(span)` must have run.
 
-        A tree (forward_tree): `positions` are the nodes' RoPE positions (L_b + depth), their K/V go
-        to `slots` (L_b + arange(q)), and the mask is tree_attention_mask's (context and
-        ancestors-or-self). Without them (every compiled call), the ops are those of a chain alone.
+        A tree (forward_tree): `positions` are the nodes' RoPE positions (root slot + depth), their K/V
+        go to `slots`, and `tree_mask(window)` says which keys each node sees. Without them (every
+        compiled call), the ops are those of a chain alone.
         """
         batch, q = input_ids.shape
         rows, heads, kv_heads, head_dim = batch * q, self._num_heads, self._num_kv_heads, self._head_dim
@@ -545,12 +558,10 @@ class NativeCausalLM(nn.Module):
             value_cache[batch_index, :, write] = qkv[:, :, heads + kv_heads :]
             mask = masks.get(attn.sliding_window)
             if mask is None:
-                if ancestors is None:
+                if tree_mask is None:
                     allowed = attention_mask(positions, key_positions, attn.sliding_window)
                 else:
-                    allowed = tree_attention_mask(
-                        positions, slots, ancestors, key_positions, attn.sliding_window
-                    )
+                    allowed = tree_mask(attn.sliding_window)
                 mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
                 mask = masks[attn.sliding_window] = mask.masked_fill_(~allowed, -torch.inf)
             out = attention(

@@ -2,7 +2,16 @@
 
 from speculative.proposers.base import Proposal, Proposer
 from speculative.proposers.draft_model import DraftModelProposer
+from speculative.proposers.draft_tree import DraftTreeProposer
 from speculative.proposers.drafter import Drafter, DraftOut
 from speculative.proposers.ngram import NgramProposer
 
-__all__ = ["DraftModelProposer", "DraftOut", "Drafter", "NgramProposer", "Proposal", "Proposer"]
+__all__ = [
+    "DraftModelProposer",
+    "DraftOut",
+    "DraftTreeProposer",
+    "Drafter",
+    "NgramProposer",
+    "Proposal",
+    "Proposer",
+]

@@ -12,20 +12,27 @@ from speculative.sampling import SampleStrategy
 class Proposal(NamedTuple):
     """Draft tokens for one speculative step.
 
-    token_ids: [batch, j] int64, j <= k, -1 where the proposer has nothing (never accepted). A
-        proposer whose rows can come up short may return fewer than the k columns asked for, as
-        many as its longest row has (0 when no row has any).
-    probs: [batch, j, vocab] float32, the distribution each token was actually drawn from, or None
-        when the proposer is deterministic (a one-hot distribution at each token).
+    token_ids: [batch, j] int64, -1 where the proposer has nothing (never accepted). A chain has
+        j <= k; a proposer whose rows can come up short may return fewer than the k columns asked
+        for, as many as its longest row has (0 when no row has any).
+    probs: [batch, j, vocab] float32, the distribution each token was actually drawn from (given its
+        earlier siblings, in a tree), or None when the proposer is deterministic (one-hot at each
+        token).
+    parents: None for a chain (token i follows token i - 1), or a token tree [batch, 1 + j] int64
+        over the row's last context token (node 0, the root) and the drafts (node i = token_ids[:,
+        i - 1]), in speculative/tree.py's convention: parents[b, i] in [0, i), -1 at the root and at
+        padding nodes (token -1). A tree's depth is at most k.
     """
 
     token_ids: Tensor
     probs: Tensor | None
+    parents: Tensor | None = None
 
 
 @runtime_checkable
 class Proposer(Protocol):
-    """Proposes k tokens per row from the context; told by `on_commit` what each step kept.
+    """Proposes k tokens per row (a chain, or a tree of depth k) from the context; told by `on_commit`
+    what each step kept.
 
     The context of the batch is `tokens` [batch, capacity] int64 with `lengths` [batch]: row b's
     context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
@@ -40,12 +47,12 @@ class Proposer(Protocol):
         """Propose `num_tokens` tokens after each row's context."""
         ...
 
-    def on_commit(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
+    def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         """The engine committed a step: the rows' contexts now have `lengths` ([batch]; host max
         `max_length`) tokens. Called after every step, also after steps that drafted nothing (plain
         steps, k = 0).
-        whole_block_kept: whether some row (finished ones included) kept every token of the step;
-        False means every row rejected one of its drafts or was cut short."""
+        most_kept: the most tokens a row (finished ones included) gained in the step: its accepted
+        drafts and the target's token; 1 + the proposal's width means some row kept its whole chain."""
         ...
 
     def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel, decode
 from speculative.proposers.base import Proposal
 from speculative.sampling import SampleStrategy
@@ -31,9 +32,18 @@ class DraftModelProposer:
         self.cache = None
         self.missing = 1  # the context's last tokens that the next proposal feeds (1 or 2) ...
         self.behind = 0  # ... and before them, tokens the cache lacks after plain steps
-        self._proposed = False
+        self._proposed = 0  # the width of the proposal being committed (0: none, a plain step)
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
+        cache, width = self._prefill(tokens, lengths)
+        if self.cache is None or self.cache.batch_size == 0:
+            self.cache, self.behind, self.missing = cache, 0, 1
+        else:  # the running rows lack their last `missing` tokens: so will these
+            cache.rollback(lengths - self.missing, width + 1 - self.missing)
+            self.cache.append_rows(cache)
+
+    def _prefill(self, tokens: Tensor, lengths: Tensor) -> tuple[KVCache, int]:
+        """A new cache of the rows' contexts but their last tokens, and its host max length."""
         cache = self.model.new_cache(tokens.shape[0], tokens.shape[1])
         width = int(lengths.max()) - 1  # the prefill feeds all but the last token
         self.model.forward(
@@ -42,11 +52,7 @@ class DraftModelProposer:
             num_tokens=lengths - 1,
             logits_indices=torch.zeros_like(lengths)[:, None],
         )
-        if self.cache is None or self.cache.batch_size == 0:
-            self.cache, self.behind, self.missing = cache, 0, 1
-        else:  # the running rows lack their last `missing` tokens: so will these
-            cache.rollback(lengths - self.missing, width + 1 - self.missing)
-            self.cache.append_rows(cache)
+        return cache, width
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         fed = self.missing + self.behind
@@ -56,16 +62,16 @@ class DraftModelProposer:
             token_ids, logits = greedy_decode(query, self.cache, num_tokens)
         else:
             token_ids, logits = decode(self.model, query, self.cache, num_tokens, strategy.next_tokens)
-        self.behind, self._proposed = 0, True
+        self.behind, self._proposed = 0, num_tokens
         return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(logits))
 
-    def on_commit(self, lengths: Tensor, max_length: int, whole_block_kept: bool = True) -> None:
+    def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         if self._proposed:  # the cache holds the context before the step and the drafts but the last
-            self.missing = 2 if whole_block_kept else 1
+            self.missing = 2 if most_kept > self._proposed else 1
             self.cache.rollback(lengths - self.missing, max_length - self.missing)
         else:  # a plain step: every row gained one token that the cache has not seen
             self.behind += 1
-        self._proposed = False
+        self._proposed = 0
 
     def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
         if self.behind and self.cache is not None and self.cache.batch_size:

@@ -1,0 +1,127 @@
+"""A draft model that proposes a token tree: at each depth it expands its best nodes by their top
+candidates, and the target verifies the whole tree in one forward.
+
+Growth (per row, vectorised over rows): the root (the context's last token) is fed with the tokens
+the cache lacks; then, for depth 1..k, every node of the frontier gets its `width` likeliest tokens
+as candidate children, and the `width` best candidates become the next frontier, fed to the draft
+in one `forward_tree` call (all but at the last depth). Of all candidates, the `num_nodes` best form
+the proposal. What "best" means is the tree's shape:
+  - "dynamic" (EAGLE-2, Li et al. 2024, arXiv:2406.16858): a node's score is its path's draft
+    log-probability; the frontier and the final tree follow the draft's confidence, so the tree is
+    deep where the draft is sure and bushy where it is not;
+  - "static": a node's score is minus the sum of its path's candidate ranks (0 for the likeliest
+    child); the topology is fixed (the draft's top path, then its runners-up branching off it, as
+    Medusa's and EAGLE-1's hand-made trees do), only the tokens change.
+Ties go to the shallower node, so a node is never kept without its parent. The drafts are the
+draft's top candidates, chosen deterministically from the context: the proposal carries no
+distributions (one-hot), and the rule's sibling-by-sibling rejection keeps the output exact.
+
+Cache: a proposal first feeds each row the context tokens its draft cache lacks (the row's own
+number, right-padded to the most any row can lack: `missing` + `behind`), the root last; the tree's
+expanded nodes follow the root in the cache, in the order they were fed. After the step the cache
+is rolled back to the context before the step (all that was fed as a chain), so the next proposal
+feeds what the step added; plain steps (no proposal) add one token each.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from speculative.models.base import LanguageModel
+from speculative.proposers.base import Proposal
+from speculative.proposers.draft_model import DraftModelProposer
+from speculative.sampling import SampleStrategy
+
+TreeShape = Literal["static", "dynamic"]
+
+
+class DraftTreeProposer(DraftModelProposer):
+    """Proposes a tree of `num_nodes` drafts, at most `num_tokens` deep, from a draft model whose
+    forward takes trees (`forward_tree`: the native forward, compiled or not).
+
+    shape: "dynamic" or "static" (module docstring); width: candidates per expanded node and nodes
+    expanded per depth (>= 1); num_nodes: drafts per tree (>= 1)."""
+
+    def __init__(self, model: LanguageModel, shape: TreeShape, width: int, num_nodes: int) -> None:
+        super().__init__(model)
+        self._roots: Tensor | None = None  # the context lengths at the proposal being committed
+        self.shape, self.width, self.num_nodes = shape, width, num_nodes
+
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
+        batch, device = tokens.shape[0], tokens.device
+        need = lengths - self.cache.lengths  # [B] >= 1: what each row's draft cache lacks
+        fed = self.missing + self.behind  # the most any row can lack (a host bound: no sync)
+        index = (lengths - need)[:, None] + torch.arange(fed, device=device)  # [B, fed], right-padded
+        query = tokens.gather(1, index)
+        logits = self.model.forward(query, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None])
+        root = tokens.gather(1, lengths[:, None] - 1)  # [B, 1]
+        # the pool of candidates, index 0 the root: token, pool parent, score, depth
+        pool_tokens, pool_parents = root, torch.full_like(root, -1)
+        pool_scores = torch.zeros(batch, 1, dtype=torch.float64, device=device)
+        pool_depths = [0]
+        frontier = torch.zeros_like(root)  # [B, f] pool indices of the nodes to expand
+        cached = torch.full_like(root, -1)  # [B, C] the fed tree's parents (cache order), root first
+        cache_index = torch.zeros_like(root)  # [B, P] each pool node's index in the fed tree, -1 if none
+        for depth in range(1, num_tokens + 1):
+            f = frontier.shape[1]
+            top = logits.float().log_softmax(dim=-1).topk(self.width, dim=-1)  # [B, f, w]
+            if self.shape == "dynamic":
+                gain = top.values.double()
+            else:
+                gain = -torch.arange(self.width, device=device, dtype=torch.float64).expand(batch, f, -1)
+            scores = (pool_scores.gather(1, frontier)[:, :, None] + gain).flatten(1)  # [B, f * w]
+            base = pool_tokens.shape[1]
+            pool_tokens = torch.cat([pool_tokens, top.indices.flatten(1)], dim=1)
+            pool_parents = torch.cat([pool_parents, frontier.repeat_interleave(self.width, dim=1)], dim=1)
+            pool_scores = torch.cat([pool_scores, scores], dim=1)
+            pool_depths += [depth] * scores.shape[1]
+            cache_index = torch.cat([cache_index, torch.full_like(scores, -1, dtype=torch.long)], dim=1)
+            if depth == num_tokens:
+                break
+            frontier = base + scores.topk(min(self.width, scores.shape[1]), dim=1).indices  # [B, f']
+            fed_index = cached.shape[1] + torch.arange(frontier.shape[1], device=device).expand_as(frontier)
+            cache_index.scatter_(1, frontier, fed_index)
+            cached = torch.cat([cached, cache_index.gather(1, pool_parents.gather(1, frontier))], dim=1)
+            logits = self.model.forward_tree(pool_tokens.gather(1, frontier), self.cache, cached)
+        self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
+        return self._select(pool_tokens, pool_parents, pool_scores, pool_depths)
+
+    def _select(self, tokens: Tensor, parents: Tensor, scores: Tensor, depths: list[int]) -> Proposal:
+        """The best `num_nodes` candidates of the pool ([B, P], index 0 the root), as a tree in pool
+        order (parents come first there): Proposal(tokens [B, n], None, parents [B, 1 + n])."""
+        n = min(self.num_nodes, tokens.shape[1] - 1)
+        depth = torch.tensor(depths[1:], dtype=torch.float64, device=tokens.device)
+        key = scores[:, 1:] - 1e-9 * depth  # a parent scores at least as high as its child: ties to it
+        chosen = 1 + key.topk(n, dim=1).indices.sort(dim=1).values  # [B, n] pool indices, in pool order
+        node = torch.full_like(tokens, -1)  # pool index -> tree node
+        node[:, 0] = 0
+        node.scatter_(1, chosen, 1 + torch.arange(n, device=tokens.device).expand_as(chosen))
+        tree_parents = node.gather(1, parents.gather(1, chosen))  # [B, n]
+        root = torch.full_like(tree_parents[:, :1], -1)
+        return Proposal(tokens.gather(1, chosen), None, torch.cat([root, tree_parents], dim=1))
+
+    def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
+        cache, _ = self._prefill(tokens, lengths)  # each row lacks its last token, as `need` allows
+        if self.cache is None or self.cache.batch_size == 0:
+            self.cache, self.behind, self.missing = cache, 0, 1
+        else:
+            self.cache.append_rows(cache)
+
+    def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
+        if self._proposed:  # back to the context before the step, which was fed as a chain
+            self.missing = most_kept
+            self.cache.rollback(self._roots, max_length)  # max_length: a bound of the roots' lengths
+        else:  # a plain step: every row gained one token that the cache has not seen
+            self.behind += 1
+        self._proposed = 0
+
+    def select_rows(self, rows: Tensor) -> None:
+        super().select_rows(rows)
+        if self._proposed:  # rows that finished in the step being committed leave first
+            self._roots = self._roots[rows]
+
+    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
+        """Nothing to do: each proposal feeds every row what its cache lacks."""
