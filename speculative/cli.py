@@ -73,9 +73,9 @@ def _engine_flags() -> argparse.ArgumentParser:
         help="verify a token tree of depth -k per step: dynamic (follows the draft's confidence) or static",
     )
     flags.add_argument(
-        "--tree-width", type=int, default=4, help="a draft tree's children per expanded node (4)"
+        "--tree-width", type=int, default=2, help="a draft tree's children per expanded node (2)"
     )
-    flags.add_argument("--tree-nodes", type=int, default=16, help="drafts per tree (16)")
+    flags.add_argument("--tree-nodes", type=int, default=8, help="drafts per tree (8)")
     flags.add_argument(
         "--acceptance",
         choices=["rejection", "typical"],

@@ -44,8 +44,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     adaptive: bool = False
     tree: Literal["static", "dynamic"] | None = None
-    tree_width: int = 4
-    tree_nodes: int = 16
+    tree_width: int = 2
+    tree_nodes: int = 8
 
     def __post_init__(self) -> None:
         _check(self.method in ("draft_model", "ngram"), "method", self.method, '"draft_model" or "ngram"')

@@ -112,7 +112,7 @@ def test_tree_flags(model_dirs) -> None:
     base = ["speculative", "generate", "--model", model_dirs["target"], "--prompt", "ab ab ab"]
     result = run([*base, "--draft-model", model_dirs["draft"], "--max-tokens", "8", "--tree", "dynamic"])
     assert result.returncode == 0, result.stderr
-    assert "[draft_model, k=4, dynamic tree of 16]" in result.stdout
+    assert "[draft_model, k=4, dynamic tree of 8]" in result.stdout
     result = run([*base, "--ngram", "--tree", "static", "--tree-nodes", "0"])
     assert result.returncode == 2 and "tree_nodes must be an integer in [1, 128]" in result.stderr
 
