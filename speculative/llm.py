@@ -159,9 +159,11 @@ class LLM:
         texts, token_ids, params, sequences = self.inputs.prepare(prompts, sampling_params)
         if sequences:
             self.engine.run(sequences)
+        by_prompt: list[list[Sequence]] = [[] for _ in token_ids]
+        for s in sequences:
+            by_prompt[s.prompt_index].append(s)
         return [
-            self._output(i, texts[i], token_ids[i], params[i], [s for s in sequences if s.prompt_index == i])
-            for i in range(len(token_ids))
+            self._output(i, texts[i], token_ids[i], params[i], by_prompt[i]) for i in range(len(token_ids))
         ]
 
     def stream(

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import byte_tokenizer, noisy_copy, tiny_model
 from scipy.stats import chi2
-from test_distribution import LENGTH, SAMPLES, TREE_SAMPLES, VOCAB, chi_square
+from test_distribution import LENGTH, SAMPLES, VOCAB, chi_square
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.engine.batch import Batch
@@ -97,14 +97,14 @@ FILTERS = SamplingParams(
 
 
 def run(pair, params: SamplingParams, seed: int, tree: bool = False) -> float:
-    """The chi-square p-value of SAMPLES continuations (TREE_SAMPLES over the draft's dynamic trees)."""
+    """The chi-square p-value of SAMPLES continuations (over the draft's dynamic trees with `tree`)."""
     target, draft = pair
     prompt = [2, 3, 2, 5]
     config = SpeculativeConfig(num_speculative_tokens=2)
     if tree:
         config = SpeculativeConfig(num_speculative_tokens=2, tree="dynamic", tree_width=2, tree_nodes=4)
     llm = LLM(target, draft_model=draft, speculative_config=config, seed=seed)
-    outputs = llm.generate([prompt] * (TREE_SAMPLES if tree else SAMPLES), params)
+    outputs = llm.generate([prompt] * SAMPLES, params)
     stat, dof = chi_square([o.outputs[0].token_ids for o in outputs], exact_probs(target, prompt, params))
     return chi2.sf(stat, dof)
 
@@ -117,6 +117,14 @@ def test_processors_keep_sampling_exact(pair, params) -> None:
 def test_processors_over_trees_keep_sampling_exact(pair) -> None:
     """Each node's penalties and min_p see its own path (TokenContext over a tree)."""
     assert run(pair, PENALTIES, seed=21, tree=True) > 1e-3
+
+
+def test_processors_over_trees_reading_the_nodes_as_a_chain_fail(pair, monkeypatch) -> None:
+    """Processing a tree's nodes as if they were one chain (each node after every earlier one) is
+    caught."""
+    original = Batch.context
+    monkeypatch.setattr(Batch, "context", lambda self, block=None, parents=None: original(self, block, None))
+    assert run(pair, PENALTIES, seed=21, tree=True) < 1e-6
 
 
 def test_processors_without_the_draft_prefix_fail(pair, monkeypatch) -> None:

@@ -28,6 +28,7 @@ a server's scheduler calls these between steps. `generate` is the same loop for 
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
@@ -469,9 +470,7 @@ class Engine:
         logits, cache, order = self._prefill_prompts(batch, heads, all_logits)  # [P, 1 or width, V]
         if all_logits:
             logits = self._prompt_logprobs(batch, heads, order, logits)
-        rows = [
-            order[sum(h <= row for h in heads) - 1] for row in range(len(sequences))
-        ]  # row -> its cache row
+        rows = [order[bisect.bisect_right(heads, row) - 1] for row in range(len(sequences))]  # -> cache row
         if rows != list(range(len(rows))):
             index = torch.tensor(rows, dtype=torch.long, device=batch.tokens.device)
             cache.select_rows(index)
