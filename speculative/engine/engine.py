@@ -1,8 +1,10 @@
 """The speculative step loop over a batch of sequences.
 
 One step (`Engine.step`), for all active rows at once (B rows, k draft tokens, V vocabulary):
-  1. the proposer drafts x_1..x_k after each row's context ([B, k], -1 where it has nothing);
-  2. the target scores [last token, x_1..x_k] in one forward: logits [B, k+1, V];
+  1. the proposer drafts x_1..x_k after each row's context ([B, k], -1 where it has nothing), or a
+     token tree of depth <= k (Proposal.parents; speculative/tree.py);
+  2. the target scores [last token, x_1..x_k] in one forward: logits [B, k+1, V] (a tree: every node
+     in one forward_tree, whose accepted path the cache then keeps as a chain, keep_path);
   3. the acceptance rule keeps a prefix of the drafts and adds one token of the target's own
      (recovered or bonus): [B, k+1] with -1 padding (acceptance/base.py); with no drafts the target
      samples its one token;
