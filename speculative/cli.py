@@ -21,6 +21,9 @@ from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "def fibonacci(n):"
+SHUTDOWN_GRACE_S = 5.0
+"""uvicorn's wait for connections after SIGTERM beyond --shutdown-timeout: the time the requests that
+the timeout cut have to send their error to their clients before uvicorn drops the connections."""
 WARM_UP_TOKENS = 8
 """Tokens of `generate`'s warm-up call, which pays the first call's one-time costs (and compilation)."""
 
@@ -332,6 +335,8 @@ def serve(args: argparse.Namespace) -> int:
     ones have --shutdown-timeout seconds to finish."""
     with needs_extra("server", "speculative serve"):
         import uvicorn
+
+        from speculative.server.app import drain
     app = serve_app(args)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -339,16 +344,16 @@ def serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level="info",
-            timeout_graceful_shutdown=args.shutdown_timeout,
+            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
         )
     )
     stop = server.handle_exit
 
-    def drain(sig, frame) -> None:  # uvicorn's own handler stops accepting connections and waits
-        app.state.draining = True
+    def handle_exit(sig, frame) -> None:  # uvicorn's own handler stops accepting connections and waits
+        drain(app)
         stop(sig, frame)
 
-    server.handle_exit = drain
+    server.handle_exit = handle_exit
     server.run()
     return 0
 

@@ -52,8 +52,8 @@ def create_app(
     api_key: when set, every route but /health needs `Authorization: Bearer <api_key>` (else 401).
     max_prompt_tokens: longest prompt taken (None: no limit but the context); max_model_len: prompt
     plus max_tokens at most. The lifespan starts the scheduler and, on shutdown, lets running requests
-    finish within shutdown_timeout seconds. Setting `app.state.draining = True` (the CLI does on
-    SIGTERM) answers 503 to new /v1 requests and to /health.
+    finish within shutdown_timeout seconds. `drain(app)` (the CLI calls it on SIGTERM) starts that
+    shutdown early.
     """
 
     @asynccontextmanager
@@ -66,6 +66,7 @@ def create_app(
         title="speculative", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan
     )
     app.state.draining = False
+    app.state.scheduler, app.state.shutdown_timeout = scheduler, shutdown_timeout
     limits = _Limits(tokenizer, max_prompt_tokens, max_model_len)
     app.add_middleware(_Gate, api_key=api_key, metrics=scheduler.metrics)
     _add_error_handlers(app)
@@ -155,6 +156,14 @@ def create_app(
         return Response(generate_latest(scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def drain(app: FastAPI) -> None:
+    """Begin a graceful shutdown: new /v1 requests and /health get 503, and the requests still running
+    shutdown_timeout seconds from now end with an error (a streamed one: an error event, then
+    [DONE]; else a 500) instead of a dropped connection. Safe to call from a signal handler."""
+    app.state.draining = True
+    app.state.scheduler.drain(app.state.shutdown_timeout)
 
 
 def _check_model(requested: str | None, served: str) -> None:
