@@ -193,6 +193,12 @@ def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' context)"
     )
     serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="a request body's size at most, in bytes (then 413; default 1 MiB)",
+    )
+    serve.add_argument(
         "--chat-template",
         metavar="TEMPLATE",
         help="the Jinja chat template of "
@@ -368,7 +374,7 @@ def serve_app(args: argparse.Namespace):
 
     model, draft = _models(args.model, args.draft_model, args.ngram)
     name = args.served_model_name or args.model or "speculative-demo"
-    for flag in ("max_prompt_tokens", "max_model_len"):
+    for flag in ("max_prompt_tokens", "max_model_len", "max_request_bytes"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
     if args.shutdown_timeout < 0:
@@ -393,6 +399,7 @@ def serve_app(args: argparse.Namespace):
         max_prompt_tokens=args.max_prompt_tokens,
         max_model_len=args.max_model_len or context,
         shutdown_timeout=args.shutdown_timeout,
+        max_request_bytes=args.max_request_bytes,
     )
 
 
