@@ -361,7 +361,7 @@ async def _collect(answer: _Answer, streams: list[RequestStream]) -> tuple[list[
     async with aclosing(_merge(streams)) as updates:
         async for prompt, update in updates:
             if update.error is not None:
-                raise P.APIError(500, f"the engine failed this request: {update.error}")
+                raise _failure(update.error)
             generated[prompt] = update.num_generated_tokens
             for delta in update.sequences:
                 choice = choices.setdefault(prompt * answer.n + delta.index, _Choice())
@@ -389,8 +389,9 @@ async def _sse(
             yield answer.chunk(answer.first_choices)
         async for prompt, update in updates:
             if update.error is not None:
-                request.state.status = 500
-                yield _event(P.error_body(f"the engine failed this request: {update.error}", "server_error"))
+                failure = _failure(update.error)
+                request.state.status = failure.status
+                yield _event(failure.body())
                 break
             generated[prompt] = update.num_generated_tokens
             choices = []
@@ -406,6 +407,14 @@ async def _sse(
                 yield answer.chunk([], P.usage(sum(map(len, prompts)), sum(generated)))
             request.state.status = 200
     yield "data: [DONE]\n\n"
+
+
+def _failure(error: str) -> P.APIError:
+    """A request that the engine failed: a 400 naming the field when its own parameters did (errors
+    that begin "SamplingParams.", as NoTokenAllowed's), else a 500."""
+    if error.startswith("SamplingParams."):
+        return P.invalid_request(ValueError(error))
+    return P.APIError(500, f"the engine failed this request: {error}")
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestUpdate]]:
@@ -448,7 +457,7 @@ class _Gate:
     further than the limit), and counting /v1 requests by status.
 
     A streamed request is counted when its stream ends, with the status its handler leaves in
-    `request.state.status` (200, 499 when the client left, 500 when the engine failed it)."""
+    `request.state.status` (200, 499 when the client left, 400 or 500 when the engine failed it)."""
 
     def __init__(self, app, *, api_key: str | None, metrics, max_request_bytes: int) -> None:
         self.app, self.metrics, self.max_request_bytes = app, metrics, max_request_bytes

@@ -4,6 +4,7 @@ and the server goes on serving; a property-based fuzz of the request schema neve
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -231,6 +232,31 @@ def test_max_request_bytes_flag(capsys) -> None:
     with running(app) as url:
         assert httpx.post(url + COMPLETIONS, json=body, timeout=60).status_code == 200
         assert httpx.post(url + COMPLETIONS, json={**body, "user": "x" * 200}, timeout=60).status_code == 413
+
+
+def test_constraints_at_a_dead_end_are_a_400_for_that_request_alone(served) -> None:
+    """allowed_token_ids {"{", "a"} under response_format json_object: "{", then no token is allowed.
+    Not detectable up front (the first position has one): the request ends with a 400 naming
+    allowed_token_ids, streamed as an error event before [DONE], while a request beside it succeeds."""
+    allowed = served.tokenizer.convert_tokens_to_ids(["{", "a"])
+    body = {**OK, "max_tokens": 8, "allowed_token_ids": allowed, "response_format": {"type": "json_object"}}
+    message = "allowed_token_ids and guided_decoding leave no token allowed after 1 generated tokens"
+    with ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(served.post, COMPLETIONS, {**OK, "max_tokens": 32, "ignore_eos": True})
+        response = served.post(COMPLETIONS, body)
+        assert beside.result().status_code == 200
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": "allowed_token_ids",
+        "code": None,
+    }
+    streamed = served.post(COMPLETIONS, {**body, "stream": True})
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "{"
+    assert served.post(COMPLETIONS, OK).status_code == 200
 
 
 def test_wrong_method_and_still_serving(served) -> None:
