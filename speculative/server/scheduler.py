@@ -218,7 +218,7 @@ class Scheduler:
         """`drain(timeout)`, wait for the queued and running requests to finish or fail, then stop the
         engine thread."""
         self.drain(timeout)
-        while self._running or self._waiting:
+        while (self._running or self._waiting) and self._thread is not None and self._thread.is_alive():
             await asyncio.sleep(0.02)
         self._stopping = True
         self._wake.set()
