@@ -21,6 +21,9 @@ from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "def fibonacci(n):"
+SHUTDOWN_GRACE_S = 5.0
+"""uvicorn's wait for connections after SIGTERM beyond --shutdown-timeout: the time the requests that
+the timeout cut have to send their error to their clients before uvicorn drops the connections."""
 WARM_UP_TOKENS = 8
 """Tokens of `generate`'s warm-up call, which pays the first call's one-time costs (and compilation)."""
 
@@ -190,6 +193,12 @@ def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, help="prompt + max_tokens at most (default: the models' context)"
     )
     serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        help="a request body's size at most, in bytes (then 413; default 1 MiB)",
+    )
+    serve.add_argument(
         "--chat-template",
         metavar="TEMPLATE",
         help="the Jinja chat template of "
@@ -332,6 +341,8 @@ def serve(args: argparse.Namespace) -> int:
     ones have --shutdown-timeout seconds to finish."""
     with needs_extra("server", "speculative serve"):
         import uvicorn
+
+        from speculative.server.app import drain
     app = serve_app(args)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -339,16 +350,16 @@ def serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level="info",
-            timeout_graceful_shutdown=args.shutdown_timeout,
+            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
         )
     )
     stop = server.handle_exit
 
-    def drain(sig, frame) -> None:  # uvicorn's own handler stops accepting connections and waits
-        app.state.draining = True
+    def handle_exit(sig, frame) -> None:  # uvicorn's own handler stops accepting connections and waits
+        drain(app)
         stop(sig, frame)
 
-    server.handle_exit = drain
+    server.handle_exit = handle_exit
     server.run()
     return 0
 
@@ -363,7 +374,7 @@ def serve_app(args: argparse.Namespace):
 
     model, draft = _models(args.model, args.draft_model, args.ngram)
     name = args.served_model_name or args.model or "speculative-demo"
-    for flag in ("max_prompt_tokens", "max_model_len"):
+    for flag in ("max_prompt_tokens", "max_model_len", "max_request_bytes"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
     if args.shutdown_timeout < 0:
@@ -388,6 +399,7 @@ def serve_app(args: argparse.Namespace):
         max_prompt_tokens=args.max_prompt_tokens,
         max_model_len=args.max_model_len or context,
         shutdown_timeout=args.shutdown_timeout,
+        max_request_bytes=args.max_request_bytes,
     )
 
 

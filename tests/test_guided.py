@@ -303,3 +303,48 @@ def test_batched_blocks_match_single(tok):
         assert torch.equal(block, state.allowed_for_block(d))
     with pytest.raises(ValueError):
         allowed_for_blocks([states[0], states[0]], [[], []])
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
+def test_constraints_at_a_dead_end_fail_their_row_alone(speculate):
+    """allowed_token_ids {"{", "a"} with a JSON object grammar: "{" first, then nothing is allowed by
+    both (and allowed_token_ids {"a"} with bad_words ["a"]: nothing from the start). Each such row
+    ends with finish_reason "error" and NoTokenAllowed's message, never a forbidden token; the row
+    beside them runs as it would alone."""
+    from conftest import noisy_copy, tiny_model
+
+    from speculative import LLM, SamplingParams, SpeculativeConfig
+
+    target = tiny_model("llama", vocab_size=N_TOK, eos_token_id=EOS, bos_token_id=EOS)
+    kwargs = dict(
+        draft_model=noisy_copy(target, 0.02), speculative_config=SpeculativeConfig(num_speculative_tokens=3)
+    )
+    llm = LLM(target, tokenizer=TOK, **(kwargs if speculate else {}))
+    brace, a = (TOK.convert_tokens_to_ids(TOK.tokenize(c))[0] for c in "{a")
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            allowed_token_ids=[brace, a],
+            guided_decoding=GuidedDecodingParams(json_object=True),
+        ),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=8, allowed_token_ids=[a], bad_words=["a"]),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    ]
+    prompt = TOK("x = ")["input_ids"]
+    rows = [llm.make_sequences(prompt, p, index) for index, p in enumerate(params)]
+    for index, row in enumerate(rows):
+        for s in row:
+            s.prompt_index = index
+    llm.engine.add([s for row in rows for s in row])
+    while not all(s.finished for row in rows for s in row):
+        llm.engine.step()
+    (dead,), (banned,), (fine,) = rows
+    assert dead.finish_reason == "error" and dead.output_token_ids == [brace]
+    assert dead.error == (
+        "SamplingParams.allowed_token_ids and guided_decoding leave no token allowed after 1 generated tokens"
+    )
+    assert banned.finish_reason == "error" and banned.output_token_ids == []
+    assert banned.error.startswith("SamplingParams.allowed_token_ids and bad_words leave no token allowed")
+    alone = llm.generate([prompt], params[2])[0].outputs[0]
+    assert fine.finish_reason == "length" and fine.output_token_ids == alone.token_ids

@@ -45,7 +45,7 @@ from speculative.acceptance import AcceptanceRule, RejectionSampler
 from speculative.engine import logprobs as L
 from speculative.engine.batch import Batch, prefill_groups
 from speculative.engine.draft_length import DraftLength
-from speculative.engine.sequence import Sequence, StopStrings
+from speculative.engine.sequence import NoTokenAllowed, Sequence, StopStrings
 from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
@@ -344,6 +344,8 @@ class Engine:
                     [t[row][:n] for t in scores] if scores is not None else None,
                     first_token,
                 )
+            except NoTokenAllowed as error:
+                s.finish_reason, s.error = "error", str(error)
             except Exception as error:
                 s.finish_reason, s.error = "error", f"{type(error).__name__}: {error}"
             if first_token:
@@ -389,13 +391,21 @@ class Engine:
         scores: list[list] | None,
         first_token: bool,
     ) -> None:
-        """One row's share of a commit, on the host: its new tokens, figures and finish."""
+        """One row's share of a commit, on the host: its new tokens, figures and finish. Raises
+        NoTokenAllowed when a new token is one that its constraints forbid: it was drawn at a position
+        where they left no token allowed."""
         n = len(new)
+        allowed = s.params.allowed_token_ids
+        if allowed and any(t not in allowed for t in new):
+            raise NoTokenAllowed(s)
+        if s.guide is not None:
+            try:
+                s.guide.accept(new)
+            except ValueError:
+                raise NoTokenAllowed(s) from None
         s.output_token_ids.extend(new)
         if scores is not None:
             self._add_logprobs(s, new, scores)
-        if s.guide is not None:
-            s.guide.accept(new)
         m = s.metrics
         m.num_generated += n
         if not first_token:

@@ -19,7 +19,9 @@ class Sequence:
     max_tokens: resolved (never None). generator: this sequence's own generator, or None.
     bad_words_token_ids / guide: the tokenizer's and the grammar's share of the sampling work.
     finish_reason: "stop", "length", "abort" (dropped before the end) or "error" (its own work
-    raised; `error` says what). start_time: when the engine admitted it (time.perf_counter()).
+    raised; `error` says what: an error that begins "SamplingParams." is the request's own, its
+    constraints having left no token allowed, NoTokenAllowed). start_time: when the engine admitted
+    it (time.perf_counter()).
     """
 
     prompt_token_ids: list[int]
@@ -44,6 +46,31 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class NoTokenAllowed(ValueError):
+    """A sequence's constraints (allowed_token_ids, its grammar, bad_words, min_tokens, ...) left no
+    token allowed at its next position: a dead end of its own parameters. The message names the
+    constraints it uses, first the one a user would change (allowed_token_ids, else the grammar)."""
+
+    def __init__(self, sequence: Sequence) -> None:
+        p = sequence.params
+        used = [
+            name
+            for name, value in (
+                ("allowed_token_ids", p.allowed_token_ids),
+                ("guided_decoding", p.guided_decoding),
+                ("bad_words", p.bad_words),
+                ("min_tokens", p.min_tokens),
+                ("logit_bias", p.logit_bias),
+                ("logits_processors", p.logits_processors),
+            )
+            if value
+        ]
+        super().__init__(
+            f"SamplingParams.{' and '.join(used)} leave no token allowed after "
+            f"{len(sequence.output_token_ids)} generated tokens"
+        )
 
 
 class StopStrings:

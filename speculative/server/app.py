@@ -34,6 +34,8 @@ DISCONNECT_POLL_S = 0.5
 """How often a non-streaming request checks that its client is still there."""
 CLIENT_CLOSED = 499
 """The status counted for a request whose client left before its answer (nginx's convention)."""
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+"""A request body's size at most (`serve --max-request-bytes`); beyond, 413."""
 
 
 def create_app(
@@ -45,15 +47,17 @@ def create_app(
     max_prompt_tokens: int | None,
     max_model_len: int,
     shutdown_timeout: float = 30.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `scheduler`'s model as `model_name`.
 
     tokenizer: the model's (text prompts, chat templates, token texts); None accepts token ids only.
     api_key: when set, every route but /health needs `Authorization: Bearer <api_key>` (else 401).
     max_prompt_tokens: longest prompt taken (None: no limit but the context); max_model_len: prompt
-    plus max_tokens at most. The lifespan starts the scheduler and, on shutdown, lets running requests
-    finish within shutdown_timeout seconds. Setting `app.state.draining = True` (the CLI does on
-    SIGTERM) answers 503 to new /v1 requests and to /health.
+    plus max_tokens at most; max_request_bytes: a request body's size at most (else 413, read no
+    further). n and best_of are at most the scheduler's max_num_seqs. The lifespan starts the
+    scheduler and, on shutdown, lets running requests finish within shutdown_timeout seconds.
+    `drain(app)` (the CLI calls it on SIGTERM) starts that shutdown early.
     """
 
     @asynccontextmanager
@@ -66,14 +70,16 @@ def create_app(
         title="speculative", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan
     )
     app.state.draining = False
+    app.state.scheduler, app.state.shutdown_timeout = scheduler, shutdown_timeout
     limits = _Limits(tokenizer, max_prompt_tokens, max_model_len)
-    app.add_middleware(_Gate, api_key=api_key, metrics=scheduler.metrics)
+    app.add_middleware(_Gate, api_key=api_key, metrics=scheduler.metrics, max_request_bytes=max_request_bytes)
     _add_error_handlers(app)
     created = int(time.time())
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request) -> Response:
         _check_model(body.model, model_name)
+        body.check_limits(scheduler.max_num_seqs)
         prompts = [limits.encode(p) for p in body.prompts()]
         params = [body.sampling_params(limits.budget(ids, body.max_tokens, "max_tokens")) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -102,6 +108,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: P.ChatCompletionRequest, request: Request) -> Response:
         _check_model(body.model, model_name)
+        body.check_limits(scheduler.max_num_seqs)
         ids = limits.apply_chat_template([m.template_input() for m in body.messages])
         params = body.sampling_params(limits.budget(ids, body.requested_max_tokens, "max_completion_tokens"))
         num_top, decode = body.top_logprobs or 0, limits.decode_token
@@ -155,6 +162,14 @@ def create_app(
         return Response(generate_latest(scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def drain(app: FastAPI) -> None:
+    """Begin a graceful shutdown: new /v1 requests and /health get 503, and the requests still running
+    shutdown_timeout seconds from now end with an error (a streamed one: an error event, then
+    [DONE]; else a 500) instead of a dropped connection. Safe to call from a signal handler."""
+    app.state.draining = True
+    app.state.scheduler.drain(app.state.shutdown_timeout)
 
 
 def _check_model(requested: str | None, served: str) -> None:
@@ -346,7 +361,7 @@ async def _collect(answer: _Answer, streams: list[RequestStream]) -> tuple[list[
     async with aclosing(_merge(streams)) as updates:
         async for prompt, update in updates:
             if update.error is not None:
-                raise P.APIError(500, f"the engine failed this request: {update.error}")
+                raise _failure(update.error)
             generated[prompt] = update.num_generated_tokens
             for delta in update.sequences:
                 choice = choices.setdefault(prompt * answer.n + delta.index, _Choice())
@@ -374,8 +389,9 @@ async def _sse(
             yield answer.chunk(answer.first_choices)
         async for prompt, update in updates:
             if update.error is not None:
-                request.state.status = 500
-                yield _event(P.error_body(f"the engine failed this request: {update.error}", "server_error"))
+                failure = _failure(update.error)
+                request.state.status = failure.status
+                yield _event(failure.body())
                 break
             generated[prompt] = update.num_generated_tokens
             choices = []
@@ -391,6 +407,14 @@ async def _sse(
                 yield answer.chunk([], P.usage(sum(map(len, prompts)), sum(generated)))
             request.state.status = 200
     yield "data: [DONE]\n\n"
+
+
+def _failure(error: str) -> P.APIError:
+    """A request that the engine failed: a 400 naming the field when its own parameters did (errors
+    that begin "SamplingParams.", as NoTokenAllowed's), else a 500."""
+    if error.startswith("SamplingParams."):
+        return P.invalid_request(ValueError(error))
+    return P.APIError(500, f"the engine failed this request: {error}")
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestUpdate]]:
@@ -429,13 +453,14 @@ def _event(body: dict) -> str:
 
 
 class _Gate:
-    """Pure ASGI middleware: the API key, draining (503), and counting /v1 requests by status.
+    """Pure ASGI middleware: the API key, draining (503), the body's size (413, the body read no
+    further than the limit), and counting /v1 requests by status.
 
     A streamed request is counted when its stream ends, with the status its handler leaves in
-    `request.state.status` (200, 499 when the client left, 500 when the engine failed it)."""
+    `request.state.status` (200, 499 when the client left, 400 or 500 when the engine failed it)."""
 
-    def __init__(self, app, *, api_key: str | None, metrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, *, api_key: str | None, metrics, max_request_bytes: int) -> None:
+        self.app, self.metrics, self.max_request_bytes = app, metrics, max_request_bytes
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -453,14 +478,40 @@ class _Gate:
 
         try:
             error = self._refusal(scope, path)
+            if error is None:
+                body = await self._body(scope, receive)
+                if body is None:
+                    error = P.APIError(
+                        413,
+                        f"the request body is larger than this server's limit of {self.max_request_bytes} "
+                        "bytes (--max-request-bytes)",
+                        code="request_too_large",
+                    )
             if error is not None:
                 await JSONResponse(error.body(), status_code=error.status)(scope, receive, send_and_note)
             else:
-                await self.app(scope, receive, send_and_note)
+                await self.app(scope, _replay(body, receive), send_and_note)
         finally:
             if counted:
                 status = scope.get("state", {}).get("status", status)
                 self.metrics.request_finished(status, path if path in ENDPOINTS else "other")
+
+    async def _body(self, scope, receive) -> bytes | None:
+        """The whole request body, or None (read no further) when it is over the limit."""
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left: the app gets what came, then the disconnect
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return None
+            more = message.get("more_body", False)
+        return b"".join(chunks)
 
     def _refusal(self, scope, path: str) -> P.APIError | None:
         if self.expected is not None and path != "/health":
@@ -474,6 +525,16 @@ class _Gate:
         if path.startswith("/v1/") and scope["app"].state.draining:
             return P.APIError(503, "the server is shutting down and takes no new requests")
         return None
+
+
+def _replay(body: bytes, receive):
+    """An ASGI receive that gives the body already read, then passes on to `receive` (disconnects)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 def _add_error_handlers(app: FastAPI) -> None:

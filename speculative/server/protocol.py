@@ -33,6 +33,10 @@ MAX_CHOICES = 128
 """n and best_of at most: one request cannot fill the server with sequences."""
 MAX_LOGPROBS = 20
 """logprobs / top_logprobs at most (OpenAI's and vLLM's default limit)."""
+MAX_STOP = 16
+"""Stop strings per request at most (OpenAI takes 4; vLLM's clients may send more)."""
+MAX_STOP_CHARS = 256
+"""Characters per stop string at most: the engine looks for each one after every step."""
 MIN_LOGPROB = -9999.0
 """OpenAI's stand-in for a log-probability of -inf (JSON has no infinity)."""
 _INT64 = 2**63
@@ -168,6 +172,30 @@ class SamplingRequest(_Body):
     include_stop_str_in_output: bool | None = None
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
+
+    def check_limits(self, max_choices: int) -> None:
+        """The server's limits that the schema does not hold, checked before any tokenization: n and
+        best_of at most max_choices, at most MAX_STOP stop strings of MAX_STOP_CHARS characters each.
+        An APIError (400) naming the field and its allowed range."""
+        for name in ("n", "best_of"):
+            value = getattr(self, name, None)
+            if value is not None and value > max_choices:
+                raise APIError(
+                    400,
+                    f"{name} must be in [1, {max_choices}] on this server (its sequences all run at "
+                    f"once, --max-num-seqs); got {value}",
+                    param=name,
+                )
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"stop must hold at most {MAX_STOP} strings; got {len(stop)}", param="stop")
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise APIError(
+                400,
+                f"each stop string must be at most {MAX_STOP_CHARS} characters long; got one of {longest}",
+                param="stop",
+            )
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None, best_of: int | None) -> SamplingParams:
         """SamplingParams of this request, or an APIError (400) naming the offending field."""

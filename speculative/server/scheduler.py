@@ -24,6 +24,9 @@ from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 from speculative.server.metrics import ServerMetrics
 
+SHUT_DOWN = "the server shut down before this request finished (--shutdown-timeout)"
+"""The error of the requests still running when the shutdown's time is up."""
+
 
 class QueueFull(Exception):
     """The waiting queue is at its limit (HTTP 429)."""
@@ -148,6 +151,7 @@ class Scheduler:
         self._aborted: list[Request] = []
         self._numbers = itertools.count()
         self._accepting = True
+        self._deadline: float | None = None  # drain(): when the remaining requests fail
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -200,12 +204,21 @@ class Scheduler:
         self._wake.set()
         return RequestStream(request, self)
 
+    def drain(self, timeout: float) -> None:
+        """Stop taking requests (`submit` raises ShuttingDown); the requests still queued or running
+        `timeout` seconds from now fail with an error update saying that the server shut down. Calling
+        it again keeps the first deadline. Thread-safe (the CLI calls it from its signal handler)."""
+        with self._lock:
+            self._accepting = False
+            if self._deadline is None:
+                self._deadline = time.monotonic() + timeout
+        self._wake.set()
+
     async def shutdown(self, timeout: float) -> None:
-        """Stop taking requests, let queued and running ones finish for at most `timeout` seconds
-        (the rest fail with an error update), then stop the engine thread."""
-        self._accepting = False
-        deadline = time.monotonic() + timeout
-        while (self._running or self._waiting) and time.monotonic() < deadline:
+        """`drain(timeout)`, wait for the queued and running requests to finish or fail, then stop the
+        engine thread."""
+        self.drain(timeout)
+        while (self._running or self._waiting) and self._thread is not None and self._thread.is_alive():
             await asyncio.sleep(0.02)
         self._stopping = True
         self._wake.set()
@@ -229,14 +242,18 @@ class Scheduler:
         while True:
             with self._lock:
                 aborted, self._aborted = self._aborted, []
-                admitted = self._admit() if not self._stopping else []
+                expired = self._deadline is not None and time.monotonic() >= self._deadline
+                pending = bool(self._waiting or self._running)
+                admitted = self._admit() if not (self._stopping or expired) else []
             for request in aborted:
                 if not request.done:
                     self._finish(request, "abort")
-            if self._stopping:
-                self._fail_all("the server shut down before this request finished")
+            if self._stopping or (expired and pending):
+                self._fail_all(SHUT_DOWN)
                 self._set_gauges()
-                return
+                if self._stopping:
+                    return
+                continue
             if admitted:
                 self._add(admitted)
             self._set_gauges()

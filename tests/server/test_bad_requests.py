@@ -4,15 +4,18 @@ and the server goes on serving; a property-based fuzz of the request schema neve
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from speculative import cli
 from speculative.server.app import create_app
 
-from .conftest import MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MODEL, ascii_tokenizer
+from .conftest import MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MODEL, ascii_tokenizer, running
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
@@ -160,6 +163,100 @@ def test_bad_request(served, name, path, body, status, words) -> None:
     error = response.json()["error"]
     assert words in error["message"], error
     assert set(error) == {"message", "type", "param", "code"}
+
+
+LIMITS = [  # (name, path, body, the param named, words the message must hold)
+    ("n over --max-num-seqs", COMPLETIONS, {**OK, "n": 33, "temperature": 1}, "n", "n must be in [1, 32]"),
+    (
+        "best_of over --max-num-seqs",
+        COMPLETIONS,
+        {**OK, "best_of": 40, "temperature": 1},
+        "best_of",
+        "best_of must be in [1, 32]",
+    ),
+    ("n over 128", CHAT, {**CHAT_OK, "n": 129}, "n", "n: Input should be less than or equal to 128"),
+    (
+        "top_logprobs over 20",
+        CHAT,
+        {**CHAT_OK, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "less than or equal to 20",
+    ),
+    ("17 stop strings", COMPLETIONS, {**OK, "stop": list("abcdefghijklmnopq")}, "stop", "at most 16 strings"),
+    (
+        "a stop string of 257 characters",
+        CHAT,
+        {**CHAT_OK, "stop": ["x" * 257]},
+        "stop",
+        "at most 256 characters long; got one of 257",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, path, body, param, words", LIMITS, ids=[c[0] for c in LIMITS])
+def test_limits_name_the_parameter_and_its_range(served, name, path, body, param, words) -> None:
+    response = served.post(path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_stop_strings_at_the_limits_are_taken(served) -> None:
+    body = {**OK, "stop": [chr(ord("a") + i) * 256 for i in range(16)]}
+    assert served.post(COMPLETIONS, body).status_code == 200
+
+
+def test_a_body_over_the_size_limit_is_413(served) -> None:
+    """1 MiB + 1 byte, declared by Content-Length or sent chunked with none: 413, OpenAI's error JSON."""
+    big = json.dumps({**OK, "user": "x" * (1 << 20)}).encode()
+
+    def chunks():
+        for i in range(0, len(big), 1 << 16):
+            yield big[i : i + (1 << 16)]
+
+    for content in (big, chunks()):
+        response = served.post(COMPLETIONS, content=content)
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert "limit of 1048576 bytes (--max-request-bytes)" in error["message"], error
+        assert error["code"] == "request_too_large"
+    assert served.post(COMPLETIONS, {**OK, "user": "x" * 1000}).status_code == 200
+
+
+def test_max_request_bytes_flag(capsys) -> None:
+    assert cli.main(["serve", "--max-request-bytes", "0"]) == 2
+    assert "--max-request-bytes must be >= 1; got 0" in capsys.readouterr().err
+    app = cli.serve_app(cli.build_parser().parse_args(["serve", "--max-request-bytes", "200"]))
+    body = {"prompt": "x", "max_tokens": 1}
+    with running(app) as url:
+        assert httpx.post(url + COMPLETIONS, json=body, timeout=60).status_code == 200
+        assert httpx.post(url + COMPLETIONS, json={**body, "user": "x" * 200}, timeout=60).status_code == 413
+
+
+def test_constraints_at_a_dead_end_are_a_400_for_that_request_alone(served) -> None:
+    """allowed_token_ids {"{", "a"} under response_format json_object: "{", then no token is allowed.
+    Not detectable up front (the first position has one): the request ends with a 400 naming
+    allowed_token_ids, streamed as an error event before [DONE], while a request beside it succeeds."""
+    allowed = served.tokenizer.convert_tokens_to_ids(["{", "a"])
+    body = {**OK, "max_tokens": 8, "allowed_token_ids": allowed, "response_format": {"type": "json_object"}}
+    message = "allowed_token_ids and guided_decoding leave no token allowed after 1 generated tokens"
+    with ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(served.post, COMPLETIONS, {**OK, "max_tokens": 32, "ignore_eos": True})
+        response = served.post(COMPLETIONS, body)
+        assert beside.result().status_code == 200
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": "allowed_token_ids",
+        "code": None,
+    }
+    streamed = served.post(COMPLETIONS, {**body, "stream": True})
+    events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == message
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2]) == "{"
+    assert served.post(COMPLETIONS, OK).status_code == 200
 
 
 def test_wrong_method_and_still_serving(served) -> None:

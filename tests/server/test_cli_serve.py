@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -22,6 +24,8 @@ from .conftest import free_port, tiny_pair
 
 KEY = "cli-key"
 CONTEXT = 2048  # long enough for a stream that outlasts the SIGTERM
+LONG_SHUTDOWN_S = 120.0
+"""The shutdown timeout of a server whose streams must finish; also how long a test waits on one."""
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +38,8 @@ def model_paths(tmp_path_factory) -> tuple[str, str]:
     return str(root / "target"), str(root / "draft")
 
 
-@pytest.fixture(scope="module")
-def cli_server(model_paths):
+@contextmanager
+def speculative_serve(model_paths, shutdown_timeout: float) -> Iterator[tuple[str, subprocess.Popen]]:
     """`speculative serve` with the key from SPECULATIVE_API_KEY; yields (base URL, process)."""
     port = free_port()
     process = subprocess.Popen(
@@ -55,7 +59,7 @@ def cli_server(model_paths):
             "--served-model-name",
             "tiny",
             "--shutdown-timeout",
-            "20",
+            str(shutdown_timeout),
         ],
         env={**os.environ, "SPECULATIVE_API_KEY": KEY},
         stdout=subprocess.PIPE,
@@ -78,6 +82,13 @@ def cli_server(model_paths):
         if process.poll() is None:
             process.kill()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def cli_server(model_paths):
+    """A server whose running requests have all the time they need after SIGTERM."""
+    with speculative_serve(model_paths, shutdown_timeout=LONG_SHUTDOWN_S) as served:
+        yield served
 
 
 def test_openai_client_against_speculative_serve(cli_server, model_paths) -> None:
@@ -129,43 +140,108 @@ def test_a_non_streaming_client_that_leaves_frees_its_rows(cli_server) -> None:
     assert samples[("speculative:http_requests_total", ("/v1/completions", "499"))] == 1
 
 
-def test_sigterm_lets_the_running_stream_finish(cli_server) -> None:
-    url, process = cli_server
-    max_tokens = CONTEXT - 64
-    events: list[str] = []
-    first_event = threading.Event()
+class Stream(threading.Thread):
+    """A streamed completion read in a thread: its SSE data lines as they come, and how it ended."""
 
-    def read_stream() -> None:
+    def __init__(self, url: str, max_tokens: int) -> None:
+        super().__init__()
+        self.url, self.max_tokens = url, max_tokens
+        self.events: list[str] = []
+        self.started = threading.Event()
+        self.error: Exception | None = None
+
+    def run(self) -> None:
         body = {
             "model": "tiny",
             "prompt": "x",
-            "max_tokens": max_tokens,
+            "max_tokens": self.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        with httpx.stream(
-            "POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
-        ) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    first_event.set()
+        headers = {"Authorization": f"Bearer {KEY}"}
+        try:
+            with httpx.stream(
+                "POST", self.url + "/v1/completions", json=body, headers=headers, timeout=LONG_SHUTDOWN_S
+            ) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.started.set()
+        except Exception as error:  # the test asserts there is none
+            self.error = error
+        self.started.set()
 
-    reader = threading.Thread(target=read_stream)
-    reader.start()
-    assert first_event.wait(timeout=30)
-    process.send_signal(signal.SIGTERM)
-    events_at_signal = len(events)
-    time.sleep(0.3)
-    try:  # new requests are refused: the listener is closed (or, on a kept-alive connection, 503)
-        assert httpx.get(url + "/health", timeout=5).status_code == 503
+    def assert_finished(self) -> None:
+        """The stream ran to max_tokens: its last choice, its usage, then [DONE]."""
+        assert self.error is None, f"the stream was cut: {self.error!r}"
+        assert self.events[-1] == "[DONE]", "the stream was cut"
+        assert json.loads(self.events[-2])["usage"]["completion_tokens"] == self.max_tokens
+        assert json.loads(self.events[-3])["choices"][0]["finish_reason"] == "length"
+
+
+def assert_refused(url: str) -> None:
+    """A request sent after SIGTERM is refused at once: 503, or no connection; never a hang."""
+    try:
+        response = httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 4},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=10,
+        )
+    except httpx.TimeoutException:
+        pytest.fail("a request sent after SIGTERM hung")
     except httpx.TransportError:
-        pass
-    reader.join(timeout=60)
-    assert process.wait(timeout=30) in (0, -signal.SIGTERM), process.stdout.read()
-    assert events[-1] == "[DONE]", "the running stream was cut"
-    assert len(events) > events_at_signal + 2, "the stream had ended before the SIGTERM"
-    assert json.loads(events[-2])["usage"]["completion_tokens"] == max_tokens
-    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+        return  # the listener is closed
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["type"] == "service_unavailable"
+
+
+def tokens_per_second(url: str) -> float:
+    """The running server's decoding speed, from a timed greedy request of 64 tokens."""
+    start = time.perf_counter()
+    response = httpx.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 64, "temperature": 0, "ignore_eos": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=LONG_SHUTDOWN_S,
+    )
+    assert response.status_code == 200, response.text
+    return 64 / (time.perf_counter() - start)
+
+
+def test_sigterm_lets_the_running_stream_finish(cli_server) -> None:
+    """A stream of about two seconds at the server's measured speed is running at SIGTERM (it has sent
+    its first events, not its end), and the shutdown timeout is far longer: it must end whole."""
+    url, process = cli_server
+    stream = Stream(url, max_tokens=min(CONTEXT - 64, max(32, int(2 * tokens_per_second(url)))))
+    stream.start()
+    assert stream.started.wait(timeout=LONG_SHUTDOWN_S) and stream.error is None, stream.error
+    process.send_signal(signal.SIGTERM)
+    assert "[DONE]" not in stream.events, "the stream had ended before the SIGTERM"
+    assert_refused(url)
+    stream.join(timeout=LONG_SHUTDOWN_S)
+    assert process.wait(timeout=LONG_SHUTDOWN_S) in (0, -signal.SIGTERM), process.stdout.read()
+    stream.assert_finished()
+
+
+def test_sigterm_ends_the_streams_that_outlast_the_timeout_with_an_error(model_paths) -> None:
+    """With --shutdown-timeout 0, streams far from their end at SIGTERM are cut at once: each gets an
+    error event and [DONE] before its connection closes, never a dropped connection."""
+    with speculative_serve(model_paths, shutdown_timeout=0) as (url, process):
+        streams = [Stream(url, max_tokens=CONTEXT - 64) for _ in range(3)]
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            assert stream.started.wait(timeout=LONG_SHUTDOWN_S) and stream.error is None, stream.error
+        process.send_signal(signal.SIGTERM)
+        assert_refused(url)
+        for stream in streams:
+            stream.join(timeout=LONG_SHUTDOWN_S)
+        assert process.wait(timeout=LONG_SHUTDOWN_S) in (0, -signal.SIGTERM), process.stdout.read()
+    for stream in streams:
+        assert stream.error is None, f"the connection was dropped: {stream.error!r}"
+        assert stream.events[-1] == "[DONE]"
+        error = json.loads(stream.events[-2])["error"]
+        assert error["type"] == "server_error" and "shut down" in error["message"], error
