@@ -17,6 +17,8 @@ from speculative.models.llama import NativeCausalLM
 from speculative.models.packed import STATIC_ROWS_MAX
 from speculative.precompile import PreCompileConfig
 
+pytestmark = pytest.mark.slow  # cold inductor compiles: minutes on 2 cores (see pyproject.toml)
+
 # lengths 3 .. 70: spans of these prompts plus 24 tokens cross multiples of SPAN_MULTIPLE
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 5, [3, 4, 5] * 20 + [8] * 10]
 MAX_TOKENS = 24

@@ -164,6 +164,7 @@ def test_speculative_greedy_output_is_the_quantized_targets_own(family: str) -> 
     assert speculative.draft.model.quantization == "int8"
 
 
+@pytest.mark.slow
 def test_compiled_quantized_greedy_output_is_the_eager_quantized_targets_own() -> None:
     """Compiled, a plain step's graph reads the int8 weights in inductor's loop and a verification's
     calls torch's kernel as an op: speculating (n-gram drafts, so that the target's two graphs are
