@@ -395,8 +395,8 @@ class Engine:
         NoTokenAllowed when a new token is one that its constraints forbid: it was drawn at a position
         where they left no token allowed."""
         n = len(new)
-        allowed = s.params.allowed_token_ids
-        if allowed and any(t not in allowed for t in new):
+        allowed = s.allowed_token_set
+        if allowed is not None and any(t not in allowed for t in new):
             raise NoTokenAllowed(s)
         if s.guide is not None:
             try:

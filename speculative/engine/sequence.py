@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -46,6 +47,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @cached_property
+    def allowed_token_set(self) -> frozenset[int] | None:
+        """SamplingParams.allowed_token_ids as a set for host-side checks; None: every token."""
+        ids = self.params.allowed_token_ids
+        return frozenset(ids) if ids else None
 
 
 class NoTokenAllowed(ValueError):
