@@ -1,4 +1,4 @@
-"""The `speculative` command line: `speculative generate`, `speculative bench` and `speculative serve`."""
+"""The `speculative` command line: `speculative generate`, `bench`, `bench-serve` and `serve`."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the first call of each kind compiles, a minute or more on a small CPU)",
     )
     _add_bench_parser(commands)
+    _add_bench_serve_parser(commands)
     _add_serve_parser(commands, engine)
     return parser
 
@@ -158,6 +159,40 @@ def _add_bench_parser(commands) -> None:
         action="store_true",
         help="CI smoke test: 2 prompts a set, 24 tokens, 2 sweep points, well under a minute on 2 CPU cores",
     )
+
+
+def _add_bench_serve_parser(commands) -> None:
+    load = commands.add_parser(
+        "bench-serve",
+        help="benchmark `speculative serve` under load over HTTP, with and without speculation",
+        description="Starts one `speculative serve` per server variant and drives it with streamed "
+        "requests: closed loop at each --concurrency, open loop (Poisson) at each --rate, and an "
+        "optional soak; writes results.json, report.md and load.png.",
+    )
+    load.add_argument("--model", help="target model (default: the demo pair's target)")
+    load.add_argument("--draft-model", help="draft model (default with the demo target: the demo's draft)")
+    load.add_argument("--prompts", help="a JSONL prompt set (default: the bundled code set)")
+    load.add_argument("--num-prompts", type=int, default=32, help="prompts sent in turn, the first ones (32)")
+    load.add_argument("--max-tokens", type=int, default=64, help="tokens per request, EOS ignored (64)")
+    load.add_argument(
+        "-k", "--num-speculative-tokens", dest="k", type=int, default=4, help="draft tokens (4)"
+    )
+    load.add_argument(
+        "--servers",
+        nargs="+",
+        default=["plain", "draft", "adaptive"],
+        help="server variants: plain (no speculation), draft (k drafts), adaptive (k chosen per step)",
+    )
+    load.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="closed-loop clients")
+    load.add_argument("--rate", dest="rates", type=float, nargs="*", default=[4.0], help="open-loop req/s")
+    load.add_argument("--requests", type=int, default=64, help="requests per level, at least 2 per client")
+    load.add_argument("--soak", dest="soak_requests", type=int, default=0, help="soak requests (0: none)")
+    load.add_argument("--soak-max-tokens", type=int, default=8, help="tokens per soak request (8)")
+    load.add_argument("--dtype", default="float32", help="the servers' --dtype (float32)")
+    load.add_argument("--compile", action="store_true", help="the servers run compiled (--compile)")
+    load.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--out", default="bench-serve-out", help="output directory (bench-serve-out)")
 
 
 def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
@@ -336,6 +371,23 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_serve(args: argparse.Namespace) -> int:
+    with needs_extra("bench", "speculative bench-serve"):
+        from speculative.bench.load import LoadConfig, run_load
+        from speculative.bench.load_report import soak_lines
+
+    names = ("prompts", "num_prompts", "max_tokens", "k", "servers", "concurrency", "rates", "requests")
+    names += ("soak_requests", "soak_max_tokens", "dtype", "compile", "temperature", "seed")
+    config = LoadConfig(**{name: getattr(args, name) for name in names})
+    target, draft = _models(args.model, args.draft_model)
+    out = Path(args.out)
+    results = run_load(config, target, draft, out)
+    for line in soak_lines(results):
+        print(f"soak, {line}")
+    print(f"wrote {out / 'report.md'}")
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     """Serve `serve_app(args)` until SIGTERM or SIGINT: from then on new requests get 503 while running
     ones have --shutdown-timeout seconds to finish."""
@@ -428,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.set_verbosity_error()  # no weight-loading bars or warnings in the CLI's output
     transformers_logging.disable_progress_bar()
     try:
-        return {"bench": bench, "serve": serve}.get(args.command, generate)(args)
+        return {"bench": bench, "bench-serve": bench_serve, "serve": serve}.get(args.command, generate)(args)
     except (ValueError, TypeError, OSError, ModuleNotFoundError) as error:  # bad input, a missing extra
         print(f"speculative: error: {error}", file=sys.stderr)
         return 2

@@ -21,7 +21,6 @@ from speculative.bench import report
 from speculative.bench.gguf_cache import DEFAULT_CACHE, byte_level_bpe, cache_key, gguf_file
 from speculative.bench.llamacpp import (
     LlamaCppSetup,
-    LlamaServer,
     llama_cpp_methods,
     llama_cpp_unavailable,
     parse_completion,
@@ -33,6 +32,7 @@ from speculative.bench.llamacpp import (
 from speculative.bench.measure import engine_timings, speculation_stats
 from speculative.bench.methods import Generation, Method
 from speculative.bench.prompts import BUNDLED_DIR, encode, load_jsonl
+from speculative.bench.server_process import ServerProcess
 from speculative.demo import DEMO_DIR
 
 # /completion's answer from llama-server (build 10470, commit 34af94cd9): the first code prompt, the demo pair
@@ -350,7 +350,7 @@ def test_a_server_that_dies_reports_its_log(tmp_path: Path) -> None:
     binary.write_text(f"#!{sys.executable}\nimport sys\nprint('error: no model'); sys.exit(1)\n")
     binary.chmod(0o755)
     with pytest.raises(RuntimeError, match="status 1:\nerror: no model"):
-        LlamaServer(binary, [], 1).start()
+        ServerProcess([str(binary)], 1, "llama-server").start()
 
 
 @pytest.mark.skipif(

@@ -23,14 +23,9 @@ decodes one sequence at a time.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import re
-import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -40,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from speculative.bench.gguf_cache import DEFAULT_CACHE, OUTTYPES, gguf_file
 from speculative.bench.methods import Generation, Method
+from speculative.bench.server_process import ServerProcess, free_port
 
 if TYPE_CHECKING:
     import httpx  # the llamacpp extra's; imported where a server is used
@@ -49,7 +45,6 @@ NAMES = {
     "llamacpp_draft": "llama.cpp draft",
     "llamacpp_draft_default": "llama.cpp draft, defaults",
 }
-HEALTH_TIMEOUT = 120.0  # seconds for a server to load its models and answer /health
 
 
 def server_binary(checkout: str | Path, build: str = "build") -> Path:
@@ -195,89 +190,12 @@ def _client() -> httpx.Client:
     return httpx.Client(timeout=600.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # Linux: the server gets SIGTERM when the bench's process dies
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class LlamaServer:
-    """One llama-server process on 127.0.0.1. `start` returns once /health answers 200 (RuntimeError
-    with the end of the server's log if it exits or does not within HEALTH_TIMEOUT); `stop` sends
-    SIGTERM, then SIGKILL after 10 s. A context manager."""
-
-    binary: Path
-    args: list[str]
-    port: int
-    process: subprocess.Popen | None = None
-    log: object = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> LlamaServer:
-        import httpx
-
-        self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(
-            [str(self.binary), *self.args],
-            stdin=subprocess.DEVNULL,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
-        deadline = time.monotonic() + HEALTH_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"llama-server exited with status {self.process.returncode}:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(
-            f"llama-server did not answer /health within {HEALTH_TIMEOUT:.0f} s:\n{self.log_tail()}"
-        )
-
-    def log_tail(self, chars: int = 3000) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-chars:]
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
 @dataclass
 class LlamaCppMethod(Method):
     """A method run by a llama-server: one /completion request per call, timed from send to answer
     (the table's figure, prefill included); the server's own prefill / decode split rides along."""
 
-    server: LlamaServer | None = None
+    server: ServerProcess | None = None
     client: httpx.Client = field(default_factory=_client)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
@@ -317,7 +235,7 @@ def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Meth
     target = gguf_file(setup.checkout, setup.target, setup.dtype, setup.cache_dir)
 
     def method(name: str, label: str, draft: Path | None, k: int | None, spec_k: int) -> LlamaCppMethod:
-        port = _free_port()
+        port = free_port()
         args = server_args(
             target,
             draft,
@@ -327,7 +245,7 @@ def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Meth
             port,
             (OUTTYPES[setup.dtype], OUTTYPES[setup.draft_dtype]),
         )
-        server = stack.enter_context(LlamaServer(binary, args, port))
+        server = stack.enter_context(ServerProcess([str(binary), *args], port, "llama-server"))
         m = LlamaCppMethod(
             name, label, "llama.cpp", "draft_model" if draft else None, spec_k, max_batch=1, server=server
         )

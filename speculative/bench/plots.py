@@ -14,7 +14,7 @@ with needs_extra("bench", "speculative.bench"):
     import matplotlib.pyplot as plt
 
 
-def _save(fig, path: Path) -> str:
+def save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -37,7 +37,7 @@ def tokens_per_second(results: dict, path: Path) -> str:
     ax.set_ylabel("tokens/s (median over prompts)")
     ax.set_title("Greedy decoding speed by method")
     ax.legend()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def acceptance_by_position(results: dict, path: Path) -> str:
@@ -54,7 +54,7 @@ def acceptance_by_position(results: dict, path: Path) -> str:
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position (ours)")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def speedup_against_k(results: dict, path: Path) -> str:
@@ -79,7 +79,7 @@ def speedup_against_k(results: dict, path: Path) -> str:
     ax.set_ylabel("speedup over ours autoregressive")
     ax.set_title("Speedup against k, with the speed bound")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def throughput_against_batch(results: dict, path: Path) -> str:
@@ -99,7 +99,7 @@ def throughput_against_batch(results: dict, path: Path) -> str:
     ax.set_ylabel("tokens/s (all rows)")
     ax.set_title("Throughput against batch size")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def write_plots(results: dict, out: Path) -> list[str]:

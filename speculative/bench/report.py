@@ -28,14 +28,14 @@ K_COLUMNS = ["k", "vs ours AR", "bound", "effic.", "accept", "alpha", "mean len"
 BATCH_COLUMNS = ["batch", "method", "tok/s", "identical (ties)"]
 
 
-def _num(value, spec: str = ".2f") -> str:
+def num(value, spec: str = ".2f") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "n/a"
     return format(value, spec)
 
 
 def _identical(entry: dict) -> str:
-    return f"{_num(entry['identical_fraction'])} ({entry['near_ties']})"
+    return f"{num(entry['identical_fraction'])} ({entry['near_ties']})"
 
 
 def _with_llamacpp(methods: dict) -> bool:
@@ -54,14 +54,14 @@ def method_rows(methods: dict) -> list[list[str]]:
     """One row per method of a prompt set's table that ran, in `method_columns`' order."""
     llamacpp = _with_llamacpp(methods)
     return [
-        [e["label"], _num(e["tokens_per_s"], ".1f"), _num(e["speedup_vs_hf"]), _num(e["speedup_vs_ours_ar"])]
-        + ([_num(e.get("speedup_vs_llamacpp"))] if llamacpp else [])
+        [e["label"], num(e["tokens_per_s"], ".1f"), num(e["speedup_vs_hf"]), num(e["speedup_vs_ours_ar"])]
+        + ([num(e.get("speedup_vs_llamacpp"))] if llamacpp else [])
         + [
-            _num(e["acceptance_rate"]),
-            _num(e["alpha"]),
-            _num(e["mean_accepted_length"]),
-            _num(e["bound"]),
-            _num(e["efficiency"]),
+            num(e["acceptance_rate"]),
+            num(e["alpha"]),
+            num(e["mean_accepted_length"]),
+            num(e["bound"]),
+            num(e["efficiency"]),
             _identical(e),
         ]
         for e in methods.values()
@@ -115,12 +115,12 @@ def k_rows(points: list[dict]) -> list[list[str]]:
     return [
         [
             str(p["k"]),
-            _num(p["speedup_vs_ours_ar"]),
-            _num(p["bound"]),
-            _num(p["efficiency"]),
-            _num(p["acceptance_rate"]),
-            _num(p["alpha"]),
-            _num(p["mean_accepted_length"]),
+            num(p["speedup_vs_ours_ar"]),
+            num(p["bound"]),
+            num(p["efficiency"]),
+            num(p["acceptance_rate"]),
+            num(p["alpha"]),
+            num(p["mean_accepted_length"]),
         ]
         for p in points
     ]
@@ -128,7 +128,7 @@ def k_rows(points: list[dict]) -> list[list[str]]:
 
 def batch_rows(rows: list[dict]) -> list[list[str]]:
     """One row per (batch size, method) of the batch sweep."""
-    return [[str(r["batch_size"]), r["label"], _num(r["tokens_per_s"], ".1f"), _identical(r)] for r in rows]
+    return [[str(r["batch_size"]), r["label"], num(r["tokens_per_s"], ".1f"), _identical(r)] for r in rows]
 
 
 def run_times_line(methods: dict) -> str:
@@ -195,7 +195,7 @@ def print_tables(results: dict, console: Console) -> None:
     )
 
 
-def _markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -231,7 +231,7 @@ def markdown(results: dict, plots: list[str]) -> str:
     for name, data in results["sets"].items():
         parts += [
             f"## {name} ({data['num_prompts']} prompts)",
-            _markdown_table(method_columns(data["methods"]), method_rows(data["methods"])),
+            markdown_table(method_columns(data["methods"]), method_rows(data["methods"])),
             run_times_line(data["methods"]),
         ]
         parts += [
@@ -249,11 +249,11 @@ def markdown(results: dict, plots: list[str]) -> str:
         for drafter, points in sweeps.items():
             parts += [
                 f"## k sweep: {name}, {drafter} ({config['sweep_prompts']} prompts)",
-                _markdown_table(K_COLUMNS, k_rows(points)),
+                markdown_table(K_COLUMNS, k_rows(points)),
             ]
     parts += [
         f"## Batch sweep: {results['sweeps'].get('batch_set', '')}",
-        _markdown_table(BATCH_COLUMNS, batch_rows(results["sweeps"]["batch"])),
+        markdown_table(BATCH_COLUMNS, batch_rows(results["sweeps"]["batch"])),
     ]
     parts += ["## Run time", ", ".join(f"{phase} {s:.0f} s" for phase, s in results["seconds"].items()) + "."]
     parts += ["## Plots"] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]

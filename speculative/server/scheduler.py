@@ -22,6 +22,7 @@ from speculative.engine.outputs import Logprob, SpeculationMetrics
 from speculative.engine.sequence import Sequence
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
+from speculative.server.memory import release_free_memory
 from speculative.server.metrics import ServerMetrics
 
 SHUT_DOWN = "the server shut down before this request finished (--shutdown-timeout)"
@@ -239,6 +240,7 @@ class Scheduler:
     # The engine thread.
 
     def _run(self) -> None:
+        busy = False  # a step ran since the batch was last empty
         while True:
             with self._lock:
                 aborted, self._aborted = self._aborted, []
@@ -258,9 +260,13 @@ class Scheduler:
                 self._add(admitted)
             self._set_gauges()
             if not self._running:
+                if busy:  # the batch just emptied
+                    release_free_memory()
+                    busy = False
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            busy = True
             start = time.perf_counter()
             try:
                 self.engine.step()

@@ -1,0 +1,312 @@
+"""`speculative bench-serve`: `speculative serve` under load over HTTP, after vLLM's benchmark_serving.
+
+Each server variant runs as its own `speculative serve` process (ServerProcess) on the same pair:
+"plain" (the target alone: no speculation), "draft" (the draft model, k drafts per step) and
+"adaptive" (the draft model, k chosen per step by the server). Every request streams
+/v1/completions with httpx, a prompt of the set as text, exactly `max_tokens` tokens (ignore_eos),
+greedy unless `temperature`; the client records when it sent the request and when each chunk with text
+arrived. Then, per server:
+
+- closed loop, for each concurrency c: c clients, each sending its next request as soon as its last
+  one ended, until `requests` requests (at least 2 per client) have been sent;
+- open loop, for each rate r: requests sent at Poisson arrival times of r per second, whatever the
+  server's answers (vLLM's `--request-rate`);
+- soak (`soak_requests` > 0): that many short requests (`soak_max_tokens`) at the largest concurrency,
+  the server's resident set size (RSS) read when it is idle after the first SOAK_WARM_UP of them and
+  after the last: memory is flat if it grew by less than a leak of LEAK_PER_REQUEST bytes a request
+  would have added.
+
+Figures of a level (vLLM's): requests/s and output tokens/s over the level's wall time; time to first
+token (TTFT: first chunk with text), time per output token (TPOT: (end - first chunk) / (tokens - 1),
+per request) and inter-chunk latency (ITL: gaps between chunks; a speculative step's chunk can hold
+several tokens), each as p50 / p99 in ms; errors (a status other than 200, an error event, or no
+[DONE]). The server's RSS is sampled every RSS_PERIOD s throughout (psutil).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from speculative.bench.load_report import write_load_outputs
+from speculative.bench.prompts import BUNDLED_DIR, load_jsonl
+from speculative.bench.server_process import ServerProcess, free_port
+from speculative.demo.model_card import machine
+from speculative.extras import needs_extra
+from speculative.models.dtypes import cpu_features
+
+with needs_extra("bench", "speculative bench-serve"):
+    import httpx
+    import psutil
+
+SERVERS = ("plain", "draft", "adaptive")
+RSS_PERIOD = 0.25  # seconds between RSS samples
+LEAK_PER_REQUEST = 1024  # bytes: the soak's bound is what a leak of this much per request would add
+SOAK_WARM_UP = 0.1  # the soak's first fraction of requests, before its RSS baseline
+SETTLE = 1.0  # seconds from a soak phase's last answer to its RSS reading: the server is idle by then
+REQUEST_TIMEOUT = 600.0  # seconds for one request
+
+
+@dataclass
+class LoadConfig:
+    """What `speculative bench-serve` runs (fields as its flags). model / draft_model: None takes the demo
+    pair; prompts: a JSONL set (None: the bundled code set), of which the first `num_prompts` are sent in
+    turn; serve_flags: more `speculative serve` flags for every server."""
+
+    model: str | None = None
+    draft_model: str | None = None
+    prompts: str | None = None
+    num_prompts: int = 32
+    max_tokens: int = 64
+    k: int = 4
+    servers: list[str] = field(default_factory=lambda: list(SERVERS))
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    rates: list[float] = field(default_factory=lambda: [4.0])
+    requests: int = 64
+    soak_requests: int = 0
+    soak_max_tokens: int = 8
+    dtype: str = "float32"
+    compile: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+    serve_flags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_tokens", "k", "requests", "soak_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.soak_requests < 0:
+            raise ValueError(f"soak_requests must be >= 0; got {self.soak_requests}")
+        if unknown := [s for s in self.servers if s not in SERVERS]:
+            raise ValueError(f"servers must be among {', '.join(SERVERS)}; got {', '.join(unknown)}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency must be one or more integers >= 1; got {self.concurrency}")
+        if any(r <= 0 for r in self.rates):
+            raise ValueError(f"rates must be > 0 requests/s; got {self.rates}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0; got {self.temperature}")
+
+
+@dataclass
+class RequestRecord:
+    """One request, times in seconds since the benchmark's clock started: sent, each chunk with text
+    (`chunks`), and the end; `tokens` the completion tokens of its usage; `error` None if it completed."""
+
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    end: float = 0.0
+    tokens: int = 0
+    error: str | None = None
+
+
+def serve_command(config: LoadConfig, server: str, target: str, draft: str | None, port: int) -> list[str]:
+    """The `speculative serve` command line of a server variant (ValueError where it needs a draft and
+    there is none)."""
+    command = [sys.executable, "-m", "speculative", "serve", "--model", target, "--port", str(port)]
+    command += ["--dtype", config.dtype, "--seed", str(config.seed), *config.serve_flags]
+    if config.compile:
+        command.append("--compile")
+    if server == "plain":
+        return command
+    if draft is None:
+        raise ValueError(f"server {server!r} needs a draft model: pass --draft-model or leave it out")
+    command += ["--draft-model", draft, "-k", str(config.k)]
+    return command + (["--adaptive"] if server == "adaptive" else [])
+
+
+class Driver:
+    """Sends the requests of one server's levels and records them; `clock()` is seconds since start."""
+
+    def __init__(self, client: httpx.AsyncClient, prompts: list[str], config: LoadConfig) -> None:
+        self.client, self.prompts, self.config = client, prompts, config
+        self.start = time.perf_counter()
+        self.sent = 0  # requests sent so far: the next prompt is prompts[sent % len]
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.start
+
+    def _body(self, max_tokens: int) -> dict:
+        prompt = self.prompts[self.sent % len(self.prompts)]
+        self.sent += 1
+        return {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": self.config.temperature,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    async def request(self, max_tokens: int) -> RequestRecord:
+        """One streamed completion; never raises (a failure is the record's error)."""
+        record = RequestRecord(sent=self.clock())
+        done = False
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=self._body(max_tokens)) as response:
+                if response.status_code != 200:
+                    record.error = f"status {response.status_code}: {(await response.aread())[:200]!r}"
+                    return record
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    event = json.loads(line[len("data: ") :])
+                    if "error" in event:
+                        record.error = f"error event: {event['error']}"
+                        return record
+                    if any(choice.get("text") for choice in event.get("choices", [])):
+                        record.chunks.append(self.clock())
+                    if event.get("usage"):
+                        record.tokens = event["usage"]["completion_tokens"]
+            if not done:
+                record.error = "the stream ended without [DONE]"
+        except httpx.HTTPError as error:
+            record.error = f"{type(error).__name__}: {error}"
+        finally:
+            record.end = self.clock()
+        return record
+
+    async def closed_loop(self, concurrency: int, requests: int, max_tokens: int) -> list[RequestRecord]:
+        """`concurrency` clients sending `requests` requests (at least 2 each) back to back."""
+        remaining = iter(range(max(requests, 2 * concurrency)))
+        records: list[RequestRecord] = []
+
+        async def client() -> None:
+            for _ in remaining:  # shared: each request is claimed by one client
+                records.append(await self.request(max_tokens))
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return records
+
+    async def open_loop(
+        self, rate: float, requests: int, max_tokens: int, rng: random.Random
+    ) -> list[RequestRecord]:
+        """`requests` requests at Poisson arrival times of `rate` per second."""
+        tasks, due = [], self.clock()
+        for _ in range(requests):
+            due += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, due - self.clock()))
+            tasks.append(asyncio.create_task(self.request(max_tokens)))
+        return list(await asyncio.gather(*tasks))
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50 and p99 of `values` in ms (None where there are none)."""
+    if not values:
+        return {"p50": None, "p99": None}
+    p50, p99 = np.percentile(np.asarray(values) * 1e3, [50, 99])
+    return {"p50": float(p50), "p99": float(p99)}
+
+
+def summarize(records: list[RequestRecord], seconds: float) -> dict:
+    """A level's figures (module docstring) from its requests and its wall time."""
+    done = [r for r in records if r.error is None]
+    tokens = sum(r.tokens for r in done)
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(done),
+        "error_examples": sorted({r.error for r in records if r.error})[:3],
+        "seconds": seconds,
+        "requests_per_s": len(done) / seconds,
+        "output_tokens_per_s": tokens / seconds,
+        "ttft_ms": percentiles([r.chunks[0] - r.sent for r in done if r.chunks]),
+        "tpot_ms": percentiles(
+            [(r.end - r.chunks[0]) / (r.tokens - 1) for r in done if r.chunks and r.tokens > 1]
+        ),
+        "itl_ms": percentiles([b - a for r in done for a, b in zip(r.chunks, r.chunks[1:])]),
+        "e2e_ms": percentiles([r.end - r.sent for r in done]),
+    }
+
+
+async def _sample_rss(process: psutil.Process, driver: Driver, samples: list, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        samples.append((driver.clock(), process.memory_info().rss))
+        try:
+            await asyncio.wait_for(stop.wait(), RSS_PERIOD)
+        except TimeoutError:
+            pass
+
+
+async def drive_server(url: str, pid: int, prompts: list[str], config: LoadConfig) -> dict:
+    """One server's warm-up, levels and soak (module docstring): {"closed": [...], "open": [...],
+    "soak": ... | None, "rss": [(seconds, bytes)]}."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
+        driver = Driver(client, prompts, config)
+        rss: list[tuple[float, int]] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample_rss(psutil.Process(pid), driver, rss, stop))
+        busiest = max(config.concurrency)
+        await driver.closed_loop(busiest, busiest, 8)  # warm-up: first calls of each batch size
+        result: dict = {"closed": [], "open": [], "soak": None, "rss": rss}
+        for concurrency in config.concurrency:
+            start = driver.clock()
+            records = await driver.closed_loop(concurrency, config.requests, config.max_tokens)
+            level = summarize(records, driver.clock() - start)
+            result["closed"].append({"concurrency": concurrency, "start": start, **level})
+        rng = random.Random(config.seed)
+        for rate in config.rates:
+            start = driver.clock()
+            records = await driver.open_loop(rate, config.requests, config.max_tokens, rng)
+            result["open"].append(
+                {"rate": rate, "start": start, **summarize(records, driver.clock() - start)}
+            )
+        if config.soak_requests:
+            result["soak"] = await _soak(driver, psutil.Process(pid), busiest, config)
+        stop.set()
+        await sampler
+    return result
+
+
+async def _soak(driver: Driver, process: psutil.Process, concurrency: int, config: LoadConfig) -> dict:
+    """`soak_requests` short requests; RSS after the first SOAK_WARM_UP of them and at the end, and the
+    bound a leak of LEAK_PER_REQUEST bytes a request would exceed over the rest."""
+    warm = max(concurrency, int(config.soak_requests * SOAK_WARM_UP))
+    start = driver.clock()
+    records = await driver.closed_loop(concurrency, warm, config.soak_max_tokens)
+    await asyncio.sleep(SETTLE)
+    baseline = process.memory_info().rss
+    rest = await driver.closed_loop(concurrency, config.soak_requests - warm, config.soak_max_tokens)
+    await asyncio.sleep(SETTLE)
+    end = process.memory_info().rss
+    measured = len(rest)
+    return {
+        "start": start,
+        "requests": len(records) + measured,
+        "errors": sum(r.error is not None for r in records + rest),
+        "rss_baseline": baseline,
+        "rss_end": end,
+        "growth": end - baseline,
+        "bound": LEAK_PER_REQUEST * measured,
+        "flat": end - baseline < LEAK_PER_REQUEST * measured,
+        "seconds": driver.clock() - start,
+    }
+
+
+def run_load(config: LoadConfig, target: str, draft: str | None, out: Path) -> dict:
+    """Every server of `config` driven in turn; results.json, report.md and load.png written to `out`
+    (created). Returns the results."""
+    prompt_file = Path(config.prompts) if config.prompts else BUNDLED_DIR / "code.jsonl"
+    prompts = [record.text for record in load_jsonl(prompt_file)][: config.num_prompts]
+    results: dict = {
+        "config": asdict(config),
+        "machine": {**machine(), "cpu_features": cpu_features()},
+        "prompts": str(prompt_file),
+        "servers": {},
+    }
+    for server in config.servers:
+        port = free_port()
+        command = serve_command(config, server, target, draft, port)
+        with ServerProcess(command, port, f"speculative serve ({server})", stop_timeout=60) as process:
+            results["servers"][server] = asyncio.run(drive_server(process.url, process.pid, prompts, config))
+    write_load_outputs(results, out)
+    return results

@@ -1,0 +1,142 @@
+"""`speculative bench-serve`'s outputs: results.json, report.md (a table per loop kind) and load.png."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from speculative.bench.plots import plt, save
+from speculative.bench.report import markdown_table, num
+
+LEVEL_COLUMNS = [
+    "server",
+    "level",
+    "req/s",
+    "out tok/s",
+    "TTFT p50 / p99 (ms)",
+    "TPOT p50 / p99 (ms)",
+    "ITL p50 / p99 (ms)",
+    "errors",
+    "RSS max (MiB)",
+]
+MIB = 2**20
+
+
+def _pair(figures: dict) -> str:
+    return f"{num(figures['p50'], '.1f')} / {num(figures['p99'], '.1f')}"
+
+
+def _rss_max(server: dict, start: float, seconds: float) -> float | None:
+    """The largest RSS sample (MiB) in [start, start + seconds]."""
+    inside = [rss for t, rss in server["rss"] if start <= t <= start + seconds]
+    return max(inside) / MIB if inside else None
+
+
+def level_rows(results: dict, kind: str) -> list[list[str]]:
+    """Table rows of every server's levels of `kind` ("closed": by concurrency, "open": by rate)."""
+    rows = []
+    for name, server in results["servers"].items():
+        for level in server[kind]:
+            label = f"{level['concurrency']} clients" if kind == "closed" else f"{level['rate']:g} req/s"
+            rows.append(
+                [
+                    name,
+                    label,
+                    num(level["requests_per_s"]),
+                    num(level["output_tokens_per_s"], ".1f"),
+                    _pair(level["ttft_ms"]),
+                    _pair(level["tpot_ms"]),
+                    _pair(level["itl_ms"]),
+                    f"{level['errors']} of {level['requests']}",
+                    num(_rss_max(server, level["start"], level["seconds"]), ".0f"),
+                ]
+            )
+    return rows
+
+
+def soak_lines(results: dict) -> list[str]:
+    """One line per server that soaked: requests, errors, RSS before and after, and the verdict."""
+    lines = []
+    for name, server in results["servers"].items():
+        soak = server["soak"]
+        if soak is None:
+            continue
+        verdict = "flat" if soak["flat"] else "NOT flat"
+        lines.append(
+            f"{name}: {soak['requests']} requests in {soak['seconds']:.0f} s, {soak['errors']} errors; RSS "
+            f"{soak['rss_baseline'] / MIB:.1f} MiB after the warm-up, {soak['rss_end'] / MIB:.1f} MiB at "
+            f"the end ({soak['growth'] / 2**10:+.0f} KiB; a leak of 1 KiB a request would add "
+            f"{soak['bound'] / 2**10:.0f} KiB): {verdict}"
+        )
+    return lines
+
+
+def markdown(results: dict, plot: str) -> str:
+    """report.md: what ran on what, the closed- and open-loop tables, the soak and the plot."""
+    config, m = results["config"], results["machine"]
+    parts = [
+        "# speculative bench-serve",
+        f"`speculative serve` per server ({', '.join(results['servers'])}; draft: k={config['k']}, "
+        f"adaptive: k up to {config['k']}), {config['dtype']}{', compiled' if config['compile'] else ''}; "
+        f"prompts from `{Path(results['prompts']).name}` ({config['num_prompts']} in turn), "
+        f"{config['max_tokens']} tokens each (EOS ignored), temperature {config['temperature']}, streamed "
+        f"over HTTP; {config['requests']} requests per level (at least 2 per client).",
+        f"Machine: {m['nproc']} CPUs ({m['cpu']}; {m['cpu_features']}), torch {m['torch']}, "
+        f"Python {m['python']}.",
+        "Columns: requests/s and output tokens/s over the level's wall time; time to first token, time per "
+        "output token after the first, and inter-chunk latency (a speculative step's chunk can hold several "
+        "tokens), p50 / p99; requests that failed; the server's largest RSS in the level.",
+        "## Closed loop (clients sending back to back)",
+        markdown_table(LEVEL_COLUMNS, level_rows(results, "closed")),
+    ]
+    if any(server["open"] for server in results["servers"].values()):
+        parts += [
+            "## Open loop (Poisson arrivals)",
+            markdown_table(LEVEL_COLUMNS, level_rows(results, "open")),
+        ]
+    soak = soak_lines(results)
+    if soak:
+        parts += ["## Soak", "\n".join(f"- {line}" for line in soak)]
+    examples = {
+        e for s in results["servers"].values() for lv in s["closed"] + s["open"] for e in lv["error_examples"]
+    }
+    if examples:
+        parts += ["## Errors", "\n".join(f"- {e}" for e in sorted(examples))]
+    parts += ["## Plot", f"![load]({Path(plot).name})"]
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(results: dict, path: Path) -> str:
+    """Output tokens/s and TTFT / TPOT p50 against concurrency (closed loop) per server, and each
+    server's RSS over time."""
+    fig, (throughput, latency, memory) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for name, server in results["servers"].items():
+        levels = server["closed"]
+        clients = [level["concurrency"] for level in levels]
+        throughput.plot(clients, [level["output_tokens_per_s"] for level in levels], "o-", label=name)
+        latency.plot(clients, [level["ttft_ms"]["p50"] for level in levels], "o-", label=f"{name} TTFT")
+        latency.plot(clients, [level["tpot_ms"]["p50"] for level in levels], "s--", label=f"{name} TPOT")
+        times, rss = zip(*server["rss"]) if server["rss"] else ((), ())
+        memory.plot(times, [r / MIB for r in rss], label=name)
+    for ax in (throughput, latency):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.legend()
+    throughput.set_ylabel("output tokens/s")
+    throughput.set_title("Throughput (closed loop)")
+    latency.set_ylabel("ms (p50)")
+    latency.set_title("Time to first token, time per output token")
+    memory.set_xlabel("seconds since the server's first request")
+    memory.set_ylabel("RSS (MiB)")
+    memory.set_title("Server memory")
+    memory.legend()
+    return save(fig, path)
+
+
+def write_load_outputs(results: dict, out: Path) -> dict[str, Path]:
+    """results.json, report.md and load.png into `out` (created); returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "report": out / "report.md", "plot": out / "load.png"}
+    paths["json"].write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    paths["report"].write_text(markdown(results, plot(results, paths["plot"])))
+    return paths
