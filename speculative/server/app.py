@@ -84,13 +84,13 @@ def create_app(
         params = [body.sampling_params(limits.budget(ids, body.max_tokens, "max_tokens")) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         decode = limits.decode_token
+        offsets: dict[int, int] = {}  # each choice's text_offset after the tokens rendered so far
 
-        def render(index: int, seq, offset: int, chunk: bool) -> dict:
-            lp = (
-                None
-                if seq.logprobs is None
-                else P.completion_logprobs(seq.token_ids, seq.logprobs, decode, offset)
-            )
+        def render(index: int, seq, chunk: bool) -> dict:
+            lp = None
+            if seq.logprobs is not None:
+                lp = P.completion_logprobs(seq.token_ids, seq.logprobs, decode, offsets.get(index, 0))
+                offsets[index] = P.end_offset(lp, offsets.get(index, 0))
             return P.completion_choice(index, seq.text, lp, seq.finish_reason, seq.stop_reason)
 
         answer = _Answer(
@@ -113,7 +113,7 @@ def create_app(
         params = body.sampling_params(limits.budget(ids, body.requested_max_tokens, "max_completion_tokens"))
         num_top, decode = body.top_logprobs or 0, limits.decode_token
 
-        def render(index: int, seq, offset: int, chunk: bool) -> dict:
+        def render(index: int, seq, chunk: bool) -> dict:
             lp = (
                 None
                 if seq.logprobs is None
@@ -259,8 +259,9 @@ class _Limits:
 class _Answer:
     """How one request's updates become its endpoint's response or chunks.
 
-    render(index, sequence, text_offset, chunk) -> a choice dict, from a SequenceDelta (or the summed
-    `_Choice`): its text, token_ids, logprobs, finish_reason and stop_reason.
+    render(index, sequence, chunk) -> a choice dict, from a SequenceDelta (or the summed `_Choice`):
+    its text, token_ids, logprobs, finish_reason and stop_reason; called on each choice's deltas in
+    order (a chunk each), or once on the whole choice.
     first_choices: sent in a chunk before any text (chat's role).
     """
 
@@ -372,7 +373,7 @@ async def _collect(answer: _Answer, streams: list[RequestStream]) -> tuple[list[
                     choice.logprobs.extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-    return [answer.render(i, c, 0, False) for i, c in sorted(choices.items())], sum(generated)
+    return [answer.render(i, c, False) for i, c in sorted(choices.items())], sum(generated)
 
 
 async def _sse(
@@ -382,7 +383,6 @@ async def _sse(
     accepted several), the usage chunk when asked, then [DONE]. Whatever ends it early (the client
     leaving cancels it) aborts the request's unfinished sequences."""
     request.state.status = CLIENT_CLOSED
-    offsets: dict[int, int] = {}
     generated = [0] * len(streams)
     async with aclosing(_merge(streams)) as updates:
         if answer.first_choices:
@@ -396,10 +396,7 @@ async def _sse(
             generated[prompt] = update.num_generated_tokens
             choices = []
             for delta in update.sequences:
-                index = prompt * answer.n + delta.index
-                offset = offsets.get(index, 0)
-                offsets[index] = offset + len(delta.text)
-                choices.append(answer.render(index, delta, offset, True))
+                choices.append(answer.render(prompt * answer.n + delta.index, delta, True))
             if choices:
                 yield answer.chunk(choices)
         else:

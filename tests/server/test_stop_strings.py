@@ -3,11 +3,15 @@ cuts count nowhere, stop strings wait for min_tokens, and a stream's log-probabi
 
 from __future__ import annotations
 
+import json
 import math
+
+import httpx
+import pytest
 
 from speculative import SamplingParams
 
-from .conftest import MODEL
+from .conftest import API_KEY, MODEL
 
 PROMPTS = ["def f(x):", "class A:", "import os"]
 
@@ -54,3 +58,43 @@ def test_stop_strings_wait_for_min_tokens(served) -> None:
             "/v1/completions", {"model": MODEL, "prompt": prompt, "temperature": 0, "stop": [stop], **params}
         )
         assert response.json()["choices"][0]["text"] == expected
+
+
+def sse_chunks(served, body: dict) -> list[dict]:
+    with httpx.stream(
+        "POST",
+        served.url + "/v1/completions",
+        json={**body, "stream": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200, response.read()
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_streamed_logprobs_are_held_back_with_the_text(served, include_stop_str_in_output) -> None:
+    """While a stream holds back text that could still begin a stop string, it holds back those
+    tokens' log-probabilities too: every chunk's tokens spell its text (one character per token
+    here) until the last, and the stream's tokens, log-probabilities and text offsets are the
+    non-streamed answer's."""
+    for prompt, stop in stop_cases(served)[::3]:
+        body = {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": 40,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop": [stop, "never seen"],  # a long stop string: ten characters held back
+            "logprobs": 1,
+            "include_stop_str_in_output": include_stop_str_in_output,
+        }
+        whole = served.post("/v1/completions", body).json()["choices"][0]
+        chunks = [c["choices"][0] for c in sse_chunks(served, body) if c["choices"]]
+        for chunk in chunks[:-1]:
+            assert "".join(chunk["logprobs"]["tokens"]) == chunk["text"], (prompt, stop, chunk)
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert [v for c in chunks for v in c["logprobs"][key]] == whole["logprobs"][key], key
