@@ -226,14 +226,19 @@ class Scheduler:
             await asyncio.to_thread(self._thread.join)
 
     def _abort(self, request: Request) -> None:
+        """A waiting request leaves the queue at once (counted as aborted here); a running one's rows
+        leave the batch at the engine thread's next turn."""
         with self._lock:
             if request.aborted or request.done:
                 return
             request.aborted = True
-            if request in self._waiting:
+            waiting = request in self._waiting
+            if waiting:
                 self._waiting.remove(request)
             else:
                 self._aborted.append(request)
+        if waiting:
+            self.metrics.requests_finished.labels(finished_reason="abort").inc()
         self._wake.set()
 
     # The engine thread.
