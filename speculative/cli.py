@@ -246,6 +246,30 @@ def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds running requests get to finish after SIGTERM or SIGINT",
     )
+    serve.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=30.0,
+        help="seconds a request's body may take to arrive (then 408, and the connection closes)",
+    )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open (uvicorn's flag)",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        help="open connections and running handlers at most; beyond, new requests get 503 (uvicorn's flag)",
+    )
+    serve.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=16 * 1024,
+        help="bytes of a request's line and headers at most (uvicorn's flag)",
+    )
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -396,15 +420,7 @@ def serve(args: argparse.Namespace) -> int:
 
         from speculative.server.app import drain
     app = serve_app(args)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="info",
-            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S,
-        )
-    )
+    server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(args)))
     stop = server.handle_exit
 
     def handle_exit(sig, frame) -> None:  # uvicorn's own handler stops accepting connections and waits
@@ -414,6 +430,19 @@ def serve(args: argparse.Namespace) -> int:
     server.handle_exit = handle_exit
     server.run()
     return 0
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict:
+    """uvicorn.Config's keywords from `serve`'s flags (checked by `serve_app`)."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "log_level": "info",
+        "timeout_graceful_shutdown": args.shutdown_timeout + SHUTDOWN_GRACE_S,
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "limit_concurrency": args.limit_concurrency,
+        "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
+    }
 
 
 def serve_app(args: argparse.Namespace):
@@ -426,11 +455,20 @@ def serve_app(args: argparse.Namespace):
 
     model, draft = _models(args.model, args.draft_model, args.ngram)
     name = args.served_model_name or args.model or "speculative-demo"
-    for flag in ("max_prompt_tokens", "max_model_len", "max_request_bytes"):
+    for flag in (
+        "max_prompt_tokens",
+        "max_model_len",
+        "max_request_bytes",
+        "timeout_keep_alive",
+        "limit_concurrency",
+        "h11_max_incomplete_event_size",
+    ):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(args, flag)}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
+    if not args.timeout_request_body > 0:
+        raise ValueError(f"--timeout-request-body must be > 0; got {args.timeout_request_body}")
     template = None if args.chat_template is None else _chat_template(args.chat_template)
     llm = _load(args, model, draft, _speculative_config(args, draft), seed=args.seed)
     if template is not None:
@@ -452,6 +490,7 @@ def serve_app(args: argparse.Namespace):
         max_model_len=args.max_model_len or context,
         shutdown_timeout=args.shutdown_timeout,
         max_request_bytes=args.max_request_bytes,
+        request_body_timeout=args.timeout_request_body,
     )
 
 

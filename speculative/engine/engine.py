@@ -403,11 +403,15 @@ class Engine:
                 s.guide.accept(new)
             except ValueError:
                 raise NoTokenAllowed(s) from None
+        before = len(s.output_token_ids)
         s.output_token_ids.extend(new)
-        if scores is not None:
-            self._add_logprobs(s, new, scores)
+        checker = self.stop_strings.get(id(s))
+        stopped_by_string = checker is not None and checker.extend(n)  # cuts the tokens after it
+        kept = len(s.output_token_ids) - before
+        if scores is not None:  # log-probabilities of the kept tokens only
+            self._add_logprobs(s, new[:kept], [t[:kept] for t in scores])
         m = s.metrics
-        m.num_generated += n
+        m.num_generated += kept
         if not first_token:
             m.num_steps += 1
             m.num_drafted += drafted
@@ -416,10 +420,8 @@ class Engine:
                 m.drafted_per_position[i] += 1
             for i in range(accepted):
                 m.accepted_per_position[i] += 1
-        checker = self.stop_strings.get(id(s))
-        if checker is not None and checker.extend(n):
+        if stopped_by_string:
             s.finish_reason, s.text = "stop", checker.text
-            m.num_generated = len(s.output_token_ids)
         elif stop:
             last = s.output_token_ids[-1]
             s.finish_reason = "stop"

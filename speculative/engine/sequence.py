@@ -81,7 +81,10 @@ class NoTokenAllowed(ValueError):
 
 
 class StopStrings:
-    """Finds a sequence's stop strings in its text as it grows, across step boundaries."""
+    """Finds a sequence's stop strings in its text as it grows, across step boundaries.
+
+    As vLLM, a stop string counts only where it ends past the text of the first min_tokens tokens:
+    before that, stop strings are not checked (as EOS and stop_token_ids are banned)."""
 
     def __init__(self, sequence: Sequence, decode) -> None:
         self.sequence = sequence
@@ -89,15 +92,19 @@ class StopStrings:
         self.stops = sequence.params.stop
         self.longest = max(len(s) for s in self.stops)
         self.text = decode(sequence.output_token_ids) if sequence.output_token_ids else ""
+        self.floor: int | None = None  # characters of the first min_tokens tokens, once there are so many
 
     def extend(self, num_new: int) -> bool:
-        """Check the text after `num_new` more tokens; on a match cut tokens and text, return True."""
+        """Check the text after `num_new` more tokens; on a match cut the tokens after the one that
+        completes it (and the text), return True. The caller keeps only the tokens left."""
         ids = self.sequence.output_token_ids
         old_length = len(self.text)
-        text = self.decode(ids)
+        text = self.text = self.decode(ids)
+        floor = self._floor(ids)
+        if floor is None:
+            return False
         start = max(0, old_length - self.longest + 1)
-        hits = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
-        self.text = text
+        hits = [(i, s) for s in self.stops if (i := text.find(s, max(start, floor - len(s) + 1))) >= 0]
         if not hits:
             return False
         index, stop = min(hits)
@@ -106,8 +113,14 @@ class StopStrings:
         while keep < len(ids) and len(self.decode(ids[:keep])) < end:
             keep += 1
         del ids[keep:]
-        if self.sequence.logprobs is not None:
-            del self.sequence.logprobs[keep:]
         self.text = text[: end if self.sequence.params.include_stop_str_in_output else index]
         self.sequence.stop_reason = stop
         return True
+
+    def _floor(self, ids: list[int]) -> int | None:
+        """Where a stop string may end at the earliest (after the first min_tokens tokens' text);
+        None while fewer tokens exist."""
+        min_tokens = self.sequence.params.min_tokens
+        if self.floor is None and len(ids) >= min_tokens:
+            self.floor = len(self.decode(ids[:min_tokens])) if min_tokens else 0
+        return self.floor

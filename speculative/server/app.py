@@ -36,6 +36,8 @@ CLIENT_CLOSED = 499
 """The status counted for a request whose client left before its answer (nginx's convention)."""
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 """A request body's size at most (`serve --max-request-bytes`); beyond, 413."""
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
+"""Seconds a request's body may take to arrive (`serve --timeout-request-body`); beyond, 408."""
 
 
 def create_app(
@@ -48,6 +50,7 @@ def create_app(
     max_model_len: int,
     shutdown_timeout: float = 30.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `scheduler`'s model as `model_name`.
 
@@ -55,8 +58,10 @@ def create_app(
     api_key: when set, every route but /health needs `Authorization: Bearer <api_key>` (else 401).
     max_prompt_tokens: longest prompt taken (None: no limit but the context); max_model_len: prompt
     plus max_tokens at most; max_request_bytes: a request body's size at most (else 413, read no
-    further). n and best_of are at most the scheduler's max_num_seqs. The lifespan starts the
-    scheduler and, on shutdown, lets running requests finish within shutdown_timeout seconds.
+    further); request_body_timeout: seconds the body may take to arrive (else 408: a client that
+    sends slowly holds no handler longer). Both close the connection. n and best_of are at most
+    the scheduler's max_num_seqs. The lifespan starts the scheduler and, on shutdown, lets running
+    requests finish within shutdown_timeout seconds.
     `drain(app)` (the CLI calls it on SIGTERM) starts that shutdown early.
     """
 
@@ -72,7 +77,13 @@ def create_app(
     app.state.draining = False
     app.state.scheduler, app.state.shutdown_timeout = scheduler, shutdown_timeout
     limits = _Limits(tokenizer, max_prompt_tokens, max_model_len)
-    app.add_middleware(_Gate, api_key=api_key, metrics=scheduler.metrics, max_request_bytes=max_request_bytes)
+    app.add_middleware(
+        _Gate,
+        api_key=api_key,
+        metrics=scheduler.metrics,
+        max_request_bytes=max_request_bytes,
+        request_body_timeout=request_body_timeout,
+    )
     _add_error_handlers(app)
     created = int(time.time())
 
@@ -84,13 +95,13 @@ def create_app(
         params = [body.sampling_params(limits.budget(ids, body.max_tokens, "max_tokens")) for ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         decode = limits.decode_token
+        offsets: dict[int, int] = {}  # each choice's text_offset after the tokens rendered so far
 
-        def render(index: int, seq, offset: int, chunk: bool) -> dict:
-            lp = (
-                None
-                if seq.logprobs is None
-                else P.completion_logprobs(seq.token_ids, seq.logprobs, decode, offset)
-            )
+        def render(index: int, seq, chunk: bool) -> dict:
+            lp = None
+            if seq.logprobs is not None:
+                lp = P.completion_logprobs(seq.token_ids, seq.logprobs, decode, offsets.get(index, 0))
+                offsets[index] = P.end_offset(lp, offsets.get(index, 0))
             return P.completion_choice(index, seq.text, lp, seq.finish_reason, seq.stop_reason)
 
         answer = _Answer(
@@ -113,7 +124,7 @@ def create_app(
         params = body.sampling_params(limits.budget(ids, body.requested_max_tokens, "max_completion_tokens"))
         num_top, decode = body.top_logprobs or 0, limits.decode_token
 
-        def render(index: int, seq, offset: int, chunk: bool) -> dict:
+        def render(index: int, seq, chunk: bool) -> dict:
             lp = (
                 None
                 if seq.logprobs is None
@@ -259,8 +270,9 @@ class _Limits:
 class _Answer:
     """How one request's updates become its endpoint's response or chunks.
 
-    render(index, sequence, text_offset, chunk) -> a choice dict, from a SequenceDelta (or the summed
-    `_Choice`): its text, token_ids, logprobs, finish_reason and stop_reason.
+    render(index, sequence, chunk) -> a choice dict, from a SequenceDelta (or the summed `_Choice`):
+    its text, token_ids, logprobs, finish_reason and stop_reason; called on each choice's deltas in
+    order (a chunk each), or once on the whole choice.
     first_choices: sent in a chunk before any text (chat's role).
     """
 
@@ -372,7 +384,7 @@ async def _collect(answer: _Answer, streams: list[RequestStream]) -> tuple[list[
                     choice.logprobs.extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-    return [answer.render(i, c, 0, False) for i, c in sorted(choices.items())], sum(generated)
+    return [answer.render(i, c, False) for i, c in sorted(choices.items())], sum(generated)
 
 
 async def _sse(
@@ -382,7 +394,6 @@ async def _sse(
     accepted several), the usage chunk when asked, then [DONE]. Whatever ends it early (the client
     leaving cancels it) aborts the request's unfinished sequences."""
     request.state.status = CLIENT_CLOSED
-    offsets: dict[int, int] = {}
     generated = [0] * len(streams)
     async with aclosing(_merge(streams)) as updates:
         if answer.first_choices:
@@ -396,10 +407,7 @@ async def _sse(
             generated[prompt] = update.num_generated_tokens
             choices = []
             for delta in update.sequences:
-                index = prompt * answer.n + delta.index
-                offset = offsets.get(index, 0)
-                offsets[index] = offset + len(delta.text)
-                choices.append(answer.render(index, delta, offset, True))
+                choices.append(answer.render(prompt * answer.n + delta.index, delta, True))
             if choices:
                 yield answer.chunk(choices)
         else:
@@ -454,13 +462,16 @@ def _event(body: dict) -> str:
 
 class _Gate:
     """Pure ASGI middleware: the API key, draining (503), the body's size (413, the body read no
-    further than the limit), and counting /v1 requests by status.
+    further than the limit) and time to arrive (408), and counting /v1 requests by status.
 
     A streamed request is counted when its stream ends, with the status its handler leaves in
     `request.state.status` (200, 499 when the client left, 400 or 500 when the engine failed it)."""
 
-    def __init__(self, app, *, api_key: str | None, metrics, max_request_bytes: int) -> None:
+    def __init__(
+        self, app, *, api_key: str | None, metrics, max_request_bytes: int, request_body_timeout: float
+    ) -> None:
         self.app, self.metrics, self.max_request_bytes = app, metrics, max_request_bytes
+        self.request_body_timeout = request_body_timeout
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -477,18 +488,15 @@ class _Gate:
             await send(message)
 
         try:
-            error = self._refusal(scope, path)
+            error, headers = self._refusal(scope, path), None
             if error is None:
-                body = await self._body(scope, receive)
-                if body is None:
-                    error = P.APIError(
-                        413,
-                        f"the request body is larger than this server's limit of {self.max_request_bytes} "
-                        "bytes (--max-request-bytes)",
-                        code="request_too_large",
-                    )
+                try:
+                    body = await self._body(scope, receive)
+                except P.APIError as unread:  # the rest of the body is not read: the connection closes
+                    error, headers = unread, {"Connection": "close"}
             if error is not None:
-                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send_and_note)
+                response = JSONResponse(error.body(), status_code=error.status, headers=headers)
+                await response(scope, receive, send_and_note)
             else:
                 await self.app(scope, _replay(body, receive), send_and_note)
         finally:
@@ -496,21 +504,37 @@ class _Gate:
                 status = scope.get("state", {}).get("status", status)
                 self.metrics.request_finished(status, path if path in ENDPOINTS else "other")
 
-    async def _body(self, scope, receive) -> bytes | None:
-        """The whole request body, or None (read no further) when it is over the limit."""
+    async def _body(self, scope, receive) -> bytes:
+        """The whole request body; APIError 413 (read no further) when it is over the limit, 408 when
+        it has not all come within request_body_timeout seconds."""
+        too_large = P.APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_request_bytes} bytes "
+            "(--max-request-bytes)",
+            code="request_too_large",
+        )
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > self.max_request_bytes:
-            return None
+            raise too_large
         chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                break  # the client left: the app gets what came, then the disconnect
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_request_bytes:
-                return None
-            more = message.get("more_body", False)
+        try:
+            async with asyncio.timeout(self.request_body_timeout):
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        break  # the client left: the app gets what came, then the disconnect
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_request_bytes:
+                        raise too_large
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            raise P.APIError(
+                408,
+                f"the request body did not arrive within {self.request_body_timeout:g} s "
+                "(--timeout-request-body)",
+                code="request_timeout",
+            ) from None
         return b"".join(chunks)
 
     def _refusal(self, scope, path: str) -> P.APIError | None:

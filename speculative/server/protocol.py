@@ -432,6 +432,13 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def end_offset(logprobs: dict, text_offset: int) -> int:
+    """The text_offset after `completion_logprobs(..., text_offset)`'s tokens."""
+    if not logprobs["tokens"]:
+        return text_offset
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int, decode) -> dict:
     """The chat endpoint's log-probabilities: {"content": [{token, logprob, bytes, top_logprobs}]},
     top_logprobs being the num_top most likely tokens at each position, most likely first."""

@@ -227,14 +227,19 @@ class Scheduler:
             await asyncio.to_thread(self._thread.join)
 
     def _abort(self, request: Request) -> None:
+        """A waiting request leaves the queue at once (counted as aborted here); a running one's rows
+        leave the batch at the engine thread's next turn."""
         with self._lock:
             if request.aborted or request.done:
                 return
             request.aborted = True
-            if request in self._waiting:
+            waiting = request in self._waiting
+            if waiting:
                 self._waiting.remove(request)
             else:
                 self._aborted.append(request)
+        if waiting:
+            self.metrics.requests_finished.labels(finished_reason="abort").inc()
         self._wake.set()
 
     # The engine thread.
@@ -354,34 +359,42 @@ class Scheduler:
         for i, (r, sent) in enumerate(zip(request.sequences, request.sent)):
             if sent.finished:
                 continue
-            text = self._text(r)
+            text, num_tokens = self._released(r, sent.tokens)
             new_text = text[len(sent.text) :] if len(text) > len(sent.text) else ""
-            new_ids = r.output_token_ids[sent.tokens :]
+            new_ids = r.output_token_ids[sent.tokens : num_tokens]
             if not new_ids and not new_text and not r.finished:
                 continue
-            logprobs = (
-                r.logprobs[sent.tokens : sent.tokens + len(new_ids)] if r.logprobs is not None else None
-            )
-            sent.text, sent.tokens, sent.finished = (
-                sent.text + new_text,
-                sent.tokens + len(new_ids),
-                r.finished,
-            )
+            logprobs = r.logprobs[sent.tokens : num_tokens] if r.logprobs is not None else None
+            sent.text, sent.tokens, sent.finished = sent.text + new_text, num_tokens, r.finished
             deltas.append(SequenceDelta(i, new_text, new_ids, logprobs, r.finish_reason, r.stop_reason))
         return deltas
 
     def _text(self, r: Sequence) -> str:
-        """A sequence's text so far; while it runs, without a trailing incomplete character nor the
-        characters that could still turn out to begin a stop string."""
-        if r.text is not None:
-            return r.text
-        text = self.llm.detokenize(r.output_token_ids, r.params)
+        """A finished sequence's text."""
+        return r.text if r.text is not None else self.llm.detokenize(r.output_token_ids, r.params)
+
+    def _released(self, r: Sequence, num_sent: int) -> tuple[str, int]:
+        """What of a sequence its handler may have now: its text, and how many of its tokens (with
+        their log-probabilities), of which `num_sent` it has. While the sequence runs, the text stops
+        short of a trailing incomplete character and of the characters that could still turn out to
+        begin a stop string, and the tokens stop with it: those whose text is held back wait too."""
+        ids = r.output_token_ids
         if r.finished:
-            return text
-        text = text.rstrip("\ufffd")
+            return self._text(r), len(ids)
+        whole = self.llm.detokenize(ids, r.params)
+        text = whole.rstrip("\ufffd")
         if r.params.stop:
             text = text[: max(0, len(text) - max(len(s) for s in r.params.stop) + 1)]
-        return text
+        if len(text) == len(whole):
+            return text, len(ids)
+        low, high = num_sent, len(ids)  # the most tokens whose text the released text begins with
+        while low < high:
+            middle = (low + high + 1) // 2
+            if text.startswith(self.llm.detokenize(ids[:middle], r.params)):
+                low = middle
+            else:
+                high = middle - 1
+        return text, low
 
     def _count(self, request: Request, gained: int, elapsed: float, now: float) -> None:
         """Token, latency and speculation metrics of what a request gained in one step."""

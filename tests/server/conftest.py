@@ -73,12 +73,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(app) -> Iterator[str]:
-    """Serve the app with uvicorn on a free port of 127.0.0.1 in a thread; yields its base URL."""
+def running(app, **options) -> Iterator[str]:
+    """Serve the app with uvicorn (and these uvicorn.Config options) on a free port of 127.0.0.1 in a
+    thread; yields its base URL."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -28,9 +28,8 @@ LONG_SHUTDOWN_S = 120.0
 """The shutdown timeout of a server whose streams must finish; also how long a test waits on one."""
 
 
-@pytest.fixture(scope="module")
-def model_paths(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("served")
+def save_tiny_pair(root) -> tuple[str, str]:
+    """The tiny pair (context CONTEXT) saved under `root`; returns (target path, draft path)."""
     target, draft, tokenizer = tiny_pair(max_position_embeddings=CONTEXT)
     for name, model in (("target", target), ("draft", draft)):
         model.save_pretrained(root / name)
@@ -38,9 +37,17 @@ def model_paths(tmp_path_factory) -> tuple[str, str]:
     return str(root / "target"), str(root / "draft")
 
 
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory) -> tuple[str, str]:
+    return save_tiny_pair(tmp_path_factory.mktemp("served"))
+
+
 @contextmanager
-def speculative_serve(model_paths, shutdown_timeout: float) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`speculative serve` with the key from SPECULATIVE_API_KEY; yields (base URL, process)."""
+def speculative_serve(
+    model_paths, shutdown_timeout: float, *flags: str
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`speculative serve` with the key from SPECULATIVE_API_KEY and these extra flags; yields (base
+    URL, process)."""
     port = free_port()
     process = subprocess.Popen(
         [
@@ -60,6 +67,7 @@ def speculative_serve(model_paths, shutdown_timeout: float) -> Iterator[tuple[st
             "tiny",
             "--shutdown-timeout",
             str(shutdown_timeout),
+            *flags,
         ],
         env={**os.environ, "SPECULATIVE_API_KEY": KEY},
         stdout=subprocess.PIPE,
