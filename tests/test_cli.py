@@ -127,7 +127,7 @@ def test_python_dash_m_speculative_is_the_command() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: speculative ")
-    assert "{generate,bench,serve}" in result.stdout
+    assert "{generate,bench,bench-serve,serve}" in result.stdout
 
 
 def test_demo_pair_from_the_environment(model_dirs) -> None:

@@ -49,7 +49,9 @@ with needs_extra("bench", "speculative bench-serve"):
 SERVERS = ("plain", "draft", "adaptive")
 RSS_PERIOD = 0.25  # seconds between RSS samples
 LEAK_PER_REQUEST = 1024  # bytes: the soak's bound is what a leak of this much per request would add
-SOAK_WARM_UP = 0.1  # the soak's first fraction of requests, before its RSS baseline
+SOAK_WARM_UP = 0.5  # the soak's first fraction of requests, before its RSS baseline: what is allocated
+# once fills up first (oneDNN's cache of up to 1,024 matmul kernels, one per shape a batch meets, took
+# about 2,500 requests at 32 streams on the demo pair to fill, ~200 MiB)
 SETTLE = 1.0  # seconds from a soak phase's last answer to its RSS reading: the server is idle by then
 REQUEST_TIMEOUT = 600.0  # seconds for one request
 
@@ -236,11 +238,16 @@ async def _sample_rss(process: psutil.Process, driver: Driver, samples: list, st
             pass
 
 
-async def drive_server(url: str, pid: int, prompts: list[str], config: LoadConfig) -> dict:
-    """One server's warm-up, levels and soak (module docstring): {"closed": [...], "open": [...],
-    "soak": ... | None, "rss": [(seconds, bytes)]}."""
+async def drive_server(
+    url: str, pid: int, prompts: list[str], config: LoadConfig, api_key: str | None = None
+) -> dict:
+    """One server's warm-up, levels and soak (module docstring), the server's process being `pid`:
+    {"closed": [...], "open": [...], "soak": ... | None, "rss": [(seconds, bytes)]}."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(
+        base_url=url, timeout=REQUEST_TIMEOUT, limits=limits, headers=headers
+    ) as client:
         driver = Driver(client, prompts, config)
         rss: list[tuple[float, int]] = []
         stop = asyncio.Event()

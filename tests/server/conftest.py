@@ -3,7 +3,6 @@ Llama pair (target and a noisy draft) with an ASCII byte-level tokenizer that ha
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from speculative import LLM, SpeculativeConfig
+from speculative.bench.server_process import free_port
 from speculative.server.app import create_app
 from speculative.server.scheduler import Scheduler
 
@@ -64,12 +64,6 @@ def speculative_llm(target, draft, tokenizer) -> LLM:
         speculative_config=SpeculativeConfig(num_speculative_tokens=3),
         tokenizer=tokenizer,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

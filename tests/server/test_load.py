@@ -1,0 +1,100 @@
+"""`speculative bench-serve`'s driver and figures: exact figures from known request times, the driver
+against the live test server (every level's requests counted, errors reported), the server variants'
+command lines, and the CLI end to end on the demo pair."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from speculative.bench.load import LoadConfig, RequestRecord, drive_server, serve_command, summarize
+from speculative.bench.load_report import markdown, soak_lines
+from speculative.cli import main
+
+from .conftest import API_KEY
+
+
+def test_figures_of_known_requests() -> None:
+    records = [
+        RequestRecord(sent=0.0, chunks=[0.1, 0.2, 0.4], end=0.4, tokens=5),  # TPOT (0.4 - 0.1) / 4
+        RequestRecord(sent=1.0, chunks=[1.3, 1.4], end=1.5, tokens=3),  # TPOT 0.2 / 2
+        RequestRecord(sent=2.0, end=2.1, error="status 400: b'too long'"),
+    ]
+    figures = summarize(records, seconds=4.0)
+    assert figures["requests"] == 3 and figures["errors"] == 1
+    assert figures["error_examples"] == ["status 400: b'too long'"]
+    assert figures["requests_per_s"] == pytest.approx(0.5)
+    assert figures["output_tokens_per_s"] == pytest.approx(2.0)
+    assert figures["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert figures["tpot_ms"]["p50"] == pytest.approx((75.0 + 100.0) / 2)
+    assert figures["itl_ms"]["p50"] == pytest.approx(100.0)  # gaps 100, 200, 100 ms
+    assert figures["e2e_ms"]["p99"] == pytest.approx(400.0 + 0.99 * 100.0)  # of 400 and 500 ms
+
+
+def test_server_variants_and_bad_configs() -> None:
+    config = LoadConfig(k=3, dtype="bfloat16")
+    plain = serve_command(config, "plain", "t", "d", 9000)
+    assert plain[1:4] == ["-m", "speculative", "serve"] and "--draft-model" not in plain
+    assert serve_command(config, "draft", "t", "d", 9000)[-4:] == ["--draft-model", "d", "-k", "3"]
+    assert serve_command(config, "adaptive", "t", "d", 9000)[-1] == "--adaptive"
+    with pytest.raises(ValueError, match="needs a draft model"):
+        serve_command(config, "draft", "t", None, 9000)
+    for field, value, message in [
+        ("servers", ["eagle"], "servers must be among plain, draft, adaptive"),
+        ("concurrency", [0], "concurrency must be"),
+        ("rates", [0.0], "rates must be > 0"),
+        ("max_tokens", 0, "max_tokens must be >= 1"),
+        ("soak_requests", -1, "soak_requests must be >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            LoadConfig(**{field: value})
+
+
+def test_the_driver_counts_every_request_of_every_level(served) -> None:
+    config = LoadConfig(
+        concurrency=[1, 3], rates=[40.0], requests=4, max_tokens=5, soak_requests=8, soak_max_tokens=2
+    )
+    result = asyncio.run(drive_server(served.url, os.getpid(), ["def f(", "x = 1\n"], config, API_KEY))
+    assert [level["requests"] for level in result["closed"]] == [4, 6]  # at least 2 per client
+    for level in result["closed"] + result["open"]:
+        assert level["errors"] == 0, level["error_examples"]
+        tokens = level["output_tokens_per_s"] * level["seconds"]
+        assert tokens == pytest.approx(5 * level["requests"])  # ignore_eos: exactly max_tokens each
+        assert level["ttft_ms"]["p50"] > 0 and level["tpot_ms"]["p50"] > 0
+    soak = result["soak"]
+    assert soak["errors"] == 0 and soak["requests"] >= 8
+    assert soak["bound"] == 1024 * (soak["requests"] - 6)  # after the warm-up: 4 of 8, at least 2 per client
+    assert result["rss"] and all(rss > 0 for _, rss in result["rss"])
+    results = {"servers": {"draft": result}, "config": {**config.__dict__}, "prompts": "p.jsonl"}
+    results["machine"] = {"nproc": 2, "cpu": "cpu", "cpu_features": "AVX2", "torch": "t", "python": "p"}
+    report = markdown(results, "load.png")
+    assert "| draft | 3 clients |" in report and "| draft | 40 req/s |" in report
+    assert soak_lines(results)[0].startswith(f"draft: {soak['requests']} requests")
+
+
+def test_requests_the_server_refuses_are_errors(served) -> None:
+    config = LoadConfig(concurrency=[2], rates=[], requests=2, max_tokens=10_000)  # past the context
+    result = asyncio.run(drive_server(served.url, os.getpid(), ["def f("], config, API_KEY))
+    level = result["closed"][0]
+    assert level["errors"] == level["requests"] == 4
+    assert level["error_examples"][0].startswith("status 400")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RSS sampling and the server's death with the bench")
+def test_bench_serve_on_the_demo_pair(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "load"
+    argv = ["bench-serve", "--servers", "draft", "--concurrency", "2", "--requests", "2"]
+    argv += ["--max-tokens", "4", "--rate", "20", "--soak", "6", "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["servers"]) == ["draft"]
+    for server in results["servers"].values():
+        assert all(level["errors"] == 0 for level in server["closed"] + server["open"])
+    report = (out / "report.md").read_text()
+    assert "## Soak" in report and "![load](load.png)" in report and (out / "load.png").stat().st_size
+    assert f"wrote {out / 'report.md'}" in capsys.readouterr().out
