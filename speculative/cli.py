@@ -139,7 +139,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument(
         "--prompts",
         action="append",
-        help="a JSONL prompt set (repeat; default: the bundled code and edit sets)",
+        help="a JSONL prompt set (repeat; default: the bundled code, multiturn and edit sets)",
     )
     bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
     bench.add_argument("--sweep-k", type=int, nargs="+", help="k values of the k sweep (1 .. 8)")

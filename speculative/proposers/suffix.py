@@ -334,3 +334,7 @@ class SuffixProposer:
 
     def select_rows(self, rows: Tensor) -> None:
         self.rows = [self.rows[i] for i in rows.tolist()]
+
+    def clear_cache(self) -> None:
+        """Forget every cached response (a benchmark's new pass over prompts it has answered)."""
+        self.cache = SuffixCache(self.max_depth, self.cache.max_requests)
