@@ -2,9 +2,12 @@
 measurement (interleaved runs, exactness against HF greedy) restricted to those methods, on the bundled
 code, multiturn and edit sets. The README's suffix figures come from it.
 
-    python benchmarks/suffix_compare.py [--num-prompts 6] [--max-tokens 96] [-k 4] [--suffix-k 8]
+    python benchmarks/suffix_compare.py [--num-prompts 6] [--max-tokens 96] [-k 4] [--more-k 8] \
+        [--more-spec-factor 2.0]
 
-Prints one line per set and method: tokens per step, tokens/s and the speedup over ours AR.
+Methods: HF generate, ours AR, ours with each drafter at k (suffix with vLLM's defaults), and ours
+n-gram and suffix at a larger k (suffix with a larger max_spec_factor too). Prints one line per set
+and method: tokens per step, tokens/s and the speedup over ours AR.
 """
 
 from __future__ import annotations
@@ -23,15 +26,19 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("-k", type=int, default=4, help="drafts per step of every drafter")
-    parser.add_argument("--suffix-k", type=int, default=8, help="k of a second suffix method (0: none)")
+    parser.add_argument("--more-k", type=int, default=8, help="k of the second n-gram and suffix methods")
+    parser.add_argument("--more-spec-factor", type=float, default=2.0, help="the second suffix's factor")
     args = parser.parse_args()
     sets = [str(BUNDLED_DIR / f"{name}.jsonl") for name in ("multiturn", "edit", "code")]
     config = BenchConfig(prompts=sets, k=args.k, max_tokens=args.max_tokens, num_prompts=args.num_prompts)
     pair = Pair(config)
     methods = [pair.hf(None, 0), pair.ours(None, 0)] + [pair.ours(d, args.k) for d in pair.drafters]
-    if args.suffix_k:
-        methods.append(pair.ours("suffix", args.suffix_k))
-        methods[-1].name += f"_k{args.suffix_k}"
+    methods += [
+        pair.ours("ngram", args.more_k),
+        pair.ours("suffix", args.more_k, suffix_decoding_max_spec_factor=args.more_spec_factor),
+    ]
+    methods[-2].name += f"_k{args.more_k}"
+    methods[-1].name += f"_k{args.more_k}_f{args.more_spec_factor:g}"
     for i, (name, prompts) in enumerate(load_sets(config, pair.tokenizer, 1024, []).items()):
         table = compare_methods(pair, methods, prompts, lambda *_: None, name, warmup=i == 0)[0]
         for method, entry in table.items():

@@ -171,11 +171,12 @@ class Pair:
         compiled: bool = False,
         adaptive: bool = False,
         tree: str | None = None,
+        **options,
     ) -> OursMethod:
         """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram or suffix; with
         `compiled`, on the compiled models (engine "ours_compiled"); with `adaptive`, k chosen per step
         in [0, k] (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep and of
-        SpeculativeConfig's default width and size."""
+        SpeculativeConfig's default width and size; `options`: more SpeculativeConfig fields."""
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
         if drafter is None:
@@ -188,7 +189,7 @@ class Pair:
         llm = LLM(
             target,
             draft_model=draft if drafter == "draft_model" else None,
-            speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive, tree=tree),
+            speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive, tree=tree, **options),
             device=self.device,
             seed=self.config.seed,
             tokenizer=self.tokenizer,
