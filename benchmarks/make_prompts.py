@@ -1,4 +1,5 @@
-"""Regenerate the bundled prompt sets `code.jsonl` and `edit.jsonl` in speculative/bench/prompt_sets/.
+"""Regenerate the bundled prompt sets `code.jsonl`, `edit.jsonl` and `multiturn.jsonl` in
+speculative/bench/prompt_sets/.
 
     python benchmarks/make_prompts.py [--count 20]
 
@@ -14,7 +15,12 @@ from speculative.bench.prompts import write_bundled
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=20, help="prompts per set")
+    parser.add_argument(
+        "--count",
+        type=int,
+        default=20,
+        help="prompts per set (multiturn: whole conversations, at least as many)",
+    )
     args = parser.parse_args()
     for name, path in write_bundled(count=args.count).items():
         print(f"{name}: {sum(1 for _ in path.open())} prompts -> {path}")

@@ -65,6 +65,30 @@ def _engine_flags() -> argparse.ArgumentParser:
     drafter = flags.add_mutually_exclusive_group()
     drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
     drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
+    drafter.add_argument(
+        "--suffix",
+        action="store_true",
+        help="draft by suffix decoding: suffix tries of the request and of past responses",
+    )
+    flags.add_argument("--suffix-max-depth", type=int, default=24, help="--suffix: the tries' depth (24)")
+    flags.add_argument(
+        "--suffix-max-cached-requests",
+        type=int,
+        default=10000,
+        help="--suffix: past responses cached (10000; 0: none)",
+    )
+    flags.add_argument(
+        "--suffix-max-spec-factor",
+        type=float,
+        default=1.0,
+        help="--suffix: drafts at most this times the match's length (1.0)",
+    )
+    flags.add_argument(
+        "--suffix-min-token-prob",
+        type=float,
+        default=0.1,
+        help="--suffix: the least estimated probability of a draft (0.1)",
+    )
     flags.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
     flags.add_argument(
         "--adaptive",
@@ -116,7 +140,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument(
         "--prompts",
         action="append",
-        help="a JSONL prompt set (repeat; default: the bundled code and edit sets)",
+        help="a JSONL prompt set (repeat; default: the bundled code, multiturn and edit sets)",
     )
     bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
     bench.add_argument("--sweep-k", type=int, nargs="+", help="k values of the k sweep (1 .. 8)")
@@ -283,7 +307,7 @@ def generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
     )
-    model, draft = _models(args.model, args.draft_model, args.ngram)
+    model, draft = _models(args.model, args.draft_model, args.ngram or args.suffix)
     config = _speculative_config(args, draft)
     llm = _load(args, model, draft, config, compile=args.compile)
     prompts = args.prompt or [DEFAULT_PROMPT]
@@ -453,7 +477,7 @@ def serve_app(args: argparse.Namespace):
         from speculative.server.app import create_app
         from speculative.server.scheduler import Scheduler
 
-    model, draft = _models(args.model, args.draft_model, args.ngram)
+    model, draft = _models(args.model, args.draft_model, args.ngram or args.suffix)
     name = args.served_model_name or args.model or "speculative-demo"
     for flag in (
         "max_prompt_tokens",
@@ -525,9 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _models(model: str | None, draft: str | None, ngram: bool = False) -> tuple[str, str | None]:
+def _models(model: str | None, draft: str | None, modelless: bool = False) -> tuple[str, str | None]:
     """(target, draft) of --model and --draft-model; without --model the demo pair, speculating with its
-    draft unless --draft-model or --ngram says otherwise (OSError saying how to get it where it is not)."""
+    draft unless --draft-model, --ngram or --suffix says otherwise (OSError saying how to get it where it
+    is not)."""
     if model is not None:
         return model, draft
     if not (DEMO_DIR / "target").is_dir():
@@ -535,21 +560,25 @@ def _models(model: str | None, draft: str | None, ngram: bool = False) -> tuple[
             f"the demo pair is not at {DEMO_DIR}: pass --model, set {DEMO_DIR_ENV} to the pair's "
             f"folder, or train it with `python -m speculative.demo.train --out models/demo`"
         )
-    return str(DEMO_DIR / "target"), draft or (None if ngram else str(DEMO_DIR / "draft"))
+    return str(DEMO_DIR / "target"), draft or (None if modelless else str(DEMO_DIR / "draft"))
 
 
 def _speculative_config(args: argparse.Namespace, draft: str | None) -> SpeculativeConfig | None:
     """The SpeculativeConfig the flags ask for; None (plain decoding) without a drafter."""
-    if not (args.ngram or draft):
+    if not (args.ngram or args.suffix or draft):
         return None
     return SpeculativeConfig(
-        method="ngram" if args.ngram else "draft_model",
+        method="ngram" if args.ngram else "suffix" if args.suffix else "draft_model",
         adaptive=args.adaptive,
         num_speculative_tokens=args.num_speculative_tokens,
         acceptance=args.acceptance,
         tree=args.tree,
         tree_width=args.tree_width,
         tree_nodes=args.tree_nodes,
+        suffix_decoding_max_tree_depth=args.suffix_max_depth,
+        suffix_decoding_max_cached_requests=args.suffix_max_cached_requests,
+        suffix_decoding_max_spec_factor=args.suffix_max_spec_factor,
+        suffix_decoding_min_token_prob=args.suffix_min_token_prob,
     )
 
 

@@ -15,7 +15,8 @@ from speculative.sampling_params import SamplingParams
 class SpeculativeConfig:
     """How the engine speculates (vLLM's `speculative_config`).
 
-    method: "draft_model" (a small model, `LLM(draft_model=...)`) or "ngram" (prompt lookup).
+    method: "draft_model" (a small model, `LLM(draft_model=...)`), "ngram" (prompt lookup) or "suffix"
+        (suffix decoding over the request and past responses, speculative/proposers/suffix.py).
     num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32.
     acceptance: "rejection" (lossless: the output follows the target's distribution exactly) or
         "typical" (Medusa's typical acceptance: faster at temperature > 0, NOT lossless).
@@ -29,13 +30,23 @@ class SpeculativeConfig:
         pay. The output stays exact, but a seeded sampled request's text then depends on timing.
     tree: None (a chain of k drafts), or a token tree of depth <= k verified in one forward:
         "dynamic" (the draft model's tree follows its confidence, as EAGLE-2's) or "static" (a fixed
-        topology); for "ngram" either one merges every match's continuation into a trie. Trees need
+        topology); for "ngram" either one merges every match's continuation into a trie, for "suffix"
+        either one takes the most frequent continuations. Trees need
         the native forward (model types llama, mistral, qwen2, qwen3) and exclude `adaptive`.
     tree_width: a draft-model tree's candidates per expanded node and nodes expanded per depth. [1, 16].
     tree_nodes: drafts per tree. [1, 128].
+    suffix_decoding_max_tree_depth: the "suffix" tries' depth: a match's tokens plus its proposal's.
+        [2, 256].
+    suffix_decoding_max_cached_requests: past responses the "suffix" global cache holds (the oldest
+        evicted first); 0 disables it. >= 0. With the cache, a seeded sampled request's drafts, and
+        so its text, depend on the responses cached before it (its distribution stays exact).
+    suffix_decoding_max_spec_factor: a "suffix" proposal is at most this times its match's length
+        deep (and k). > 0.
+    suffix_decoding_min_token_prob: the least estimated probability (frequency shares multiplied down
+        the path) a "suffix" draft needs. [0, 1].
     """
 
-    method: Literal["draft_model", "ngram"] = "draft_model"
+    method: Literal["draft_model", "ngram", "suffix"] = "draft_model"
     num_speculative_tokens: int = 4
     acceptance: Literal["rejection", "typical"] = "rejection"
     posterior_threshold: float = 0.09
@@ -46,9 +57,18 @@ class SpeculativeConfig:
     tree: Literal["static", "dynamic"] | None = None
     tree_width: int = 2
     tree_nodes: int = 8
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        _check(self.method in ("draft_model", "ngram"), "method", self.method, '"draft_model" or "ngram"')
+        _check(
+            self.method in ("draft_model", "ngram", "suffix"),
+            "method",
+            self.method,
+            '"draft_model", "ngram" or "suffix"',
+        )
         k = self.num_speculative_tokens
         _check(is_int(k) and 1 <= k <= 32, "num_speculative_tokens", k, "an integer in [1, 32]")
         _check(
@@ -95,6 +115,31 @@ class SpeculativeConfig:
             "tree_nodes",
             self.tree_nodes,
             "an integer in [1, 128]",
+        )
+        depth = self.suffix_decoding_max_tree_depth
+        _check(
+            is_int(depth) and 2 <= depth <= 256,
+            "suffix_decoding_max_tree_depth",
+            depth,
+            "an integer in [2, 256]",
+        )
+        cached = self.suffix_decoding_max_cached_requests
+        _check(
+            is_int(cached) and cached >= 0, "suffix_decoding_max_cached_requests", cached, "an integer >= 0"
+        )
+        factor = self.suffix_decoding_max_spec_factor
+        _check(
+            isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0,
+            "suffix_decoding_max_spec_factor",
+            factor,
+            "a number > 0",
+        )
+        prob = self.suffix_decoding_min_token_prob
+        _check(
+            isinstance(prob, (int, float)) and not isinstance(prob, bool) and 0 <= prob <= 1,
+            "suffix_decoding_min_token_prob",
+            prob,
+            "in [0, 1]",
         )
 
 

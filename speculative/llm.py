@@ -22,7 +22,7 @@ from speculative.models.dtypes import check_dtype
 from speculative.models.loading import ModelImpl, load_model
 from speculative.models.quantization import check_quantization, quantize_model
 from speculative.precompile import PreCompileConfig
-from speculative.proposers import DraftModelProposer, DraftTreeProposer, NgramProposer
+from speculative.proposers import DraftModelProposer, DraftTreeProposer, NgramProposer, SuffixProposer
 from speculative.sampling_params import SamplingParams
 
 
@@ -78,8 +78,8 @@ class LLM:
         method = speculative_config.method if speculative_config else None
         if method == "draft_model" and draft_model is None:
             raise ValueError('SpeculativeConfig(method="draft_model") needs LLM(draft_model=...)')
-        if method == "ngram" and draft_model is not None:
-            raise ValueError('SpeculativeConfig(method="ngram") uses no draft model; drop draft_model')
+        if method in ("ngram", "suffix") and draft_model is not None:
+            raise ValueError(f'SpeculativeConfig(method="{method}") uses no draft model; drop draft_model')
         if draft_dtype is not None:
             check_dtype(draft_dtype, "draft_dtype")
             if method != "draft_model":
@@ -114,6 +114,14 @@ class LLM:
             proposer = NgramProposer(
                 speculative_config.prompt_lookup_min,
                 speculative_config.prompt_lookup_max,
+                speculative_config.tree_nodes if speculative_config.tree else None,
+            )
+        elif method == "suffix":
+            proposer = SuffixProposer(
+                speculative_config.suffix_decoding_max_tree_depth,
+                speculative_config.suffix_decoding_max_cached_requests,
+                speculative_config.suffix_decoding_max_spec_factor,
+                speculative_config.suffix_decoding_min_token_prob,
                 speculative_config.tree_nodes if speculative_config.tree else None,
             )
         if speculative_config is not None and speculative_config.tree:

@@ -36,6 +36,8 @@ METHODS = {
     "ours_ngram_adaptive",
     "ours_draft_tree",
     "ours_ngram_tree",
+    "ours_suffix",
+    "ours_suffix_tree",
 } | SKIPPED
 PLOTS = ("tokens_per_s.png", "acceptance_by_position.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 
@@ -110,6 +112,14 @@ def test_bundled_sets_come_from_heldout_files() -> None:
     for r in edit:  # the function, the comment, then the function's first line again
         assert r.text.startswith(r.text.split("\n")[-1] + "\n") and "# The same code again" in r.text
 
+    turns = load_jsonl(BUNDLED_DIR / "multiturn.jsonl")
+    assert len(turns) >= 16 and len(turns) % 3 == 0
+    assert all(corpus.is_heldout(r.id.rsplit(":", 1)[0]) for r in turns)
+    for conversation in zip(*[iter(turns)] * 3):  # the same definition header after different text
+        assert len({r.id.rsplit("/", 1)[0] for r in conversation}) == 1
+        assert len({r.text.split("\n")[-1] for r in conversation}) == 1
+        assert len({r.text for r in conversation}) == 3
+
 
 def run_quick(out: Path, *model_args: str) -> dict:
     """`speculative bench --quick` in a subprocess; returns results.json after checking what every run
@@ -127,7 +137,7 @@ def run_quick(out: Path, *model_args: str) -> dict:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ours draft k=4" in result.stdout and "vs ours AR" in result.stdout
     results = json.loads((out / "results.json").read_text())
-    assert set(results["sets"]) == {"code", "edit"}
+    assert set(results["sets"]) == {"code", "multiturn", "edit"}
     for data in results["sets"].values():
         methods = data["methods"]
         assert set(methods) == METHODS

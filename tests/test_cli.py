@@ -59,8 +59,12 @@ def test_readme_first_command_on_the_demo_pair() -> None:
     assert rate > 0.3, result.stdout  # the distilled draft agrees with its target
 
 
-def test_ngram_and_plain(model_dirs) -> None:
-    for extra, tag in ((["--ngram", "-k", "3"], "[ngram, k=3]"), ([], "[autoregressive]")):
+def test_ngram_suffix_and_plain(model_dirs) -> None:
+    for extra, tag in (
+        (["--ngram", "-k", "3"], "[ngram, k=3]"),
+        (["--suffix", "-k", "6", "--suffix-max-cached-requests", "0"], "[suffix, k=6]"),
+        ([], "[autoregressive]"),
+    ):
         result = run(
             [
                 "speculative",
@@ -115,6 +119,10 @@ def test_tree_flags(model_dirs) -> None:
     assert "[draft_model, k=4, dynamic tree of 8]" in result.stdout
     result = run([*base, "--ngram", "--tree", "static", "--tree-nodes", "0"])
     assert result.returncode == 2 and "tree_nodes must be an integer in [1, 128]" in result.stderr
+    result = run([*base, "--suffix", "--suffix-min-token-prob", "2"])
+    assert result.returncode == 2 and "suffix_decoding_min_token_prob must be in [0, 1]" in result.stderr
+    result = run([*base, "--suffix", "--ngram"])
+    assert result.returncode == 2 and "not allowed with argument" in result.stderr
 
 
 def test_python_dash_m_speculative_is_the_command() -> None:

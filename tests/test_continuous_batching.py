@@ -17,14 +17,22 @@ SETUPS = {
     "autoregressive, native": dict(model_impl="native", method=None),
     "draft tree, native": dict(model_impl="native", method="draft_model", tree="dynamic"),
     "ngram trie, native": dict(model_impl="native", method="ngram", tree="static"),
+    # Without the global cache: with it, a seeded sampled row's drafts, and so its text, depend on the
+    # responses that finished before (its distribution does not).
+    "suffix, native": dict(model_impl="native", method="suffix", suffix_decoding_max_cached_requests=0),
+    "suffix tree, native": dict(
+        model_impl="native", method="suffix", tree="static", suffix_decoding_max_cached_requests=0
+    ),
 }
 
 
-def _llm(model_impl: str, method: str | None, tree: str | None = None) -> LLM:
+def _llm(model_impl: str, method: str | None, tree: str | None = None, **options) -> LLM:
     target = tiny_model("llama", num_layers=2)
     draft = noisy_copy(target, 0.03) if method == "draft_model" else None
     config = (
-        SpeculativeConfig(method=method, num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6)
+        SpeculativeConfig(
+            method=method, num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6, **options
+        )
         if method
         else None
     )

@@ -32,7 +32,9 @@ def interleaved(
     warmup: bool,
 ) -> dict[str, list[list[Generation]]]:
     """runs[method][prompt] = its timed Generations: every method on prompt 1, then on prompt 2, ...;
-    with `warmup`, first one discarded run of each method on the first prompt."""
+    with `warmup`, first one discarded run of each method on the first prompt. Each pass over the
+    prompts starts from reset methods (Method.reset), so that a method learns only from the prompts
+    before the current one in its pass (suffix decoding's multi-turn case)."""
     total = len(methods) * (len(prompts) * repeats + warmup)
     if warmup:
         for method in methods:
@@ -40,6 +42,8 @@ def interleaved(
             advance(phase, total)
     runs: dict[str, list[list[Generation]]] = {m.name: [[] for _ in prompts] for m in methods}
     for _ in range(repeats):
+        for method in methods:
+            method.reset()
         for i, prompt in enumerate(prompts):
             for method in methods:
                 runs[method.name][i].append(method.generate([prompt], max_tokens))
@@ -106,9 +110,11 @@ def engine_timings(runs: list[list[Generation]], tokens: list[int]) -> dict:
 
 def run_times(method: Method, runs: list[list[Generation]], baseline_runs: list[list[Generation]]) -> dict:
     """The step times of the bound as a method's runs paid them (clock.py): T_v and T_d from its own
-    runs, T_1 from its engine's plain decoding's runs."""
+    runs, T_1 from its engine's plain decoding's runs. A tree method's T_v, and suffix decoding's
+    (whose proposals are as long as its counts justify, seldom k), is over all its verifications."""
     calls = [g.calls for repeats in runs for g in repeats if g.calls is not None]
-    own = run_step_times(calls, method.k, tree=getattr(method, "tree", None) is not None)
+    every = getattr(method, "tree", None) is not None or method.drafter == "suffix"
+    own = run_step_times(calls, method.k, tree=every)
     plain = run_step_times([g.calls for repeats in baseline_runs for g in repeats if g.calls is not None], 0)
     return {**own, "T_1": plain["T_1"]}
 
@@ -204,7 +210,9 @@ def sweep_batch(
     """Throughput (generated tokens / wall time) of each method at each batch size over every prompt,
     cycled to fill a whole number of the largest batch (12 prompts, batch 8: 16, two batches of 8), so
     that each batch size gets more than one timed call; interleaved per batch, with exactness against
-    `reference`. Batch size 1 reuses `batch1`, the side-by-side runs of the same prompts."""
+    `reference`. Batch size 1 reuses `batch1`, the side-by-side runs of the same prompts. Every call
+    starts from reset methods (Method.reset): the cycled prompts come back, and would otherwise be
+    drafted from their own earlier responses."""
     config = pair.config
     largest = max(config.batch_sizes)
     count = -(-len(prompts) // largest) * largest
@@ -223,6 +231,7 @@ def sweep_batch(
         for start in range(0, count, b):
             chunk = [prompts[i] for i in indices[start : start + b]]
             for method in usable:
+                method.reset()
                 g = method.generate(chunk, config.max_tokens)
                 record = measured.setdefault((b, method.name), [0.0, []])
                 record[0] += g.seconds

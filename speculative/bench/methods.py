@@ -17,6 +17,7 @@ import torch
 from speculative.bench.clock import CallTimes, hf_recording
 from speculative.bench.timing import synchronize
 from speculative.llm import LLM
+from speculative.proposers import SuffixProposer
 from speculative.sampling_params import SamplingParams
 
 
@@ -48,8 +49,8 @@ class Generation:
 @dataclass
 class Method:
     """A named decoding method. engine: "hf", "ours", "ours_compiled", "vllm" or "llama.cpp"; drafter:
-    "draft_model", "ngram" or None (plain decoding); k: drafts per step (0 without a drafter); max_batch:
-    the largest batch it takes (None: any)."""
+    "draft_model", "ngram", "suffix" or None (plain decoding); k: drafts per step (0 without a drafter);
+    max_batch: the largest batch it takes (None: any)."""
 
     name: str
     label: str
@@ -61,6 +62,10 @@ class Method:
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Forget what earlier calls taught the method (suffix decoding's cache of past responses), so
+        that no prompt is drafted from its own earlier, identical, greedy response."""
+
 
 @dataclass
 class OursMethod(Method):
@@ -71,6 +76,10 @@ class OursMethod(Method):
     llm: LLM | None = None
     adaptive: bool = False
     tree: str | None = None
+
+    def reset(self) -> None:
+        if isinstance(self.llm.engine.proposer, SuffixProposer):
+            self.llm.engine.proposer.clear_cache()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -4,14 +4,21 @@ A prompt file is JSONL, one object per line, either `{"prompt": "..."}` (with an
 Spec-Bench question `{"question_id": ..., "turns": ["...", ...]}`, of which the first turn is used and
 wrapped in the tokenizer's chat template when it has one.
 
-The bundled sets (`BUNDLED_DIR`: `prompt_sets/code.jsonl` and `edit.jsonl`, the package's data) are cut
+The bundled sets (`BUNDLED_DIR`: `prompt_sets/code.jsonl`, `edit.jsonl` and `multiturn.jsonl`, the
+package's data) are cut
 from the held-out files of the demo corpus (`speculative.demo.corpus`), which the demo models never saw
 in training:
 - code: the few hundred characters before a function or class definition plus its `def`/`class` line;
   the model continues with the body (plain code continuation).
 - edit: a whole function, then a comment saying that the same code follows again, then its first line;
   a model that copies it gives an answer that repeats much of the prompt (where n-gram lookup shines).
-Both are drawn deterministically (`random.Random` seeded by the file's path); the stdlib differs between
+- multiturn: conversations of TURNS requests about one definition each: its header line after a
+  different stretch of its file each time (the lines before it, the file's opening, the lines after
+  the definition). A model answers every turn with much the same body, so later responses repeat
+  earlier ones, which the request's own prompt does not hold (where suffix decoding's cache of past
+  responses shines and prompt lookup has nothing). A conversation's turns are consecutive lines, ids
+  "<file>:<line>/<turn>".
+All are drawn deterministically (`random.Random` seeded by the file's path); the stdlib differs between
 Python versions, so `benchmarks/make_prompts.py` regenerates them and the files are committed.
 """
 
@@ -131,6 +138,39 @@ def edit_prompt(rel: str, text: str, min_chars: int = 250, max_chars: int = 900)
     return {"id": f"{rel}:{lineno}", "prompt": prompt}
 
 
+TURNS = 3  # requests per multiturn conversation
+
+
+def multiturn_prompts(rel: str, text: str, context_chars: int = 400) -> list[dict] | None:
+    """A conversation (module docstring): TURNS prompts ending with the same definition header after
+    ~`context_chars` of different text each, or None."""
+    starts = _line_starts(text)
+    lines = text.splitlines()
+    candidates = [
+        n
+        for n in _definitions(text)
+        if starts[n.lineno - 1] >= 2 * context_chars
+        and n.end_lineno - n.lineno >= 4
+        and len(text) - starts[n.end_lineno - 1] >= 2 * context_chars
+    ]
+    if not candidates:
+        return None
+    node = random.Random(f"multiturn:{rel}").choice(candidates)
+    header = lines[node.lineno - 1].strip()
+    before = text[: starts[node.lineno - 1]]
+    after = text[starts[node.end_lineno] if node.end_lineno < len(starts) else len(text) :]
+    last = before[-context_chars:]
+    contexts = [  # whole lines
+        last[last.find("\n") + 1 :],
+        before[: before.rfind("\n", 0, context_chars) + 1],
+        after[: after.rfind("\n", 0, context_chars) + 1],
+    ]
+    return [
+        {"id": f"{rel}:{node.lineno}/{turn}", "prompt": f"{context.rstrip()}\n\n\n{header}"}
+        for turn, context in enumerate(contexts[:TURNS], start=1)
+    ]
+
+
 def build_bundled(count: int = 20) -> dict[str, list[dict]]:
     """The bundled sets: `count` prompts each (fewer if too few files qualify), at most one per held-out
     file, from files spread evenly over the held-out split's sorted list."""
@@ -141,6 +181,11 @@ def build_bundled(count: int = 20) -> dict[str, list[dict]]:
         eligible = [p for p in (make(rel, text) for rel, text in zip(heldout, texts)) if p is not None]
         step = max(1.0, len(eligible) / count)
         sets[name] = [eligible[int(i * step)] for i in range(min(count, len(eligible)))]
+    conversations = [c for c in (multiturn_prompts(r, t) for r, t in zip(heldout, texts)) if c is not None]
+    wanted = -(-count // TURNS)
+    step = max(1.0, len(conversations) / wanted)
+    picked = [conversations[int(i * step)] for i in range(min(wanted, len(conversations)))]
+    sets["multiturn"] = [turn for conversation in picked for turn in conversation]
     return sets
 
 

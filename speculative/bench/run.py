@@ -77,7 +77,7 @@ class BenchConfig:
     model: str = str(DEMO_DIR / "target")
     draft_model: str | None = str(DEMO_DIR / "draft")
     prompts: list[str] = field(
-        default_factory=lambda: [str(BUNDLED_DIR / f"{n}.jsonl") for n in ("code", "edit")]
+        default_factory=lambda: [str(BUNDLED_DIR / f"{n}.jsonl") for n in ("code", "multiturn", "edit")]
     )
     k: int = 4
     sweep_k: list[int] = field(default_factory=lambda: list(range(1, 9)))
@@ -152,7 +152,7 @@ class Pair:
         )
         tok = self.tokenizer
         self.pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
-        self.drafters = ["draft_model", "ngram"] if self.draft is not None else ["ngram"]
+        self.drafters = ["draft_model", "ngram", "suffix"] if self.draft is not None else ["ngram", "suffix"]
         self.compiled_target = self.compiled_draft = None
         if config.compile:  # sharing the eager models' weights; every shape the runs use compiled now
             self.compiled_target = CompiledCausalLM(self.target)
@@ -171,11 +171,12 @@ class Pair:
         compiled: bool = False,
         adaptive: bool = False,
         tree: str | None = None,
+        **options,
     ) -> OursMethod:
-        """Our engine on the shared models: plain decoding (drafter None), draft model or n-gram; with
+        """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram or suffix; with
         `compiled`, on the compiled models (engine "ours_compiled"); with `adaptive`, k chosen per step
         in [0, k] (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep and of
-        SpeculativeConfig's default width and size."""
+        SpeculativeConfig's default width and size; `options`: more SpeculativeConfig fields."""
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
         if drafter is None:
@@ -188,12 +189,12 @@ class Pair:
         llm = LLM(
             target,
             draft_model=draft if drafter == "draft_model" else None,
-            speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive, tree=tree),
+            speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive, tree=tree, **options),
             device=self.device,
             seed=self.config.seed,
             tokenizer=self.tokenizer,
         )
-        short = {"draft_model": "draft", "ngram": "ngram"}[drafter]
+        short = {"draft_model": "draft", "ngram": "ngram", "suffix": "suffix"}[drafter]
         if adaptive:
             suffix, label = f"_adaptive{suffix}", f"{label}, adaptive"
         if tree:
@@ -277,6 +278,10 @@ NOTES = [
     "HF assisted generation and prompt lookup take batch 1 only: the batch sweep leaves them out.",
     "Ours n-gram verifies only what it proposed (a plain step where no row has a match) in greedy batches, "
     "which the bound, at T_v(k) for every step, does not count: its efficiency can exceed 1.",
+    "Ours suffix (suffix decoding) drafts from suffix tries of the request and of a cache of earlier "
+    "responses, proposing only what their counts justify (so its T_v is over every verification, whatever "
+    "its width). Every pass over a set, and every call of the batch sweep, starts with an empty cache: a "
+    "prompt is drafted from the responses to the prompts before it in its pass, never from its own.",
     "Adaptive methods choose k per step in [0, k] from the acceptance and step times they measure "
     "(SpeculativeConfig.adaptive); with no single k they have no bound.",
     "Tree methods verify a token tree of depth k in one forward (SpeculativeConfig.tree). Their bound "
@@ -298,17 +303,21 @@ LLAMA_CPP_NOTE = (
 
 
 # The tree each drafter's tree method grows: the draft model's follows its confidence; an n-gram trie
-# has no scores (either shape merges every match).
-TREES = {"draft_model": "dynamic", "ngram": "static"}
+# has no scores (either shape merges every match); suffix decoding's follows its counts either way.
+TREES = {"draft_model": "dynamic", "ngram": "static", "suffix": "static"}
+# Drafters with a Hugging Face counterpart, an adaptive method and a k sweep; suffix decoding has no HF
+# counterpart and already sizes its proposals by itself.
+SWEPT = ("draft_model", "ngram")
 
 
 def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[str, dict]]:
     """The methods of the side-by-side table, and those skipped (with why). llama.cpp's servers are
     started here and registered on `servers`, which stops them."""
     config, drafters = pair.config, pair.drafters
-    methods: list[Method] = [pair.hf(None, 0)] + [pair.hf(d, config.k) for d in drafters]
+    swept = [d for d in drafters if d in SWEPT]
+    methods: list[Method] = [pair.hf(None, 0)] + [pair.hf(d, config.k) for d in swept]
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
-    methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in drafters]
+    methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
     methods += [pair.ours(d, config.k, tree=TREES[d]) for d in drafters]
     if config.compile:
         methods += [pair.ours(None, 0, compiled=True)]
@@ -364,8 +373,8 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
     """Measure everything `config` asks for; returns the results (the content of results.json).
 
     The side-by-side table runs on every prompt set; the draft model's k sweep on the first set and the
-    n-gram k sweep on the last (code and edit by default); the batch sweep on the first set. llama.cpp's
-    servers are stopped at the end, on an error or on Ctrl-C.
+    n-gram k sweep on the last (code and edit with the default sets); the batch sweep on the first set.
+    llama.cpp's servers are stopped at the end, on an error or on Ctrl-C.
     """
     with ExitStack() as servers:
         return _run_bench(config, advance, servers)
@@ -435,7 +444,7 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
         table.update({m: {**entry, "status": "skipped"} for m, entry in skipped.items()})
         results["sets"][name] = {"num_prompts": len(prompts), "methods": table}
     ar = next(m for m in methods if m.name == "ours_ar")
-    for drafter in pair.drafters:
+    for drafter in (d for d in pair.drafters if d in SWEPT):
         name = names[0] if drafter == "draft_model" else names[-1]
         phase = f"{name}: k sweep, {drafter}"
         with stopwatch(seconds, phase):

@@ -358,10 +358,16 @@ class Engine:
 
     @staticmethod
     def _settle(batch: Batch, cache: KVCache, proposer: Proposer | None, commit: Commit) -> None:
-        """After a commit: finished rows leave the batch, the cache and the proposer; the cache is rolled
-        back to the invariant (module docstring) and the proposer told what was kept."""
+        """After a commit: finished rows leave the batch, the cache and the proposer (told their final
+        contexts first, on_finish); the cache is rolled back to the invariant (module docstring) and the
+        proposer told what was kept."""
         if commit.finished:
             gone = {id(s) for s in commit.finished}
+            if proposer is not None:
+                rows = [i for i, s in enumerate(batch.sequences) if id(s) in gone]
+                proposer.on_finish(
+                    batch.tokens, batch.lengths, torch.tensor(rows, device=batch.tokens.device)
+                )
             batch.select([i for i, s in enumerate(batch.sequences) if id(s) not in gone], [cache], proposer)
         if batch.sequences:
             max_length = max(batch.host_lengths)

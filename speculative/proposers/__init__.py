@@ -5,6 +5,7 @@ from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.draft_tree import DraftTreeProposer
 from speculative.proposers.drafter import Drafter, DraftOut
 from speculative.proposers.ngram import NgramProposer
+from speculative.proposers.suffix import SuffixProposer
 
 __all__ = [
     "DraftModelProposer",
@@ -14,4 +15,5 @@ __all__ = [
     "NgramProposer",
     "Proposal",
     "Proposer",
+    "SuffixProposer",
 ]

@@ -59,6 +59,13 @@ class Proposer(Protocol):
         """Bring state left behind by plain steps up to the rows' contexts (before rows are added)."""
         ...
 
+    def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
+        """Rows `rows` ([m] int64) of the batch finished in the step just committed (on_commit has not
+        seen it) and are about to leave it (select_rows follows); their final contexts are
+        tokens[r, :lengths[r]]. Rows that are aborted are not reported. Proposers that learn from past
+        responses (SuffixProposer) read them here; the others do nothing."""
+        ...
+
     def select_rows(self, rows: Tensor) -> None:
         """Keep only `rows` ([n] int64), in that order."""
         ...

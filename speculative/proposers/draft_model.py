@@ -80,6 +80,9 @@ class DraftModelProposer:
             self.model.forward(query, self.cache, logits_indices=torch.zeros_like(lengths)[:, None])
         self.behind = 0
 
+    def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
+        pass
+
     def select_rows(self, rows: Tensor) -> None:
         if self.cache is not None:
             self.cache.select_rows(rows)

@@ -119,6 +119,9 @@ class NgramProposer:
     def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
         pass
 
+    def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
+        pass
+
     def select_rows(self, rows: Tensor) -> None:
         pass
 
