@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -216,6 +217,11 @@ def _add_bench_serve_parser(commands) -> None:
     load.add_argument("--compile", action="store_true", help="the servers run compiled (--compile)")
     load.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--serve-args",
+        default="",
+        help='more `speculative serve` flags for every server, one string: --serve-args="--max-num-seqs 64"',
+    )
     load.add_argument("--out", default="bench-serve-out", help="output directory (bench-serve-out)")
 
 
@@ -426,7 +432,9 @@ def bench_serve(args: argparse.Namespace) -> int:
 
     names = ("prompts", "num_prompts", "max_tokens", "k", "servers", "concurrency", "rates", "requests")
     names += ("soak_requests", "soak_max_tokens", "dtype", "compile", "temperature", "seed")
-    config = LoadConfig(**{name: getattr(args, name) for name in names})
+    config = LoadConfig(
+        **{name: getattr(args, name) for name in names}, serve_flags=shlex.split(args.serve_args)
+    )
     target, draft = _models(args.model, args.draft_model)
     out = Path(args.out)
     results = run_load(config, target, draft, out)

@@ -419,13 +419,7 @@ class Engine:
         m = s.metrics
         m.num_generated += kept
         if not first_token:
-            m.num_steps += 1
-            m.num_drafted += drafted
-            m.num_accepted += accepted
-            for i in range(drafted):
-                m.drafted_per_position[i] += 1
-            for i in range(accepted):
-                m.accepted_per_position[i] += 1
+            m.record_step(drafted, accepted)
         if stopped_by_string:
             s.finish_reason, s.text = "stop", checker.text
         elif stop:

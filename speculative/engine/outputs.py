@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,10 @@ class SpeculationMetrics:
     num_steps: target forward passes after the prefill (speculative or plain steps).
     num_drafted: draft tokens proposed; num_accepted: draft tokens kept.
     accepted_per_position / drafted_per_position: the same counts at each draft position 1..k.
+    acceptance_histogram: steps that drafted, by how many drafts they accepted: [j] = steps that
+        accepted exactly j (j in [0, the longest proposal]); acceptance_by_draft_length: the same per
+        proposal length, {d: [steps of d drafts that accepted j, j in [0, d]]} (k varies under
+        adaptive k, and where a proposer comes up short).
     num_generated: tokens emitted; elapsed_s: wall time from the engine's admission of the request
         (its prefill's start) to its last token; first_token_s: to its first token (the prefill and
         the first sampling: the time to first token). For a prompt with several sequences (n,
@@ -26,6 +31,25 @@ class SpeculationMetrics:
     first_token_s: float = 0.0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    acceptance_histogram: list[int] = field(default_factory=list)
+    acceptance_by_draft_length: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # from JSON (SampleState), the lengths come back as strings
+        self.acceptance_by_draft_length = {int(d): c for d, c in self.acceptance_by_draft_length.items()}
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        """Count a target step after the first token that verified `drafted` drafts (0: a plain step)
+        and kept `accepted` of them."""
+        self.num_steps += 1
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+        if drafted:
+            _add_at(self.acceptance_histogram, accepted, 1)
+            _add_at(self.acceptance_by_draft_length.setdefault(drafted, [0] * (drafted + 1)), accepted, 1)
 
     def merge(self, other: SpeculationMetrics) -> None:
         """Add another sequence's figures to these."""
@@ -39,6 +63,44 @@ class SpeculationMetrics:
         self.accepted_per_position = [
             a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)
         ]
+        for j, count in enumerate(other.acceptance_histogram):
+            _add_at(self.acceptance_histogram, j, count)
+        for d, counts in other.acceptance_by_draft_length.items():
+            mine = self.acceptance_by_draft_length.setdefault(d, [0] * (d + 1))
+            self.acceptance_by_draft_length[d] = [a + b for a, b in zip(mine, counts)]
+
+    @classmethod
+    def total(cls, metrics: Iterable[SpeculationMetrics]) -> SpeculationMetrics:
+        """A new record adding up `metrics` (the sequences or prompts of one request)."""
+        metrics = list(metrics)
+        width = max((len(m.drafted_per_position) for m in metrics), default=0)
+        total = cls(drafted_per_position=[0] * width, accepted_per_position=[0] * width)
+        for m in metrics:
+            total.merge(m)
+        return total
+
+    @property
+    def num_drafts(self) -> int:
+        """Steps that verified at least one draft."""
+        return sum(self.acceptance_histogram)
+
+    def vllm_fields(self) -> dict:
+        """The request's speculation figures in vLLM's names (its spec-decode metrics, per request):
+        mean_acceptance_length (1 + accepted / steps), draft_acceptance_rate, num_drafts,
+        num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos, acceptance_histogram and
+        acceptance_histogram_by_draft_length (keys as strings, for JSON)."""
+        return {
+            "mean_acceptance_length": self.mean_accepted_length,
+            "draft_acceptance_rate": self.acceptance_rate,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_drafted,
+            "num_accepted_tokens": self.num_accepted,
+            "num_accepted_tokens_per_pos": list(self.accepted_per_position),
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "acceptance_histogram_by_draft_length": {
+                str(d): list(counts) for d, counts in sorted(self.acceptance_by_draft_length.items())
+            },
+        }
 
     @property
     def acceptance_rate(self) -> float:
@@ -107,3 +169,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = True
     metrics: SpeculationMetrics = field(default_factory=SpeculationMetrics)
+
+
+def _add_at(counts: list[int], index: int, amount: int) -> None:
+    """counts[index] += amount, the list grown with zeros as needed."""
+    counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += amount

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
+from speculative.engine.outputs import SpeculationMetrics
 from speculative.extras import needs_extra
 from speculative.sampling_params import SamplingParams
 
@@ -113,6 +114,7 @@ def create_app(
             render=render,
             n=params[0].n,
             include_usage=body.include_usage,
+            speculation_metrics=body.return_speculation_metrics,
         )
         return await _respond(scheduler, request, answer, prompts, params, bool(body.stream))
 
@@ -141,6 +143,7 @@ def create_app(
             render=render,
             n=params.n,
             include_usage=body.include_usage,
+            speculation_metrics=body.return_speculation_metrics,
             first_choices=[
                 P.chat_choice(i, "", None, None, None, role=True, chunk=True) for i in range(params.n)
             ],
@@ -284,9 +287,10 @@ class _Answer:
     render: Callable[..., dict]
     n: int
     include_usage: bool
+    speculation_metrics: bool = False
     first_choices: list[dict] = field(default_factory=list)
 
-    def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+    def chunk(self, choices: list[dict], usage: dict | None = None, speculation: dict | None = None) -> str:
         body = P.response_object(
             self.chunk_object,
             self.request_id,
@@ -295,8 +299,15 @@ class _Answer:
             choices,
             usage,
             with_usage=self.include_usage,
+            speculation_metrics=speculation,
         )
         return _event(body)
+
+    def speculation(self, metrics: list[SpeculationMetrics | None]) -> dict | None:
+        """The prompts' final metrics added up, in vLLM's names, when the request asked for them."""
+        if not self.speculation_metrics:
+            return None
+        return SpeculationMetrics.total(m for m in metrics if m is not None).vllm_fields()
 
 
 async def _respond(
@@ -320,7 +331,7 @@ async def _respond(
             await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
             if not collect.done() and await request.is_disconnected():
                 return Response(status_code=CLIENT_CLOSED)
-        choices, num_generated = collect.result()
+        choices, num_generated, metrics = collect.result()
     finally:
         collect.cancel()
     body = P.response_object(
@@ -330,6 +341,7 @@ async def _respond(
         answer.model,
         choices,
         P.usage(sum(map(len, prompts)), num_generated),
+        speculation_metrics=answer.speculation(metrics),
     )
     return JSONResponse(body)
 
@@ -366,15 +378,20 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-async def _collect(answer: _Answer, streams: list[RequestStream]) -> tuple[list[dict], int]:
-    """Every update of the streams -> the rendered choices, and the tokens generated."""
+async def _collect(
+    answer: _Answer, streams: list[RequestStream]
+) -> tuple[list[dict], int, list[SpeculationMetrics | None]]:
+    """Every update of the streams -> the rendered choices, the tokens generated, and each prompt's
+    final speculation metrics."""
     choices: dict[int, _Choice] = {}
     generated = [0] * len(streams)
+    metrics: list[SpeculationMetrics | None] = [None] * len(streams)
     async with aclosing(_merge(streams)) as updates:
         async for prompt, update in updates:
             if update.error is not None:
                 raise _failure(update.error)
             generated[prompt] = update.num_generated_tokens
+            metrics[prompt] = update.metrics or metrics[prompt]
             for delta in update.sequences:
                 choice = choices.setdefault(prompt * answer.n + delta.index, _Choice())
                 choice.text += delta.text
@@ -384,7 +401,7 @@ async def _collect(answer: _Answer, streams: list[RequestStream]) -> tuple[list[
                     choice.logprobs.extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-    return [answer.render(i, c, False) for i, c in sorted(choices.items())], sum(generated)
+    return [answer.render(i, c, False) for i, c in sorted(choices.items())], sum(generated), metrics
 
 
 async def _sse(
@@ -395,6 +412,7 @@ async def _sse(
     leaving cancels it) aborts the request's unfinished sequences."""
     request.state.status = CLIENT_CLOSED
     generated = [0] * len(streams)
+    metrics: list[SpeculationMetrics | None] = [None] * len(streams)
     async with aclosing(_merge(streams)) as updates:
         if answer.first_choices:
             yield answer.chunk(answer.first_choices)
@@ -405,14 +423,16 @@ async def _sse(
                 yield _event(failure.body())
                 break
             generated[prompt] = update.num_generated_tokens
+            metrics[prompt] = update.metrics or metrics[prompt]
             choices = []
             for delta in update.sequences:
                 choices.append(answer.render(prompt * answer.n + delta.index, delta, True))
             if choices:
                 yield answer.chunk(choices)
         else:
-            if answer.include_usage:
-                yield answer.chunk([], P.usage(sum(map(len, prompts)), sum(generated)))
+            speculation = answer.speculation(metrics)
+            if answer.include_usage or speculation is not None:
+                yield answer.chunk([], P.usage(sum(map(len, prompts)), sum(generated)), speculation)
             request.state.status = 200
     yield "data: [DONE]\n\n"
 

@@ -172,6 +172,9 @@ class SamplingRequest(_Body):
     include_stop_str_in_output: bool | None = None
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
+    return_speculation_metrics: bool = False
+    """Add the request's speculation figures (vLLM's names: SpeculationMetrics.vllm_fields) to the
+    response as "speculation_metrics"; streamed, to the last chunk before [DONE]."""
 
     def check_limits(self, max_choices: int) -> None:
         """The server's limits that the schema does not hold, checked before any tokenization: n and
@@ -366,13 +369,16 @@ def response_object(
     choices: list[dict],
     usage: dict | None,
     with_usage: bool = True,
+    speculation_metrics: dict | None = None,
 ) -> dict:
     """A response or streamed chunk: object is "text_completion", "chat.completion" or
     "chat.completion.chunk". Chunks carry "usage" (null but on the last) only when the request asked
-    for it (stream_options.include_usage)."""
+    for it (stream_options.include_usage); "speculation_metrics" is there when given."""
     body = {"id": request_id, "object": object, "created": created, "model": model, "choices": choices}
     if with_usage:
         body["usage"] = usage
+    if speculation_metrics is not None:
+        body["speculation_metrics"] = speculation_metrics
     return body
 
 

@@ -461,10 +461,4 @@ def _reason(request: Request) -> str:
 
 
 def _metrics(request: Request) -> SpeculationMetrics:
-    total = SpeculationMetrics(
-        drafted_per_position=[0] * len(request.sequences[0].metrics.drafted_per_position),
-        accepted_per_position=[0] * len(request.sequences[0].metrics.accepted_per_position),
-    )
-    for r in request.sequences:
-        total.merge(r.metrics)
-    return total
+    return SpeculationMetrics.total(r.metrics for r in request.sequences)

@@ -90,9 +90,13 @@ def test_bench_serve_on_the_demo_pair(tmp_path: Path, capsys) -> None:
     out = tmp_path / "load"
     argv = ["bench-serve", "--servers", "draft", "--concurrency", "2", "--requests", "2"]
     argv += ["--max-tokens", "4", "--rate", "20", "--soak", "6", "--out", str(out)]
+    argv += ["--serve-args=--max-num-seqs 4"]  # (a value starting with -- needs the = form)
     assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
-    assert list(results["servers"]) == ["draft"]
+    assert list(results["servers"]) == ["draft"] and results["config"]["serve_flags"] == [
+        "--max-num-seqs",
+        "4",
+    ]
     for server in results["servers"].values():
         assert all(level["errors"] == 0 for level in server["closed"] + server["open"])
     report = (out / "report.md").read_text()
