@@ -64,7 +64,10 @@ class RowLengths:
 class StaticKVCache(RowLengths):
     """Preallocated per-layer K/V buffers written at per-row positions.
 
-    keys[layer], values[layer]: [batch, num_kv_heads, max_length, head_dim].
+    keys[layer], values[layer]: [batch, num_kv_heads, max_length, head_dim], the first `batch` rows of
+    buffers that keep the most rows the cache has held (`capacity`): under continuous batching rows
+    leave by moving the kept ones forward and join by filling the free rows, in place, rather than by
+    reallocating every layer's buffers (which copies them whole and churns the C heap).
     `lengths` is the only state that says what is valid; `rollback` just sets it.
     """
 
@@ -79,8 +82,8 @@ class StaticKVCache(RowLengths):
         device: torch.device | str,
     ) -> None:
         shape = (batch_size, num_kv_heads, max_length, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * num_layers)]
+        self._view(batch_size)
         self.max_length = max_length
         self._lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Host-side upper bound of lengths.max(): attention reads only keys[:, :, :bound].
@@ -128,22 +131,47 @@ class StaticKVCache(RowLengths):
             buffer[rows, :, destination] = buffer[rows, :, source]  # [batch, n, kv_heads, head_dim]
         self._lengths.copy_(start + kept.sum(1))
 
+    def _view(self, batch_size: int) -> None:
+        """keys and values: the first `batch_size` rows of the buffers (keys then values)."""
+        half = len(self._buffers) // 2
+        self.keys = [b[:batch_size] for b in self._buffers[:half]]
+        self.values = [b[:batch_size] for b in self._buffers[half:]]
+
+    @property
+    def capacity(self) -> int:
+        """Rows the buffers hold."""
+        return self._buffers[0].shape[0]
+
     def append_rows(self, other: StaticKVCache) -> None:
-        """Concatenate `other`'s rows; the shorter buffers are padded to the longer max_length."""
-        self.max_length = max(self.max_length, other.max_length)
-
-        def joined(mine: Tensor, theirs: Tensor) -> Tensor:
-            pad = [_pad_length(t, self.max_length) for t in (mine, theirs)]
-            return torch.cat(pad, dim=0)
-
-        self.keys = [joined(a, b) for a, b in zip(self.keys, other.keys)]
-        self.values = [joined(a, b) for a, b in zip(self.values, other.values)]
+        """Concatenate `other`'s rows: into the free rows of the buffers where they fit (`other` no
+        longer than max_length), else into new buffers, the shorter padded to the longer max_length."""
+        batch, joined = self.batch_size, self.batch_size + other.batch_size
+        if joined <= self.capacity and other.max_length <= self.max_length:
+            with torch.inference_mode():  # the buffers may be inference tensors (made by a forward)
+                for buffer, theirs in zip(self._buffers, (*other.keys, *other.values)):
+                    buffer[batch:joined, :, : theirs.shape[2]] = theirs
+        else:
+            self.max_length = max(self.max_length, other.max_length)
+            self._buffers = [
+                torch.cat([_pad_length(a[:batch], self.max_length), _pad_length(b, self.max_length)])
+                for a, b in zip(self._buffers, (*other.keys, *other.values))
+            ]
+        self._view(joined)
         self._lengths = torch.cat([self._lengths, other.lengths])
         self.host_max_length = max(self.host_max_length, other.host_max_length)
 
     def select_rows(self, rows: Tensor) -> None:
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
+        """Keep `rows`, in that order (a row may repeat), as the first rows of the buffers: only the rows
+        whose place changes are copied, unless there are more of them than the buffers hold."""
+        if rows.shape[0] > self.capacity:
+            self._buffers = [buffer.index_select(0, rows) for buffer in self._buffers]
+        else:
+            moved = rows != torch.arange(rows.shape[0], device=rows.device)
+            sources, destinations = rows[moved], moved.nonzero().squeeze(1)
+            with torch.inference_mode():  # the buffers may be inference tensors (made by a forward)
+                for buffer in self._buffers if destinations.numel() else ():
+                    buffer[destinations] = buffer[sources]  # the right side is gathered first
+        self._view(rows.shape[0])
         self._lengths = self._lengths.index_select(0, rows)
 
 

@@ -12,9 +12,9 @@ arrived. Then, per server:
 - open loop, for each rate r: requests sent at Poisson arrival times of r per second, whatever the
   server's answers (vLLM's `--request-rate`);
 - soak (`soak_requests` > 0): that many short requests (`soak_max_tokens`) at the largest concurrency,
-  the server's resident set size (RSS) read when it is idle after the first SOAK_WARM_UP of them and
-  after the last: memory is flat if it grew by less than a leak of LEAK_PER_REQUEST bytes a request
-  would have added.
+  the server's resident set size (RSS) and C heap in use (its /metrics) read when it is idle after the
+  first SOAK_WARM_UP of them and after the last: memory is flat if the heap in use grew by less than a
+  leak of LEAK_PER_REQUEST bytes a request would have added.
 
 Figures of a level (vLLM's): requests/s and output tokens/s over the level's wall time; time to first
 token (TTFT: first chunk with text), time per output token (TPOT: (end - first chunk) / (tokens - 1),
@@ -274,27 +274,43 @@ async def drive_server(
     return result
 
 
+async def _heap_in_use(client: httpx.AsyncClient) -> int | None:
+    """The server's speculative:heap_in_use_bytes from /metrics (None where it has none)."""
+    response = await client.get("/metrics")
+    for line in response.text.splitlines() if response.status_code == 200 else ():
+        if line.startswith("speculative:heap_in_use_bytes "):
+            value = float(line.split()[1])
+            return None if value < 0 else int(value)
+    return None
+
+
 async def _soak(driver: Driver, process: psutil.Process, concurrency: int, config: LoadConfig) -> dict:
-    """`soak_requests` short requests; RSS after the first SOAK_WARM_UP of them and at the end, and the
-    bound a leak of LEAK_PER_REQUEST bytes a request would exceed over the rest."""
+    """`soak_requests` short requests; the idle server's RSS and C heap in use after the first
+    SOAK_WARM_UP of them and at the end, and the bound a leak of LEAK_PER_REQUEST bytes a request would
+    exceed over the rest. Flat: the heap in use grew by less (the RSS where the server reports no heap:
+    it also moves with the heap's fragmentation, about +-13 MiB on the demo pair)."""
     warm = max(concurrency, int(config.soak_requests * SOAK_WARM_UP))
     start = driver.clock()
     records = await driver.closed_loop(concurrency, warm, config.soak_max_tokens)
     await asyncio.sleep(SETTLE)
-    baseline = process.memory_info().rss
+    rss, heap = process.memory_info().rss, await _heap_in_use(driver.client)
     rest = await driver.closed_loop(concurrency, config.soak_requests - warm, config.soak_max_tokens)
     await asyncio.sleep(SETTLE)
-    end = process.memory_info().rss
-    measured = len(rest)
+    rss_end, heap_end = process.memory_info().rss, await _heap_in_use(driver.client)
+    bound = LEAK_PER_REQUEST * len(rest)
+    growth = heap_end - heap if heap is not None and heap_end is not None else None
     return {
         "start": start,
-        "requests": len(records) + measured,
+        "requests": len(records) + len(rest),
         "errors": sum(r.error is not None for r in records + rest),
-        "rss_baseline": baseline,
-        "rss_end": end,
-        "growth": end - baseline,
-        "bound": LEAK_PER_REQUEST * measured,
-        "flat": end - baseline < LEAK_PER_REQUEST * measured,
+        "rss_baseline": rss,
+        "rss_end": rss_end,
+        "growth": rss_end - rss,
+        "heap_baseline": heap,
+        "heap_end": heap_end,
+        "heap_growth": growth,
+        "bound": bound,
+        "flat": (growth if growth is not None else rss_end - rss) < bound,
         "seconds": driver.clock() - start,
     }
 

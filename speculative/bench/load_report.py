@@ -62,11 +62,17 @@ def soak_lines(results: dict) -> list[str]:
         if soak is None:
             continue
         verdict = "flat" if soak["flat"] else "NOT flat"
+        heap = (
+            ""
+            if soak["heap_growth"] is None
+            else f"C heap in use {soak['heap_baseline'] / MIB:.1f} -> {soak['heap_end'] / MIB:.1f} MiB "
+            f"({soak['heap_growth'] / 2**10:+.0f} KiB), "
+        )
         lines.append(
-            f"{name}: {soak['requests']} requests in {soak['seconds']:.0f} s, {soak['errors']} errors; RSS "
-            f"{soak['rss_baseline'] / MIB:.1f} MiB after the warm-up, {soak['rss_end'] / MIB:.1f} MiB at "
-            f"the end ({soak['growth'] / 2**10:+.0f} KiB; a leak of 1 KiB a request would add "
-            f"{soak['bound'] / 2**10:.0f} KiB): {verdict}"
+            f"{name}: {soak['requests']} requests in {soak['seconds']:.0f} s, {soak['errors']} errors; idle "
+            f"after the warm-up and at the end: {heap}RSS {soak['rss_baseline'] / MIB:.1f} -> "
+            f"{soak['rss_end'] / MIB:.1f} MiB ({soak['growth'] / 2**10:+.0f} KiB); a leak of 1 KiB a "
+            f"request would add {soak['bound'] / 2**10:.0f} KiB: {verdict}"
         )
     return lines
 

@@ -8,6 +8,7 @@ accepted tokens also per draft position (0-based, as vLLM's `position` label).
 from __future__ import annotations
 
 from speculative.extras import needs_extra
+from speculative.server.memory import heap_in_use
 
 with needs_extra("server", "speculative.server"):
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -68,6 +69,12 @@ class ServerMetrics:
             "Time per generated token (a step's time / tokens it gave a sequence).",
         )
         self.e2e_latency = histogram("e2e_request_latency_seconds", "From arrival to a request's last token.")
+        heap = Gauge(
+            _PREFIX + "heap_in_use_bytes",
+            "Bytes the C heap has handed out and not had back (glibc; -1 elsewhere).",
+            registry=registry,
+        )
+        heap.set_function(lambda: -1 if (used := heap_in_use()) is None else used)
         self.num_drafts = counter("spec_decode_num_drafts", "Proposals that drafted at least one token.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")

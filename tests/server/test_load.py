@@ -68,6 +68,8 @@ def test_the_driver_counts_every_request_of_every_level(served) -> None:
         assert level["ttft_ms"]["p50"] > 0 and level["tpot_ms"]["p50"] > 0
     soak = result["soak"]
     assert soak["errors"] == 0 and soak["requests"] >= 8
+    if sys.platform == "linux":  # glibc's heap figures, through the server's /metrics
+        assert soak["heap_baseline"] > 0 and soak["heap_growth"] == soak["heap_end"] - soak["heap_baseline"]
     assert soak["bound"] == 1024 * (soak["requests"] - 6)  # after the warm-up: 4 of 8, at least 2 per client
     assert result["rss"] and all(rss > 0 for _, rss in result["rss"])
     results = {"servers": {"draft": result}, "config": {**config.__dict__}, "prompts": "p.jsonl"}
