@@ -44,6 +44,14 @@ def test_speculation_switches_off_where_it_does_not_pay() -> None:
     assert chooser.history.count(0) > 150  # the exploration steps aside
 
 
+def test_exploration_thins_out_while_the_best_k_holds() -> None:
+    """Where plain steps are best, the neighbour is measured again at doubling intervals: a few steps
+    in a thousand, not one in sixteen."""
+    chooser = _measured(4, lambda k: 10.0 + 6.0 * k, acceptance=0.3, steps=1000)
+    explorations = 1000 - chooser.history.count(0) - 2  # less the warm-up's two steps of max_k
+    assert 3 <= explorations <= 8  # at 16, 48, 112, 240, 496 and 752 steps: still measured, rarely
+
+
 def test_a_middle_k_when_acceptance_falls_off() -> None:
     chooser = _measured(6, lambda k: 10.0 + 2.0 * k, acceptance=0.6)
     assert 1 <= chooser.choose(1) <= 3

@@ -9,8 +9,11 @@ k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculati
 batch sizes where it does not pay. The first batch size starts by measuring max_k and 0; a batch
 size met later starts from the step times of the nearest one measured, rescaled at its own first
 step and replaced k by k as it measures them: batches shrink a row at a time as rows finish, and
-probing max_k and 0 at each size costs more than it teaches. Every few steps a neighbour of the best
-k is measured again so that the estimates follow the workload.
+probing max_k and 0 at each size costs more than it teaches. Now and then a neighbour of the best k
+is measured again so that the estimates follow the workload: after _EXPLORE steps at a batch size,
+then at intervals that double (up to _EXPLORE_MAX) while the best k stays the same, back to _EXPLORE
+when it changes. An exploration step is not free: where plain steps are best, its drafter first
+catches up on every token it skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 from collections import deque
 
 _WARMUP = 2  # measurements of max_k and of 0 at each batch size before choosing
-_EXPLORE = 16  # every this many steps at a batch size, a neighbour of the best k is measured
+_EXPLORE = 16  # steps at a batch size before a neighbour of the best k is measured again ...
+_EXPLORE_MAX = 256  # ... an interval that doubles up to this while the best k stays the same
 _DECAY = 0.98  # per step, for the acceptance counts
 _SMOOTHING = 0.3  # weight of a new step time in its moving average
 
@@ -34,6 +38,7 @@ class DraftLength:
         self.times: dict[int, dict[int, float]] = {}  # batch size -> k -> mean step seconds
         self.borrowed: dict[int, set[int]] = {}  # batch size -> the k whose times are another size's
         self.counts: dict[int, dict[int, int]] = {}
+        self.explore: dict[int, tuple[int, int, int]] = {}  # batch size -> (best k, interval, next step)
         self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
 
     def choose(self, batch_size: int) -> int:
@@ -51,10 +56,16 @@ class DraftLength:
             range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self.step_time(batch_size, k)
         )
         steps = sum(counts.values())
-        if steps and steps % _EXPLORE == 0:
-            neighbours = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
-            return min(neighbours, key=lambda k: counts.get(k, 0))
-        return best
+        last, interval, due = self.explore.get(batch_size, (best, _EXPLORE, _EXPLORE))
+        if best != last:
+            interval, due = _EXPLORE, steps + _EXPLORE
+        if steps < due:
+            self.explore[batch_size] = (best, interval, due)
+            return best
+        interval = min(2 * interval, _EXPLORE_MAX)
+        self.explore[batch_size] = (best, interval, steps + interval)
+        neighbours = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
+        return min(neighbours, key=lambda k: counts.get(k, 0))
 
     def _borrow(self, batch_size: int) -> None:
         """Start a new batch size from the step times of the nearest batch size that has measured at
