@@ -64,8 +64,19 @@ def noisy_copy(model: torch.nn.Module, scale: float, seed: int = 1) -> torch.nn.
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: 256 byte tokens plus <|endoftext|> (id 256). Vocabulary 257."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    return _byte_level(sorted(pre_tokenizers.ByteLevel.alphabet()))
+
+
+def char_tokenizer(chars: str) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer of a few printable ASCII characters (ids in the given order) plus
+    <|endoftext|> (id len(chars)): texts of other characters cannot be encoded."""
+    return _byte_level(list(chars))
+
+
+def _byte_level(tokens: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer without merges over these tokens (byte-level alphabet characters), then
+    <|endoftext|>."""
+    vocab = {ch: i for i, ch in enumerate(tokens)}
     vocab["<|endoftext|>"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

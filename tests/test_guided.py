@@ -289,6 +289,24 @@ def test_accept_disallowed_raises_and_commits_nothing(tok):
         state.accept(ids("q"))
 
 
+def test_advance_valid_prefix_and_rollback(tok):
+    """Drafting walks: advance counts what the grammar allows (EOS after its end included), valid_prefix
+    looks without moving, rollback undoes every advance; nothing is committed."""
+    guide = Guide.compile(GuidedDecodingParams(regex=REGEX), tok, N_TOK)
+    state = guide.new_state()
+    state.accept(ids("12"))
+    before = state.allowed_for_block([])
+    assert state.advance(ids("3-")) == 2
+    assert torch.equal(state.allowed_for_block([]), fresh_after(guide, ids("123-")).allowed_for_block([]))
+    assert state.valid_prefix(ids("ab") + [EOS, EOS] + ids("c")) == 4
+    assert state.valid_prefix(ids("a1")) == 1 and state.valid_prefix([N_TOK + 1]) == 0
+    assert state.advance(ids("q") + [EOS, EOS]) == 3 and state.finished
+    state.rollback()
+    assert torch.equal(state.allowed_for_block([]), before) and state.num_accepted == 2
+    state.accept(ids("3-z"))  # commits as if no walk had happened
+    assert state.can_end
+
+
 def test_batched_blocks_match_single(tok):
     guides = [
         Guide.compile(GuidedDecodingParams(regex=REGEX), tok, N_TOK),

@@ -2,7 +2,8 @@
 
 One step (`Engine.step`), for all active rows at once (B rows, k draft tokens, V vocabulary):
   1. the proposer drafts x_1..x_k after each row's context ([B, k], -1 where it has nothing), or a
-     token tree of depth <= k (Proposal.parents; speculative/tree.py);
+     token tree of depth <= k (Proposal.parents; speculative/tree.py); guided rows draft under their
+     grammar (speculative/proposers/grammar.py);
   2. the target scores [last token, x_1..x_k] in one forward: logits [B, k+1, V] (a tree: every node
      in one forward_tree, whose accepted path the cache then keeps as a chain, keep_path);
   3. the acceptance rule keeps a prefix of the drafts and adds one token of the target's own
@@ -50,6 +51,7 @@ from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
 from speculative.proposers.base import Proposal, Proposer
+from speculative.proposers.grammar import cut_to_grammar
 from speculative.sampling_params import SamplingParams
 from speculative.tree import tree_depths
 
@@ -257,14 +259,18 @@ class Engine:
         were drawn from ([B, j, V], or None for a deterministic proposer) and their tree (None for a
         chain); j = 0 for a plain step.
 
-        A chain narrower than k (no row had more) is verified as it is when a lossless rule meets a
-        greedy batch, which draws no randomness (an empty one is then a plain step). Otherwise it is
-        padded back to k: random draws are made per position of k, so a seeded row's output does not
-        depend on its neighbours. (A tree proposer keeps its width fixed unless the batch is greedy.)
+        A deterministic proposal is cut where a guided row's grammar forbids a draft (`cut_to_grammar`;
+        a draft model draws guided rows under their grammar itself). A chain narrower than k (no row
+        had more) is verified as it is when a lossless rule meets a greedy batch, which draws no
+        randomness (an empty one is then a plain step). Otherwise it is padded back to k: random draws
+        are made per position of k, so a seeded row's output does not depend on its neighbours. (A tree
+        proposer keeps its width fixed unless the batch is greedy.)
         """
         if k == 0:
             return Proposal(batch.tokens.new_empty((len(batch.sequences), 0)), None)
         proposal = self.proposer.propose(batch.tokens, batch.lengths, k, batch.strategy)
+        if proposal.probs is None and batch.strategy.any_guided:
+            proposal = cut_to_grammar(proposal, batch.strategy.guides)
         draft_ids, draft_probs, parents = proposal
         j = draft_ids.shape[1]
         if parents is None and j < k and not (self.rule.lossless and batch.strategy.all_greedy):

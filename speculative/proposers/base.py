@@ -44,7 +44,9 @@ class Proposer(Protocol):
         ...
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
-        """Propose `num_tokens` tokens after each row's context."""
+        """Propose `num_tokens` tokens after each row's context. A proposer that samples its drafts
+        samples a guided row's (strategy.guides) under the row's grammar (proposers/grammar.py); the
+        engine cuts deterministic proposals where a grammar forbids a draft."""
         ...
 
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:

@@ -18,14 +18,17 @@ from torch import Tensor
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel, decode
 from speculative.proposers.base import Proposal
+from speculative.proposers.grammar import GrammarWalk
 from speculative.sampling import SampleStrategy
 
 
 class DraftModelProposer:
     """Proposes tokens sampled from a draft model with each row's own sampling parameters (temperature,
-    min_p, top-k, top-p: the rule only needs the distribution each draft was drawn from). Drafting
-    never stops early at EOS (that would need a host sync per token); a greedy batch on a model with
-    `greedy_decode` (CompiledCausalLM) drafts all k tokens in one call of it."""
+    min_p, top-k, top-p: the rule only needs the distribution each draft was drawn from), a guided row
+    under its grammar's mask (`GrammarWalk`: one host read per drafted token while a batch has guided
+    rows). Drafting never stops early at EOS (that would need a host sync per token); a greedy batch
+    without grammars on a model with `greedy_decode` (CompiledCausalLM) drafts all k tokens in one call
+    of it."""
 
     def __init__(self, model: LanguageModel) -> None:
         self.model = model
@@ -58,7 +61,12 @@ class DraftModelProposer:
         fed = self.missing + self.behind
         query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))  # [B, fed]
         greedy_decode = getattr(self.model, "greedy_decode", None)
-        if strategy.all_greedy and greedy_decode is not None:
+        if strategy.any_guided:
+            walk = GrammarWalk(strategy.guides, self.model.vocab_size)
+            choose = walk.choose(strategy.next_tokens)
+            token_ids, logits = decode(self.model, query, self.cache, num_tokens, choose)
+            logits = walk.masked(logits)
+        elif strategy.all_greedy and greedy_decode is not None:
             token_ids, logits = greedy_decode(query, self.cache, num_tokens)
         else:
             token_ids, logits = decode(self.model, query, self.cache, num_tokens, strategy.next_tokens)

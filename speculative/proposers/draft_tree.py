@@ -14,7 +14,10 @@ the proposal. What "best" means is the tree's shape:
     Medusa's and EAGLE-1's hand-made trees do), only the tokens change.
 Ties go to the shallower node, so a node is never kept without its parent. The drafts are the
 draft's top candidates, chosen deterministically from the context: the proposal carries no
-distributions (one-hot), and the rule's sibling-by-sibling rejection keeps the output exact.
+distributions (one-hot), and the rule's sibling-by-sibling rejection keeps the output exact. A guided
+row's candidates are the top ones among the tokens its grammar allows after the node's path
+(grammar.py's `allowed_after`); where fewer are allowed than the tree is wide, the forbidden ones
+are cut from the proposal by the engine.
 
 Cache: a proposal first feeds each row the context tokens its draft cache lacks (the row's own
 number, right-padded to the most any row can lack: `missing` + `behind`), the root last; the tree's
@@ -33,9 +36,15 @@ from torch import Tensor
 from speculative.models.base import LanguageModel
 from speculative.proposers.base import Proposal
 from speculative.proposers.draft_model import DraftModelProposer
+from speculative.proposers.grammar import allowed_after
 from speculative.sampling import SampleStrategy
+from speculative.sampling.processors import apply_allowed
 
 TreeShape = Literal["static", "dynamic"]
+
+# The log-probability score of a candidate its grammar forbids (-inf): below every allowed one, yet
+# finite, so that a parent still scores higher than its children.
+FORBIDDEN = -1e9
 
 
 class DraftTreeProposer(DraftModelProposer):
@@ -67,9 +76,12 @@ class DraftTreeProposer(DraftModelProposer):
         cache_index = torch.zeros_like(root)  # [B, P] each pool node's index in the fed tree, -1 if none
         for depth in range(1, num_tokens + 1):
             f = frontier.shape[1]
+            if strategy.any_guided:
+                allowed = _allowed_at(strategy.guides, pool_tokens, pool_parents, frontier, logits.shape[-1])
+                logits = apply_allowed(logits, allowed.to(device))
             top = logits.float().log_softmax(dim=-1).topk(self.width, dim=-1)  # [B, f, w]
             if self.shape == "dynamic":
-                gain = top.values.double()
+                gain = top.values.double().clamp(min=FORBIDDEN)
             else:
                 gain = -torch.arange(self.width, device=device, dtype=torch.float64).expand(batch, f, -1)
             scores = (pool_scores.gather(1, frontier)[:, :, None] + gain).flatten(1)  # [B, f * w]
@@ -125,3 +137,23 @@ class DraftTreeProposer(DraftModelProposer):
 
     def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
         """Nothing to do: each proposal feeds every row what its cache lacks."""
+
+
+def _allowed_at(guides: list, tokens: Tensor, parents: Tensor, frontier: Tensor, vocab_size: int) -> Tensor:
+    """[B, f, V] bool: what each guided row's grammar allows after each frontier node's path (all True
+    for rows without a grammar). tokens / parents: [B, P] the pool's (index 0 the root); frontier: [B, f]
+    pool indices. One host read of the pool, one `allowed_after` per frontier column."""
+    tokens, parents = tokens.tolist(), parents.tolist()
+
+    def path(row: int, node: int) -> list[int]:  # the node's drafts from depth 1 (none: no grammar)
+        drafts = []
+        while node > 0 and guides[row] is not None:
+            drafts.append(tokens[row][node])
+            node = parents[row][node]
+        return drafts[::-1]
+
+    columns = zip(*frontier.tolist())  # f tuples of B pool indices
+    return torch.stack(
+        [allowed_after(guides, [path(row, node) for row, node in enumerate(c)], vocab_size) for c in columns],
+        dim=1,
+    )

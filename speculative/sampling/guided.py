@@ -4,7 +4,9 @@ A `Guide` is a grammar compiled for one tokenizer and logits width; `Guide.new_s
 sequence a `GuideState`, a matcher that follows the tokens the sequence commits. Speculative decoding
 asks for the masks of a whole block at once: `GuideState.allowed_for_block(drafts)` returns the allowed
 tokens after the committed tokens and after each prefix of the drafts, and leaves the state as it was;
-`accept(tokens)` then commits what the verifier emitted.
+`accept(tokens)` then commits what the verifier emitted. Drafters draft under the same grammar
+(speculative/proposers/grammar.py): `advance(drafts)` walks the matcher along drafts, `rollback()`
+undoes that, and `valid_prefix(drafts)` says how far a ready-made proposal is allowed.
 
 Masks are computed by llguidance as bitmasks (one bit a token, in 32-bit words) through its executor,
 which walks the drafts and rolls back in native code, and are unpacked to bool tensors on the CPU.
@@ -286,6 +288,7 @@ class GuideState:
         self.guide = guide
         self._matcher = matcher
         self.num_accepted = 0  # tokens committed so far (EOS after the grammar has stopped not counted)
+        self._advanced = 0  # draft tokens the matcher took since the last commit (`advance`)
 
     # -- masks ------------------------------------------------------------------------------------------
 
@@ -350,6 +353,45 @@ class GuideState:
         """
         return self.guide._unpack(self.bitmask_for_block(draft_token_ids))
 
+    # -- drafting ---------------------------------------------------------------------------------------
+
+    def advance(self, draft_token_ids: Sequence[int]) -> int:
+        """Walk the matcher along draft tokens without committing them (`num_accepted` is unchanged), as
+        far as the grammar allows them; returns how many it allows: the masks of `allowed_for_block`
+        allow exactly these. `rollback()` undoes every advance since the last commit; call it before
+        committing again."""
+        drafts = self._drafts(draft_token_ids)
+        taken = self._matcher.try_consume_tokens(drafts) if drafts else 0
+        self._advanced += taken
+        return taken + self._eos_after_end(drafts[taken:])
+
+    def rollback(self) -> None:
+        """Undo every `advance` since the last commit."""
+        self._undo(self._advanced)
+
+    def valid_prefix(self, draft_token_ids: Sequence[int]) -> int:
+        """How many leading draft_token_ids the grammar allows after the committed tokens (and any
+        advance), in order, as `advance` counts them; the state is unchanged."""
+        before = self._advanced
+        allowed = self.advance(draft_token_ids)
+        self._undo(self._advanced - before)
+        return allowed
+
+    def _undo(self, num_tokens: int) -> None:
+        """Roll the matcher back by the last `num_tokens` tokens that `advance` took."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            self._advanced -= num_tokens
+
+    def _eos_after_end(self, rest: list[int]) -> int:
+        """How many leading tokens of `rest`, which the matcher did not take, are EOS after the grammar's
+        end: allowed, and no-ops."""
+        m = self._matcher
+        if not m.is_stopped() or m.is_error():
+            return 0
+        eos = self.guide.eos_token_ids
+        return next((i for i, t in enumerate(rest) if t not in eos), len(rest))
+
     # -- committing -------------------------------------------------------------------------------------
 
     def accept(self, token_ids: Sequence[int]) -> None:
@@ -366,11 +408,7 @@ class GuideState:
             raise ValueError(f"token {bad} is outside the tokenizer's vocabulary ({n_tok}): never allowed")
         m = self._matcher
         done = m.try_consume_tokens(tokens)
-        if done < len(tokens):
-            rest = tokens[done:]
-            if m.is_stopped() and not m.is_error() and all(t in self.guide.eos_token_ids for t in rest):
-                self.num_accepted += done
-                return
+        if done + self._eos_after_end(tokens[done:]) < len(tokens):
             if done:
                 m.rollback(done)
             raise ValueError(

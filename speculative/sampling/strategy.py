@@ -11,8 +11,9 @@ The target's processed distribution of a row is, in this order (vLLM's semantics
 then sampling by exponential race, `argmax(probs / E)` with E ~ Exp(1) from the row's own generator:
 an exact draw from `probs`. Steps 1-5 depend on the context; they get each position's real context
 through a `TokenContext`, so the rejection rule compares each draft with exactly the distribution the
-target alone would have sampled from there. Draft models sample with steps 6-8 only (`context=None`):
-any draft distribution keeps the output exact, as long as it is the one the draft was drawn from.
+target alone would have sampled from there. Draft models sample with steps 6-8 only (`context=None`),
+guided rows after their grammar's mask (speculative/proposers/grammar.py): any draft distribution
+keeps the output exact, as long as it is the one the draft was drawn from.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class SampleStrategy:
             if p.logits_processors
         ]
         self._guided = [(row, g) for row, g in enumerate(self.guides) if g is not None]
+        self.any_guided = bool(self._guided)
         self._failures: dict[int, Exception] = {}
         self.needs_context = bool(
             self._allowed is not None
