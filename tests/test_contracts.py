@@ -7,10 +7,12 @@ from conftest import noisy_copy, tiny_model
 from exactness import assert_greedy_equal, hf_greedy
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.demo import DEMO_DIR
 from speculative.inference import DecodeOutput, Inferencer, ModelInferencer, PrefillOutput
 from speculative.kv_cache import KVCache
 from speculative.models.hf import HFCausalLM
 from speculative.models.llama import NativeCausalLM
+from speculative.models.loading import load_model
 from speculative.proposers import Drafter, DraftOut, NgramProposer, Proposer
 from speculative.sampling import SampleStrategy
 
@@ -254,3 +256,12 @@ def test_request_figures() -> None:
     assert m.num_drafted == 16 and m.num_accepted == 16 and m.acceptance_rate == 1.0
     assert m.acceptance_per_position == [1.0] * 4 and m.mean_accepted_length == 5.0
     assert m.tokens_per_second > 0
+
+
+def test_a_model_object_without_a_config_takes_eos_from_its_tokenizer() -> None:
+    """An LLM built on an already-wrapped model (no generation config of its own) stops at the EOS
+    of the tokenizer it is given, as the same model loaded from its directory does."""
+    path = str(DEMO_DIR / "target")
+    native = load_model(path, "float32").model
+    from_object = LLM(native, tokenizer=path)
+    assert from_object.target.eos_token_ids == LLM(path, dtype="float32").target.eos_token_ids == [0]

@@ -66,8 +66,11 @@ def load_model(
         name, hf = getattr(model, "name_or_path", "") or type(model).__name__, model
         choice = resolve_dtype(dtype, hf.dtype, device, dtype_name)
         hf = hf.to(choice.dtype)
-    elif isinstance(model, LanguageModel):
-        return LoadedModel(model, _tokenizer(tokenizer), [], type(model).__name__)
+    elif isinstance(model, LanguageModel):  # no config of its own: EOS is the tokenizer's
+        tokenizer = _tokenizer(tokenizer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        eos_ids = [eos] if isinstance(eos, int) and 0 <= eos < model.vocab_size else []
+        return LoadedModel(model, tokenizer, eos_ids, type(model).__name__)
     else:
         raise TypeError(
             f"model must be a hub id or path, a transformers PreTrainedModel or a "
