@@ -15,8 +15,10 @@ from speculative.sampling_params import SamplingParams
 class SpeculativeConfig:
     """How the engine speculates (vLLM's `speculative_config`).
 
-    method: "draft_model" (a small model, `LLM(draft_model=...)`), "ngram" (prompt lookup) or "suffix"
-        (suffix decoding over the request and past responses, speculative/proposers/suffix.py).
+    method: "draft_model" (a small model, `LLM(draft_model=...)`), "ngram" (prompt lookup), "suffix"
+        (suffix decoding over the request and past responses, speculative/proposers/suffix.py), or
+        "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head (`LLM(draft_model=<its directory>)`) drafting a
+        chain from the target's hidden states (models/eagle.py; the native forward, not compiled).
     num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32.
     acceptance: "rejection" (lossless: the output follows the target's distribution exactly) or
         "typical" (Medusa's typical acceptance: faster at temperature > 0, NOT lossless).
@@ -46,7 +48,7 @@ class SpeculativeConfig:
         the path) a "suffix" draft needs. [0, 1].
     """
 
-    method: Literal["draft_model", "ngram", "suffix"] = "draft_model"
+    method: Literal["draft_model", "ngram", "suffix", "eagle", "eagle3"] = "draft_model"
     num_speculative_tokens: int = 4
     acceptance: Literal["rejection", "typical"] = "rejection"
     posterior_threshold: float = 0.09
@@ -64,10 +66,16 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         _check(
-            self.method in ("draft_model", "ngram", "suffix"),
+            self.method in ("draft_model", "ngram", "suffix", "eagle", "eagle3"),
             "method",
             self.method,
-            '"draft_model", "ngram" or "suffix"',
+            '"draft_model", "ngram", "suffix", "eagle" or "eagle3"',
+        )
+        _check(
+            not (self.tree and self.method in ("eagle", "eagle3")),
+            "tree",
+            self.tree,
+            f'None with method "{self.method}" (EAGLE heads draft chains)',
         )
         k = self.num_speculative_tokens
         _check(is_int(k) and 1 <= k <= 32, "num_speculative_tokens", k, "an integer in [1, 32]")

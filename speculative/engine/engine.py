@@ -4,7 +4,9 @@ One step (`Engine.step`), for all active rows at once (B rows, k draft tokens, V
   1. the proposer drafts x_1..x_k after each row's context ([B, k], -1 where it has nothing), or a
      token tree of depth <= k (Proposal.parents; speculative/tree.py);
   2. the target scores [last token, x_1..x_k] in one forward: logits [B, k+1, V] (a tree: every node
-     in one forward_tree, whose accepted path the cache then keeps as a chain, keep_path);
+     in one forward_tree, whose accepted path the cache then keeps as a chain, keep_path); for a
+     proposer with `hidden_layers` (an EAGLE head) the forward also returns those layers' hidden
+     states, which the proposer is handed (`observe`) before the commit;
   3. the acceptance rule keeps a prefix of the drafts and adds one token of the target's own
      (recovered or bonus): [B, k+1] with -1 padding (acceptance/base.py); with no drafts the target
      samples its one token;
@@ -101,6 +103,8 @@ class Engine:
         self.decode = decode
         self.draft_length = DraftLength(self.k, adaptive)
         self.room = self.k if room is None or proposer is None else room
+        # what a proposer that reads the target's hidden states wants of its forward (EagleProposer)
+        self.hidden_layers: tuple[int, ...] | None = getattr(proposer, "hidden_layers", None)
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
         self.stop_strings: dict[int, StopStrings] = {}
@@ -210,7 +214,10 @@ class Engine:
         clock.mark()
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
         query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, j+1]
-        if parents is None:
+        if parents is None and self.hidden_layers:  # a drafter that reads the target's hidden states
+            logits, features = self.target.forward(query, self.cache, hidden_layers=self.hidden_layers)
+            self.proposer.observe(features)
+        elif parents is None:
             logits = self.target.forward(query, self.cache)  # [B, j+1, V]
         else:
             root_slots = self.cache.lengths.clone()  # [B]

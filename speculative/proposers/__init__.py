@@ -4,6 +4,7 @@ from speculative.proposers.base import Proposal, Proposer
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.draft_tree import DraftTreeProposer
 from speculative.proposers.drafter import Drafter, DraftOut
+from speculative.proposers.eagle import EagleProposer
 from speculative.proposers.ngram import NgramProposer
 from speculative.proposers.suffix import SuffixProposer
 
@@ -12,6 +13,7 @@ __all__ = [
     "DraftOut",
     "DraftTreeProposer",
     "Drafter",
+    "EagleProposer",
     "NgramProposer",
     "Proposal",
     "Proposer",

@@ -1,0 +1,122 @@
+"""An EAGLE head as proposer: a chain of k drafts from the target's hidden states (models/eagle.py).
+
+The head drafts from features the target computes anyway: the engine runs the target's forward with
+`hidden_layers=proposer.hidden_layers` and hands the proposer that forward's features (`observe`)
+before committing the step. Head position p (token x_{p+1}, feature of position p) can be fed once
+the target's feature of p is known, that is for p <= n - 2 in a context of n tokens.
+
+State between steps: the head's cache holds its positions [0, c_b) of row b, each computed from the
+target's own features, and `features` [B, W, F] holds the target's features of positions c_b + j,
+j < n_b - 1 - c_b, not fed yet (right-padded). A proposal feeds those (at least one per row: the
+target's feature of the context's second-to-last token is always new), drafts its first token from
+the last, then k - 1 tokens more, each from the head's own hidden state. After the step the cache
+is rolled back to the positions fed from the target's features (drafted positions were fed the head's
+guesses), and the verification forward's features [B, k + 1, F], of positions n_b - 1 .. n_b + k - 1,
+become `features`: the kept ones are exactly those the next proposal needs. A plain step (no
+proposal) adds its one feature behind the others.
+
+New rows get their features from a forward of the target over their contexts (a second prefill of
+the prompt; the engine's own prefill computes logits alone), with a scratch cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from speculative.models.base import decode_steps
+from speculative.models.eagle import EagleHead
+from speculative.models.llama import NativeCausalLM
+from speculative.proposers.base import Proposal
+from speculative.sampling import SampleStrategy
+
+
+class EagleProposer:
+    """Proposes a chain of k tokens sampled from an EAGLE head with each row's own sampling parameters
+    (module docstring). hidden_layers: what the target's forward must return for `observe`."""
+
+    def __init__(self, head: EagleHead, target: NativeCausalLM) -> None:
+        self.head, self.target = head, target
+        self.hidden_layers = head.target_layers
+        self.cache = None
+        self.features: Tensor | None = None  # [B, W, F], module docstring
+        self._observed: Tensor | None = None  # [B, q, F], the step's target features
+        self._roots: Tensor | None = None  # [B] the cache lengths of a proposal's target-fed positions
+        self._proposed = 0
+
+    def observe(self, features: Tensor) -> None:
+        """The features [B, q, F] of the step's target forward (its q query tokens: the context's last
+        token, then the drafts), before the step is committed."""
+        self._observed = features
+
+    def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
+        batch, width = tokens.shape[0], int(lengths.max()) - 1
+        scratch = self.target.new_cache(batch, width)
+        _, features = self.target.forward(
+            tokens[:, :width],
+            scratch,
+            num_tokens=lengths - 1,
+            logits_indices=torch.zeros_like(lengths)[:, None],
+            hidden_layers=self.hidden_layers,
+        )
+        cache = self.head.new_cache(batch, tokens.shape[1])
+        if self.cache is None or self.cache.batch_size == 0:
+            self.cache, self.features = cache, features
+        else:
+            self.cache.append_rows(cache)
+            width = max(self.features.shape[1], features.shape[1])
+            self.features = torch.cat([_pad(self.features, width), _pad(features, width)])
+
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
+        need = lengths - 1 - self.cache.lengths  # [B] >= 1 positions with new target features
+        width = self.features.shape[1]
+        index = (self.cache.lengths + 1)[:, None] + torch.arange(width, device=tokens.device)
+        query = tokens.gather(1, index.clamp(max=tokens.shape[1] - 1))  # [B, W], x_{p+1} at position p
+        last: list[Tensor] = []  # the head's hidden state at the position fed last
+
+        def step(ids: Tensor, i: int) -> Tensor:
+            if i == 0:
+                logits, hidden = self.head.forward(
+                    ids, self.features, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None]
+                )
+            else:
+                logits, hidden = self.head.forward(ids, last.pop(), self.cache)
+            last.append(hidden)
+            return logits
+
+        self._roots = lengths - 1
+        token_ids, logits = decode_steps(step, num_tokens, query, strategy.next_tokens)
+        self.features, self._proposed = None, num_tokens
+        return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(logits))
+
+    def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
+        observed, self._observed = self._observed, None
+        if self._proposed:
+            self.cache.rollback(self._roots, max_length)  # max_length: a bound of the roots
+            self.features = observed
+        else:  # a plain step: its one feature, of position n_b - 2 (n_b the new length), goes behind
+            offset = lengths - 2 - self.cache.lengths  # [B]
+            features = F.pad(self.features, (0, 0, 0, 1))
+            index = offset[:, None, None].expand(-1, 1, features.shape[2])
+            self.features = features.scatter(1, index, observed)
+        self._proposed = 0
+
+    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
+        """Nothing to do: plain steps hand their features over (`observe`)."""
+
+    def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
+        pass
+
+    def select_rows(self, rows: Tensor) -> None:
+        if self.cache is not None:
+            self.cache.select_rows(rows)
+        for name in ("features", "_observed", "_roots"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value[rows])
+
+
+def _pad(features: Tensor, width: int) -> Tensor:
+    """[B, w, F] -> [B, width, F], zero padded on the right."""
+    return F.pad(features, (0, 0, 0, width - features.shape[1]))
