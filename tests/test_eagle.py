@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
+import test_distribution as dist
 import torch
 from conftest import tiny_model
 from exactness import hf_greedy
 from safetensors.torch import save_file
+from scipy.stats import chi2
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.models.eagle_checkpoint import load_eagle_head
@@ -18,42 +21,46 @@ from speculative.models.llama import NativeCausalLM
 HIDDEN, HEADS, KV_HEADS, VOCAB = 64, 4, 2, 96
 
 
-def head_weights(layout: str, draft_vocab: int = VOCAB, seed: int = 0) -> dict[str, torch.Tensor]:
+def head_weights(
+    layout: str, draft_vocab: int = VOCAB, seed: int = 0, hidden: int = HIDDEN, vocab: int = VOCAB
+) -> dict[str, torch.Tensor]:
     """Random weights under the published names and shapes (written out here, independently of the
-    loader): SafeAILab/EAGLE's EAGLE-1 `layers.0.*` and EAGLE-3's `midlayer.*`."""
+    loader): SafeAILab/EAGLE's EAGLE-1 `layers.0.*` and EAGLE-3's `midlayer.*`. An EAGLE-3 draft
+    vocabulary smaller than the target's is every other target token."""
     generator = torch.Generator().manual_seed(seed)
-    head_dim, inner = HIDDEN // HEADS, 2 * HIDDEN
-    attn_in = HIDDEN if layout == "eagle" else 2 * HIDDEN
+    head_dim, inner = hidden // HEADS, 2 * hidden
+    attn_in = hidden if layout == "eagle" else 2 * hidden
     prefix = "layers.0." if layout == "eagle" else "midlayer."
     shapes = {
         "self_attn.q_proj.weight": (HEADS * head_dim, attn_in),
         "self_attn.k_proj.weight": (KV_HEADS * head_dim, attn_in),
         "self_attn.v_proj.weight": (KV_HEADS * head_dim, attn_in),
-        "self_attn.o_proj.weight": (HIDDEN, HEADS * head_dim),
-        "mlp.gate_proj.weight": (inner, HIDDEN),
-        "mlp.up_proj.weight": (inner, HIDDEN),
-        "mlp.down_proj.weight": (HIDDEN, inner),
+        "self_attn.o_proj.weight": (hidden, HEADS * head_dim),
+        "mlp.gate_proj.weight": (inner, hidden),
+        "mlp.up_proj.weight": (inner, hidden),
+        "mlp.down_proj.weight": (hidden, inner),
     }
     weights = {
         prefix + name: torch.randn(shape, generator=generator) * 0.15 for name, shape in shapes.items()
     }
     norms = ["post_attention_layernorm"] + ([] if layout == "eagle" else ["input_layernorm", "hidden_norm"])
-    weights.update({f"{prefix}{n}.weight": 1 + 0.1 * torch.randn(HIDDEN, generator=generator) for n in norms})
+    weights.update({f"{prefix}{n}.weight": 1 + 0.1 * torch.randn(hidden, generator=generator) for n in norms})
     if layout == "eagle":
-        weights["fc.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=generator) * 0.15
-        weights["fc.bias"] = torch.randn(HIDDEN, generator=generator) * 0.1
+        weights["fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.15
+        weights["fc.bias"] = torch.randn(hidden, generator=generator) * 0.1
     else:
-        weights["fc.weight"] = torch.randn(HIDDEN, 3 * HIDDEN, generator=generator) * 0.15
-        weights["norm.weight"] = torch.ones(HIDDEN)
-        weights["lm_head.weight"] = torch.randn(draft_vocab, HIDDEN, generator=generator) * 0.15
-        if draft_vocab < VOCAB:  # the draft vocabulary: every other target token
+        weights["fc.weight"] = torch.randn(hidden, 3 * hidden, generator=generator) * 0.15
+        weights["norm.weight"] = torch.ones(hidden)
+        weights["lm_head.weight"] = torch.randn(draft_vocab, hidden, generator=generator) * 0.15
+        if draft_vocab < vocab:
             targets = torch.arange(0, 2 * draft_vocab, 2)
             weights["d2t"] = targets - torch.arange(draft_vocab)
-            weights["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, targets, True)
+            weights["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, targets, True)
     return weights
 
 
 def head_config(layout: str, draft_vocab: int = VOCAB, **fields) -> dict:
+    """config.json of a head for the tiny target (fields override)."""
     config = dict(
         architectures=["LlamaForCausalLM"] if layout == "eagle" else ["LlamaForCausalLMEagle3"],
         model_type="llama",
@@ -184,3 +191,79 @@ def test_greedy_output_equals_the_target_alone(tmp_path, target, layout) -> None
     )
     for prompt, output, n in zip(prompts, outputs, (24, 9, 17)):
         assert output.outputs[0].token_ids == hf_greedy(target, prompt, n, None)
+
+
+@pytest.mark.parametrize("layout", ["eagle", "eagle3"])
+@pytest.mark.parametrize("accept_all", [False, True], ids=["greedy", "sampled-accept-all"])
+def test_drafts_equal_the_head_run_from_scratch(tmp_path, target, layout, accept_all, monkeypatch) -> None:
+    """Each proposal's chain is the one the head drafts over the whole context from a fresh cache with
+    the target's features: the head's cache and features stay in step through rejections, whole
+    chains kept (typical acceptance at threshold 0 keeps every draft), plain steps and rows leaving."""
+    config = SpeculativeConfig(method=layout, num_speculative_tokens=3, adaptive=True)
+    if accept_all:
+        config = SpeculativeConfig(
+            method=layout, num_speculative_tokens=3, acceptance="typical", posterior_threshold=0.0
+        )
+    llm = LLM(target, draft_model=write_head(tmp_path, layout), speculative_config=config)
+    proposer, native, checked = llm.engine.proposer, llm.target.model, []
+    original = proposer.propose
+
+    def checked_propose(tokens, lengths, num_tokens, strategy):
+        proposal = original(tokens, lengths, num_tokens, strategy)
+        for row, n in enumerate(lengths.tolist()):
+            context, drafts = tokens[row : row + 1, :n], proposal.token_ids[row : row + 1]
+            _, features = native.forward(
+                context[:, :-1], native.new_cache(1, n), hidden_layers=proposer.hidden_layers
+            )
+            cache = proposer.head.new_cache(1, n + num_tokens)
+            logits, hidden = proposer.head.forward(context[:, 1:], features, cache)
+            steps = [logits[:, -1]]
+            for i in range(num_tokens - 1):
+                logits, hidden = proposer.head.forward(drafts[:, i : i + 1], hidden[:, -1:], cache)
+                steps.append(logits[:, -1])
+            expected = torch.stack(steps, dim=1)  # [1, k, V]
+            if proposal.probs is None:
+                assert drafts[0].tolist() == expected[0].argmax(-1).tolist()
+            else:
+                got = proposal.probs[row]
+                torch.testing.assert_close(got, expected[0].softmax(-1), atol=1e-5, rtol=1e-4)
+        checked.append(len(lengths))
+        return proposal
+
+    monkeypatch.setattr(proposer, "propose", checked_propose)
+    if not accept_all:
+        ks = itertools.cycle([3, 0, 2, 3, 0, 0, 1])  # plain steps (k = 0) between proposals too
+        llm.engine.draft_length.choose = lambda rows: next(ks)
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 2], [20, 21]]
+    temperature = 1.0 if accept_all else 0.0
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in (20, 7, 13)]
+    outputs = llm.generate(prompts, params)
+    assert len(checked) > 4
+    if accept_all:  # every step kept its whole chain and the bonus token
+        assert all(len(o.outputs[0].token_ids) == n for o, n in zip(outputs, (20, 7, 13)))
+        assert len(checked) <= 1 + 19 // 4 + 1
+
+
+def test_sampled_output_follows_the_target(tmp_path) -> None:
+    """Sampled speculative output follows the target's distribution (chi-square over every 3-token
+    continuation, test_distribution.py's helpers): an EAGLE-3 head over a draft vocabulary of half
+    the target's tokens (the others it can never propose), at temperature 0.8 and top-k 6."""
+    small = dict(vocab_size=dist.VOCAB, hidden_size=32)
+    target = tiny_model("llama", num_layers=2, seed=0, **small)
+    config = head_config(
+        "eagle3", 4, **small, intermediate_size=64, eagle_aux_hidden_state_layer_ids=[0, 1, 1]
+    )
+    weights = head_weights("eagle3", 4, seed=5, hidden=32, vocab=dist.VOCAB)
+    llm = LLM(
+        target,
+        draft_model=write_head(tmp_path, "eagle3", weights, config),
+        speculative_config=SpeculativeConfig(method="eagle3", num_speculative_tokens=2),
+        seed=11,
+    )
+    prompt, params = (
+        [2, 3, 2, 5],
+        SamplingParams(temperature=0.8, top_k=6, max_tokens=dist.LENGTH, ignore_eos=True),
+    )
+    samples = dist.sample(llm, [prompt] * dist.SAMPLES, [params] * dist.SAMPLES)
+    stat, dof = dist.chi_square(samples, dist.exact_probs(target, prompt, 0.8, 6))
+    assert chi2.sf(stat, dof) > 1e-3
