@@ -267,3 +267,15 @@ def test_sampled_output_follows_the_target(tmp_path) -> None:
     samples = dist.sample(llm, [prompt] * dist.SAMPLES, [params] * dist.SAMPLES)
     stat, dof = dist.chi_square(samples, dist.exact_probs(target, prompt, 0.8, 6))
     assert chi2.sf(stat, dof) > 1e-3
+
+
+def test_eagle_settings_that_cannot_work_are_refused(tmp_path, target) -> None:
+    with pytest.raises(ValueError, match="needs LLM\\(draft_model"):
+        LLM(target, speculative_config=SpeculativeConfig(method="eagle"))
+    with pytest.raises(ValueError, match="neither compiled nor quantized"):
+        LLM(
+            target,
+            draft_model=write_head(tmp_path, "eagle"),
+            speculative_config=SpeculativeConfig(method="eagle"),
+            compile=True,
+        )
