@@ -28,6 +28,7 @@ from speculative.proposers import (
     DraftModelProposer,
     DraftTreeProposer,
     EagleProposer,
+    EagleTreeProposer,
     NgramProposer,
     SuffixProposer,
 )
@@ -129,9 +130,11 @@ class LLM:
                     f'SpeculativeConfig(method="{method}") needs the native forward for the target '
                     f"(model types llama, mistral, qwen2, qwen3); got {type(self.target.model).__name__}"
                 )
-            proposer = EagleProposer(
-                load_eagle_head(draft_model, method, self.target.model), self.target.model
-            )
+            head = load_eagle_head(draft_model, method, self.target.model)
+            proposer = EagleProposer(head, self.target.model)
+            if speculative_config.tree:
+                c = speculative_config
+                proposer = EagleTreeProposer(head, self.target.model, c.tree, c.tree_width, c.tree_nodes)
         elif method == "ngram":
             proposer = NgramProposer(
                 speculative_config.prompt_lookup_min,

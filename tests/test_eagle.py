@@ -176,15 +176,13 @@ def test_a_head_in_the_other_layout_is_named(tmp_path, target) -> None:
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3"])
-def test_greedy_output_equals_the_target_alone(tmp_path, target, layout) -> None:
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+def test_greedy_output_equals_the_target_alone(tmp_path, target, layout, tree) -> None:
     """Any head keeps greedy output exact: a random one, over prompts of different lengths, rows
-    finishing at different times."""
+    finishing at different times; chains and EAGLE-2's dynamic trees."""
     path = write_head(tmp_path, layout)
-    llm = LLM(
-        target,
-        draft_model=path,
-        speculative_config=SpeculativeConfig(method=layout, num_speculative_tokens=3),
-    )
+    config = SpeculativeConfig(method=layout, num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6)
+    llm = LLM(target, draft_model=path, speculative_config=config)
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 2], [20, 21]]
     outputs = llm.generate(
         prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 9, 17)]
@@ -195,16 +193,22 @@ def test_greedy_output_equals_the_target_alone(tmp_path, target, layout) -> None
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3"])
 @pytest.mark.parametrize("accept_all", [False, True], ids=["greedy", "sampled-accept-all"])
-def test_drafts_equal_the_head_run_from_scratch(tmp_path, target, layout, accept_all, monkeypatch) -> None:
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree-of-width-1"])
+def test_drafts_equal_the_head_run_from_scratch(
+    tmp_path, target, layout, accept_all, tree, monkeypatch
+) -> None:
     """Each proposal's chain is the one the head drafts over the whole context from a fresh cache with
     the target's features: the head's cache and features stay in step through rejections, whole
-    chains kept (typical acceptance at threshold 0 keeps every draft), plain steps and rows leaving."""
-    config = SpeculativeConfig(method=layout, num_speculative_tokens=3, adaptive=True)
+    chains kept (typical acceptance at threshold 0 keeps every draft), plain steps and rows leaving.
+    A static tree of width 1 is the chain of the head's top tokens, grown by its tree forward."""
+    settings = dict(method=layout, num_speculative_tokens=3)
+    if tree:
+        settings.update(tree="static", tree_width=1, tree_nodes=3)
     if accept_all:
-        config = SpeculativeConfig(
-            method=layout, num_speculative_tokens=3, acceptance="typical", posterior_threshold=0.0
-        )
-    llm = LLM(target, draft_model=write_head(tmp_path, layout), speculative_config=config)
+        settings.update(acceptance="typical", posterior_threshold=0.0)
+    llm = LLM(
+        target, draft_model=write_head(tmp_path, layout), speculative_config=SpeculativeConfig(**settings)
+    )
     proposer, native, checked = llm.engine.proposer, llm.target.model, []
     original = proposer.propose
 
@@ -231,7 +235,7 @@ def test_drafts_equal_the_head_run_from_scratch(tmp_path, target, layout, accept
         return proposal
 
     monkeypatch.setattr(proposer, "propose", checked_propose)
-    if not accept_all:
+    if not (accept_all or tree):
         ks = itertools.cycle([3, 0, 2, 3, 0, 0, 1])  # plain steps (k = 0) between proposals too
         llm.engine.draft_length.choose = lambda rows: next(ks)
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 2], [20, 21]]

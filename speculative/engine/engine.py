@@ -214,19 +214,15 @@ class Engine:
         clock.mark()
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
         query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, j+1]
-        if parents is None and self.hidden_layers:  # a drafter that reads the target's hidden states
-            logits, features = self.target.forward(query, self.cache, hidden_layers=self.hidden_layers)
-            self.proposer.observe(features)
-        elif parents is None:
-            logits = self.target.forward(query, self.cache)  # [B, j+1, V]
-        else:
-            root_slots = self.cache.lengths.clone()  # [B]
-            logits = self.target.forward_tree(query, self.cache, parents)  # [B, j+1, V]
+        root_slots = self.cache.lengths.clone() if parents is not None else None  # [B]
+        logits, features = self._score(query, parents)  # [B, j+1, V], [B, j+1, F] or None
         clock.mark()
         if parents is not None:
-            emitted, logits = self._verify_tree(
+            emitted, logits, path = self._verify_tree(
                 batch, logits, last, draft_ids, draft_probs, parents, root_slots
             )
+            if features is not None:  # along the accepted path, as the cache keeps it
+                features = features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[2]))
             drafted = tree_depths(parents).max(dim=1).values  # [B]: a tree drafts as deep as a chain
         elif draft_ids.shape[1]:
             emitted = self.rule.verify(
@@ -236,6 +232,8 @@ class Engine:
         else:  # plain step: the target's own token
             emitted = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
             drafted = torch.zeros_like(batch.lengths)
+        if features is not None:
+            self.proposer.observe(features)
         commit = self._commit(batch, emitted, logits, drafted, first_token=False)  # the step's sync
         self._settle(batch, self.cache, self.proposer, commit)
         seconds = time.perf_counter() - start
@@ -258,6 +256,18 @@ class Engine:
         if not batch.sequences:
             self.reset()
         return commit.finished
+
+    def _score(self, query: Tensor, parents: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The target's forward over the step's query [B, q] (a chain, or the tree `parents`): its
+        logits [B, q, V] and, for a proposer with `hidden_layers`, those layers' hidden states [B, q,
+        F] (None otherwise)."""
+        if parents is None:
+            if self.hidden_layers:
+                return self.target.forward(query, self.cache, hidden_layers=self.hidden_layers)
+            return self.target.forward(query, self.cache), None
+        if self.hidden_layers:
+            return self.target.forward_tree(query, self.cache, parents, hidden_layers=self.hidden_layers)
+        return self.target.forward_tree(query, self.cache, parents), None
 
     def _propose(self, batch: Batch, k: int) -> Proposal:
         """The step's drafts: token ids [B, j] (-1 where a row has nothing), the distributions they
@@ -294,14 +304,15 @@ class Engine:
         """The rule over each row's tree (logits [B, M, V] at its nodes; last [B, 1] the roots' tokens;
         draft_ids [B, M - 1]; draft_probs [B, M - 1, V] or None; parents [B, M]); the accepted path's
         K/V are moved to the cache as a chain from `root_slots` [B] on. Returns the emitted tokens [B,
-        M] (-1 padded) and the logits each was chosen from [B, M, V] (the path's nodes)."""
+        M] (-1 padded), the logits each was chosen from [B, M, V] (the path's nodes) and the path [B,
+        M] (its nodes, -1 padded)."""
         tokens = torch.cat([last, draft_ids], dim=1)  # [B, M], the nodes' tokens
         probs = None if draft_probs is None else F.pad(draft_probs, (0, 0, 1, 0))  # [B, M, V]
         context = batch.context(draft_ids, parents)
         emitted, path = self.rule.verify_tree(logits, tokens, parents, probs, batch.strategy, context)
         self.cache.keep_path(root_slots, path)
         along = path.clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1])  # [B, M, V]
-        return emitted, logits.gather(1, along)
+        return emitted, logits.gather(1, along), path
 
     def _commit(
         self, batch: Batch, emitted: Tensor, logits: Tensor, drafted: Tensor | None, first_token: bool

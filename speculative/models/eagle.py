@@ -23,6 +23,7 @@ loads one).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -86,6 +87,23 @@ class EagleHead(NativeCausalLM):
 
         return self.forward_with(run, input_ids, cache, num_tokens, logits_indices)
 
+    @torch.no_grad()
+    def forward_tree(
+        self,
+        input_ids: Tensor,  # [batch, q], the tokens of the tree's last q nodes
+        features: Tensor,  # [batch, q, hidden_size], the head's hidden states at their parents
+        cache: StaticKVCache,
+        parents: Tensor,  # [batch, M] int64, the whole tree (NativeCausalLM.forward_tree)
+    ) -> tuple[Tensor, Tensor]:  # logits [batch, q, vocab_size], hidden [batch, q, hidden_size]
+        """`forward` over the nodes of trees grown a level at a time (NativeCausalLM.forward_tree)."""
+
+        def run(ids, positions, keys, values, key_positions, indices, slots, tree_mask) -> tuple:
+            return self.run_head(
+                ids, features, positions, keys, values, key_positions, indices, slots, tree_mask
+            )
+
+        return super().forward_tree(input_ids, cache, parents, body=run)
+
     def run_head(
         self,
         input_ids: Tensor,
@@ -95,6 +113,8 @@ class EagleHead(NativeCausalLM):
         values: list[Tensor],
         key_positions: Tensor,
         logits_indices: Tensor | None,
+        slots: Tensor | None = None,
+        tree_mask: Callable[[int | None], Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """`forward` as a function of tensors (NativeCausalLM.run's arguments, and the features)."""
         batch, q = input_ids.shape
@@ -113,7 +133,9 @@ class EagleHead(NativeCausalLM):
                 ],
                 dim=-1,
             )
-        hidden, _ = self.run_layers(hidden, first, batch, positions, keys, values, key_positions, None, None)
+        hidden, _ = self.run_layers(
+            hidden, first, batch, positions, keys, values, key_positions, slots, tree_mask
+        )
         hidden = hidden.view(batch, q, -1)
         if logits_indices is not None:
             hidden = hidden.gather(1, logits_indices[..., None].expand(-1, -1, hidden_size))

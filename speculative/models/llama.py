@@ -446,7 +446,9 @@ class NativeCausalLM(nn.Module):
         input_ids: Tensor,  # [batch, q] the tokens of the tree's last q nodes; a padding node's -1 fed as 0
         cache: StaticKVCache,
         parents: Tensor,  # [batch, M] int64, the whole tree (speculative/tree.py's convention), M >= q
-    ) -> Tensor:  # [batch, q, vocab] float32
+        hidden_layers: tuple[int, ...] | None = None,
+        body: Callable[..., Any] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, q, vocab] float32
         """Score the nodes of token trees: each query node's logits predict the token after the path
         from the root (node 0, the row's last context token) to that node.
 
@@ -459,6 +461,9 @@ class NativeCausalLM(nn.Module):
         one root-to-node path as if it had been fed as a chain. A chain tree (parents [-1, 0, ...,
         M - 2]) gives forward's logits and cache. Raises ValueError if the cache has no room for q
         more tokens. Runs eagerly (also under CompiledCausalLM): compiled graphs stay those of chains.
+        hidden_layers: as forward's (then (logits, hidden [batch, q, ...]) at the query nodes).
+        body: the function of tensors to run over the nodes, with `run`'s arguments (default `run`;
+        an EAGLE head's binds its features); what it returns is returned.
         """
         batch, m = parents.shape
         q = input_ids.shape[1]
@@ -466,6 +471,8 @@ class NativeCausalLM(nn.Module):
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} must be [batch, q <= M] for parents [{batch}, {m}]"
             )
+        if hidden_layers is not None:
+            self.check_hidden_layers(hidden_layers)
         ancestors = tree_ancestors(parents)  # [batch, M, M]
         depths = ancestors.sum(-1) - 1  # [batch, M]
 
@@ -486,7 +493,11 @@ class NativeCausalLM(nn.Module):
                 )
 
             positions = node_positions[:, m - q :]
-            return self.run(input_ids, positions, keys, values, key_positions, None, slots, mask)
+            if body is not None:
+                return body(input_ids, positions, keys, values, key_positions, None, slots, mask)
+            return self.run(
+                input_ids, positions, keys, values, key_positions, None, slots, mask, hidden_layers
+            )
 
         return self.forward_with(run, input_ids.clamp(min=0), cache)
 

@@ -5,6 +5,7 @@ from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.draft_tree import DraftTreeProposer
 from speculative.proposers.drafter import Drafter, DraftOut
 from speculative.proposers.eagle import EagleProposer
+from speculative.proposers.eagle_tree import EagleTreeProposer
 from speculative.proposers.ngram import NgramProposer
 from speculative.proposers.suffix import SuffixProposer
 
@@ -14,6 +15,7 @@ __all__ = [
     "DraftTreeProposer",
     "Drafter",
     "EagleProposer",
+    "EagleTreeProposer",
     "NgramProposer",
     "Proposal",
     "Proposer",

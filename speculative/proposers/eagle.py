@@ -69,26 +69,32 @@ class EagleProposer:
             self.features = torch.cat([_pad(self.features, width), _pad(features, width)])
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
-        need = lengths - 1 - self.cache.lengths  # [B] >= 1 positions with new target features
-        width = self.features.shape[1]
-        index = (self.cache.lengths + 1)[:, None] + torch.arange(width, device=tokens.device)
-        query = tokens.gather(1, index.clamp(max=tokens.shape[1] - 1))  # [B, W], x_{p+1} at position p
-        last: list[Tensor] = []  # the head's hidden state at the position fed last
+        logits, hidden = self._feed_features(tokens, lengths)
+        last = [hidden]  # the head's hidden state at the position fed last
 
         def step(ids: Tensor, i: int) -> Tensor:
             if i == 0:
-                logits, hidden = self.head.forward(
-                    ids, self.features, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None]
-                )
-            else:
-                logits, hidden = self.head.forward(ids, last.pop(), self.cache)
+                return logits
+            out, hidden = self.head.forward(ids, last.pop(), self.cache)
             last.append(hidden)
-            return logits
+            return out
 
-        self._roots = lengths - 1
-        token_ids, logits = decode_steps(step, num_tokens, query, strategy.next_tokens)
-        self.features, self._proposed = None, num_tokens
-        return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(logits))
+        token_ids, all_logits = decode_steps(step, num_tokens, tokens[:, :1], strategy.next_tokens)
+        self._proposed = num_tokens
+        return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(all_logits))
+
+    def _feed_features(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """Feed the head the positions whose target features it lacks (at least one per row, the last
+        at the context's second-to-last token: the root). Returns the root's logits [B, 1, V] and
+        hidden state [B, 1, H]."""
+        need = lengths - 1 - self.cache.lengths  # [B] >= 1
+        index = (self.cache.lengths + 1)[:, None] + torch.arange(self.features.shape[1], device=tokens.device)
+        query = tokens.gather(1, index.clamp(max=tokens.shape[1] - 1))  # [B, W], x_{p+1} at position p
+        out = self.head.forward(
+            query, self.features, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None]
+        )
+        self._roots, self.features = lengths - 1, None
+        return out
 
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         observed, self._observed = self._observed, None
