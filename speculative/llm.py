@@ -131,10 +131,10 @@ class LLM:
                     f"(model types llama, mistral, qwen2, qwen3); got {type(self.target.model).__name__}"
                 )
             head = load_eagle_head(draft_model, method, self.target.model)
-            proposer = EagleProposer(head, self.target.model)
+            proposer = EagleProposer(head)
             if speculative_config.tree:
                 c = speculative_config
-                proposer = EagleTreeProposer(head, self.target.model, c.tree, c.tree_width, c.tree_nodes)
+                proposer = EagleTreeProposer(head, c.tree, c.tree_width, c.tree_nodes)
         elif method == "ngram":
             proposer = NgramProposer(
                 speculative_config.prompt_lookup_min,

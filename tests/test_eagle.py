@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 from scipy.stats import chi2
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.config import GenerationConfig
+from speculative.engine.state import SampleState
 from speculative.models.eagle_checkpoint import load_eagle_head
 from speculative.models.llama import NativeCausalLM
 
@@ -92,6 +94,39 @@ def write_head(
     else:
         save_file(weights, str(path / "model.safetensors"))
     return str(path)
+
+
+def check_drafts(llm: LLM, monkeypatch) -> list[int]:
+    """Patch the EAGLE proposer of `llm` to check that each proposal's chain (or a width-1 tree's) is
+    the one the head drafts over the whole context from a fresh cache with the target's features;
+    returns the list to which each checked proposal appends its batch size."""
+    proposer, native, checked = llm.engine.proposer, llm.target.model, []
+    original = proposer.propose
+
+    def checked_propose(tokens, lengths, num_tokens, strategy):
+        proposal, expected = original(tokens, lengths, num_tokens, strategy), []
+        for row, n in enumerate(lengths.tolist()):
+            context, drafts = tokens[row : row + 1, :n], proposal.token_ids[row : row + 1]
+            _, features = native.forward(
+                context[:, :-1], native.new_cache(1, n), hidden_layers=proposer.hidden_layers
+            )
+            cache = proposer.head.new_cache(1, n + num_tokens)
+            logits, hidden = proposer.head.forward(context[:, 1:], features, cache)
+            steps = [logits[:, -1]]
+            for i in range(num_tokens - 1):
+                logits, hidden = proposer.head.forward(drafts[:, i : i + 1], hidden[:, -1:], cache)
+                steps.append(logits[:, -1])
+            expected.append(torch.stack(steps, dim=1))  # [1, k, V]
+        expected = torch.cat(expected)  # [B, k, V]
+        if proposal.probs is None:
+            assert proposal.token_ids.tolist() == expected.argmax(-1).tolist()
+        else:
+            torch.testing.assert_close(proposal.probs, strategy.probs(expected), atol=1e-5, rtol=1e-4)
+        checked.append(len(lengths))
+        return proposal
+
+    monkeypatch.setattr(proposer, "propose", checked_propose)
+    return checked
 
 
 @pytest.fixture(scope="module")
@@ -209,32 +244,7 @@ def test_drafts_equal_the_head_run_from_scratch(
     llm = LLM(
         target, draft_model=write_head(tmp_path, layout), speculative_config=SpeculativeConfig(**settings)
     )
-    proposer, native, checked = llm.engine.proposer, llm.target.model, []
-    original = proposer.propose
-
-    def checked_propose(tokens, lengths, num_tokens, strategy):
-        proposal = original(tokens, lengths, num_tokens, strategy)
-        for row, n in enumerate(lengths.tolist()):
-            context, drafts = tokens[row : row + 1, :n], proposal.token_ids[row : row + 1]
-            _, features = native.forward(
-                context[:, :-1], native.new_cache(1, n), hidden_layers=proposer.hidden_layers
-            )
-            cache = proposer.head.new_cache(1, n + num_tokens)
-            logits, hidden = proposer.head.forward(context[:, 1:], features, cache)
-            steps = [logits[:, -1]]
-            for i in range(num_tokens - 1):
-                logits, hidden = proposer.head.forward(drafts[:, i : i + 1], hidden[:, -1:], cache)
-                steps.append(logits[:, -1])
-            expected = torch.stack(steps, dim=1)  # [1, k, V]
-            if proposal.probs is None:
-                assert drafts[0].tolist() == expected[0].argmax(-1).tolist()
-            else:
-                got = proposal.probs[row]
-                torch.testing.assert_close(got, expected[0].softmax(-1), atol=1e-5, rtol=1e-4)
-        checked.append(len(lengths))
-        return proposal
-
-    monkeypatch.setattr(proposer, "propose", checked_propose)
+    checked = check_drafts(llm, monkeypatch)
     if not (accept_all or tree):
         ks = itertools.cycle([3, 0, 2, 3, 0, 0, 1])  # plain steps (k = 0) between proposals too
         llm.engine.draft_length.choose = lambda rows: next(ks)
@@ -283,3 +293,29 @@ def test_eagle_settings_that_cannot_work_are_refused(tmp_path, target) -> None:
             speculative_config=SpeculativeConfig(method="eagle"),
             compile=True,
         )
+
+
+def test_prefill_features_follow_the_rows(tmp_path, target, monkeypatch) -> None:
+    """The prefill's hidden states reach the head for the rows that stay: a prompt's n sequences
+    (copied cache rows), a row finished by its first token, and sequences resumed from a state."""
+    path = write_head(tmp_path, "eagle3")
+    config = SpeculativeConfig(method="eagle3", num_speculative_tokens=3)
+    llm = LLM(target, draft_model=path, speculative_config=config)
+    checked = check_drafts(llm, monkeypatch)
+    prompts = [[3, 4, 5], [9, 8], [7, 8, 9, 10, 11]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=1.0, top_k=1, n=2, max_tokens=12, ignore_eos=True),  # greedy, n > 1
+        SamplingParams(temperature=0, max_tokens=15, ignore_eos=True),
+    ]
+    outputs = llm.generate(prompts, params)
+    for prompt, output, p in zip(prompts, outputs, params):
+        for sequence in output.outputs:
+            assert sequence.token_ids == hf_greedy(target, prompt, p.max_tokens, None)
+    assert checked and checked[0] == 3  # the first proposal: the n = 2 rows and the third prompt's
+    chunks = GenerationConfig(streaming_chunks=2)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    full = list(llm.stream(prompts[1:], seeded, config=chunks))
+    state = SampleState.from_json(full[1].to_json())
+    resumed = list(LLM(target, draft_model=path, speculative_config=config, seed=9).resume(state, chunks))
+    assert resumed[-1].sequences == full[-1].sequences

@@ -185,14 +185,16 @@ class Engine:
         )
         self._want_logprobs(self.sequences + sequences)
         if any(s.output_token_ids for s in sequences):
-            cache, finished = self._rebuild_cache(batch), []
+            (cache, features), finished = self._rebuild_cache(batch), []
         else:
-            cache, finished = self._prefill(batch)
+            cache, features, finished = self._prefill(batch)
         if not batch.sequences:
             return finished
         if self.proposer is not None:
             if self.batch is not None:
                 self.proposer.catch_up(self.batch.tokens, self.batch.lengths)
+            if features is not None:  # the new rows' hidden states, for a proposer that reads them
+                self.proposer.observe(features)
             self.proposer.add_rows(batch.tokens, batch.lengths)
         if self.batch is None:
             self.batch, self.cache = batch, cache
@@ -475,23 +477,26 @@ class Engine:
             s.params.logprobs is not None or s.params.sampled_sequences > s.params.n for s in sequences
         )
 
-    def _rebuild_cache(self, batch: Batch) -> KVCache:
+    def _rebuild_cache(self, batch: Batch) -> tuple[KVCache, Tensor | None]:
         """Resume: the target's cache computed again from the tokens (all but the last), sampling
-        nothing."""
+        nothing; and the hidden states [B, width, F] of those tokens a proposer reads (None: none)."""
         lengths = batch.lengths
         cache = self.target.new_cache(len(batch.sequences), batch.capacity)
-        self.target.forward(
+        extra = {"hidden_layers": self.hidden_layers} if self.hidden_layers else {}
+        out = self.target.forward(
             batch.tokens[:, : max(batch.host_lengths) - 1],
             cache,
             num_tokens=lengths - 1,
             logits_indices=torch.zeros_like(lengths)[:, None],
+            **extra,
         )
-        return cache
+        return cache, out[1] if self.hidden_layers else None
 
-    def _prefill(self, batch: Batch) -> tuple[KVCache, list[Sequence]]:
+    def _prefill(self, batch: Batch) -> tuple[KVCache, Tensor | None, list[Sequence]]:
         """The target's prefill of each prompt (its first sequence's row); the prompt's other sequences
-        copy its cache row; each samples a first token. Returns the new cache and the sequences that
-        finished with that token."""
+        copy its cache row; each samples a first token. Returns the new cache, the hidden states a
+        proposer reads of the prompts of the rows that stay ([B, width, F], None if it reads none) and
+        the sequences that finished with that token."""
         sequences = batch.sequences
         heads = [
             row
@@ -499,7 +504,7 @@ class Engine:
             if row == 0 or s.prompt_index != sequences[row - 1].prompt_index
         ]
         all_logits = any(s.params.prompt_logprobs is not None for s in sequences)
-        logits, cache, order = self._prefill_prompts(batch, heads, all_logits)  # [P, 1 or width, V]
+        logits, features, cache, order = self._prefill_prompts(batch, heads, all_logits)  # [P, 1 or width, V]
         if all_logits:
             logits = self._prompt_logprobs(batch, heads, order, logits)
         rows = [order[bisect.bisect_right(heads, row) - 1] for row in range(len(sequences))]  # -> cache row
@@ -507,16 +512,22 @@ class Engine:
             index = torch.tensor(rows, dtype=torch.long, device=batch.tokens.device)
             cache.select_rows(index)
             logits = logits[index]
+            features = None if features is None else features[index]
         first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
         commit = self._commit(batch, first, logits, None, first_token=True)
         self._settle(batch, cache, None, commit)
-        return cache, commit.finished
+        if features is not None and commit.finished:
+            gone = {id(s) for s in commit.finished}
+            features = features[[row for row, s in enumerate(sequences) if id(s) not in gone]]
+        return cache, features, commit.finished
 
     def _prefill_prompts(
         self, batch: Batch, heads: list[int], all_logits: bool
-    ) -> tuple[Tensor, KVCache, list[int]]:
+    ) -> tuple[Tensor, Tensor | None, KVCache, list[int]]:
         """The target on each prompt (batch rows `heads`). Returns its logits ([P, 1, V] at each prompt's
-        last token; [P, width, V] with all_logits), its cache and, per prompt, its row in them.
+        last token; [P, width, V] with all_logits), the hidden states a proposer reads ([P, width, F]
+        at every prompt position, right-padded; None if it reads none), its cache and, per prompt, its
+        row in them.
 
         On a CPU, prompts of different lengths are prefilled in a few forwards of similar lengths
         (`prefill_groups`), not all padded to the longest; elsewhere, and when every position's logits
@@ -527,20 +538,25 @@ class Engine:
             if self.target.device.type == "cpu" and not all_logits
             else [list(range(len(heads)))]
         )
-        cache, parts = None, []
+        cache, parts, features = None, [], []
+        extra = {"hidden_layers": self.hidden_layers} if self.hidden_layers else {}
+        longest = max(prompt_lengths)
         for group in groups:  # the cache's rows: the groups' rows one after the other
             index = torch.tensor([heads[i] for i in group], dtype=torch.long, device=batch.tokens.device)
             lengths = batch.lengths[index]
             part = self.target.new_cache(len(group), batch.capacity)
             width = max(prompt_lengths[i] for i in group)
-            parts.append(
-                self.target.forward(
-                    batch.tokens[index, :width],
-                    part,
-                    num_tokens=lengths,
-                    logits_indices=None if all_logits else (lengths - 1)[:, None],
-                )
+            out = self.target.forward(
+                batch.tokens[index, :width],
+                part,
+                num_tokens=lengths,
+                logits_indices=None if all_logits else (lengths - 1)[:, None],
+                **extra,
             )
+            if self.hidden_layers:
+                out, hidden = out
+                features.append(F.pad(hidden, (0, 0, 0, longest - width)))
+            parts.append(out)
             if cache is None:
                 cache = part
             else:
@@ -548,7 +564,8 @@ class Engine:
         order = [0] * len(heads)
         for row, prompt in enumerate(i for group in groups for i in group):
             order[prompt] = row
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]), cache, order
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return logits, (torch.cat(features) if features else None), cache, order
 
     def _prompt_logprobs(self, batch: Batch, heads: list[int], order: list[int], logits: Tensor) -> Tensor:
         """Fill in prompt_logprobs of the sequences that asked, from every prompt position's logits

@@ -15,8 +15,8 @@ guesses), and the verification forward's features [B, k + 1, F], of positions n_
 become `features`: the kept ones are exactly those the next proposal needs. A plain step (no
 proposal) adds its one feature behind the others.
 
-New rows get their features from a forward of the target over their contexts (a second prefill of
-the prompt; the engine's own prefill computes logits alone), with a scratch cache.
+New rows get their features from the engine's prefill of their prompts (or, resumed, its forward
+over their contexts but the last token), handed over (`observe`) before `add_rows`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from torch import Tensor
 
 from speculative.models.base import decode_steps
 from speculative.models.eagle import EagleHead
-from speculative.models.llama import NativeCausalLM
 from speculative.proposers.base import Proposal
 from speculative.sampling import SampleStrategy
 
@@ -36,8 +35,8 @@ class EagleProposer:
     """Proposes a chain of k tokens sampled from an EAGLE head with each row's own sampling parameters
     (module docstring). hidden_layers: what the target's forward must return for `observe`."""
 
-    def __init__(self, head: EagleHead, target: NativeCausalLM) -> None:
-        self.head, self.target = head, target
+    def __init__(self, head: EagleHead) -> None:
+        self.head = head
         self.hidden_layers = head.target_layers
         self.cache = None
         self.features: Tensor | None = None  # [B, W, F], module docstring
@@ -46,21 +45,14 @@ class EagleProposer:
         self._proposed = 0
 
     def observe(self, features: Tensor) -> None:
-        """The features [B, q, F] of the step's target forward (its q query tokens: the context's last
-        token, then the drafts), before the step is committed."""
+        """The features [B, q, F] of the target's forward: a step's (its q query tokens: the context's
+        last token, then the drafts, or a tree's accepted path), before the step is committed; or, before
+        `add_rows`, the new rows' prefill's (their contexts but the last token, right-padded)."""
         self._observed = features
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
-        batch, width = tokens.shape[0], int(lengths.max()) - 1
-        scratch = self.target.new_cache(batch, width)
-        _, features = self.target.forward(
-            tokens[:, :width],
-            scratch,
-            num_tokens=lengths - 1,
-            logits_indices=torch.zeros_like(lengths)[:, None],
-            hidden_layers=self.hidden_layers,
-        )
-        cache = self.head.new_cache(batch, tokens.shape[1])
+        features, self._observed = self._observed, None
+        cache = self.head.new_cache(tokens.shape[0], tokens.shape[1])
         if self.cache is None or self.cache.batch_size == 0:
             self.cache, self.features = cache, features
         else:
@@ -73,7 +65,7 @@ class EagleProposer:
         last = [hidden]  # the head's hidden state at the position fed last
 
         def step(ids: Tensor, i: int) -> Tensor:
-            if i == 0:
+            if i == 0:  # the root's logits, computed above (ids, the query, are not read)
                 return logits
             out, hidden = self.head.forward(ids, last.pop(), self.cache)
             last.append(hidden)

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from speculative.models.eagle import EagleHead
-from speculative.models.llama import NativeCausalLM
 from speculative.proposers.base import Proposal
 from speculative.proposers.draft_tree import TreeShape, grow_tree
 from speculative.proposers.eagle import EagleProposer
@@ -20,10 +19,8 @@ class EagleTreeProposer(EagleProposer):
     """Proposes a tree of `num_nodes` drafts, at most `num_tokens` deep, from an EAGLE head: the
     head's top candidates (deterministic, one-hot). shape, width, num_nodes: as DraftTreeProposer's."""
 
-    def __init__(
-        self, head: EagleHead, target: NativeCausalLM, shape: TreeShape, width: int, num_nodes: int
-    ) -> None:
-        super().__init__(head, target)
+    def __init__(self, head: EagleHead, shape: TreeShape, width: int, num_nodes: int) -> None:
+        super().__init__(head)
         self.shape, self.width, self.num_nodes = shape, width, num_nodes
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
