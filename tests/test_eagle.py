@@ -165,6 +165,21 @@ def test_published_layouts_load(tmp_path, target, layout, bin) -> None:
     assert head.target_layers == ((4,) if layout == "eagle" else (0, 1, 3))
 
 
+@pytest.mark.parametrize(
+    ("fields", "layers"),
+    [({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, (1, 2, 3)), ({}, (2, 2, 1))],
+    ids=["in-eagle_config", "default"],
+)
+def test_eagle3_target_layers(tmp_path, target, fields, layers) -> None:
+    """The aux layer ids nested in `eagle_config`, or vLLM's default (2, L // 2, L - 3)."""
+    config = head_config("eagle3", **fields)
+    del config["eagle_aux_hidden_state_layer_ids"]
+    head = load_eagle_head(
+        write_head(tmp_path, "eagle3", config=config), "eagle3", NativeCausalLM.from_hf(target)
+    )
+    assert head.target_layers == layers
+
+
 def test_draft_vocabulary_maps_into_the_target_vocabulary(tmp_path, target) -> None:
     config = head_config("eagle3", draft_vocab=40)
     path = write_head(tmp_path, "eagle3", head_weights("eagle3", draft_vocab=40), config)

@@ -5,7 +5,8 @@ EAGLE-3 releases (SafeAILab/EAGLE, SpecForge) and vLLM read them:
 
   config.json: a Llama config of the one layer: hidden_size, intermediate_size, num_attention_heads
       and vocab_size (the target's) are required; num_key_value_heads, head_dim, rms_norm_eps,
-      hidden_act, rope_theta / rope_scaling, attention_bias, mlp_bias are read where present.
+      hidden_act, rope_theta / rope_scaling (or rope_parameters), attention_bias, mlp_bias are read
+      where present.
       "eagle3" also reads draft_vocab_size (default vocab_size), target_hidden_size (default
       hidden_size) and the target layers it reads, eagle_aux_hidden_state_layer_ids (top level or in
       `eagle_config`; default vLLM's (2, L // 2, L - 3) for a target of L layers).
@@ -40,6 +41,7 @@ _OPTIONAL_FIELDS = (
     "hidden_act",
     "rope_theta",
     "rope_scaling",
+    "rope_parameters",
     "attention_bias",
     "mlp_bias",
 )
@@ -106,7 +108,7 @@ def _head_config(
     if len(ids) != 3 or any(not 0 <= i < layers for i in ids):
         raise ValueError(
             f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be 3 layer indices in [0, {layers}) "
-            f"(the default (2, L // 2, L - 3) needs a target of at least 5 layers)"
+            f"(the default (2, L // 2, L - 3) needs a target of at least 3 layers)"
         )
     return config, 3 * target_hidden, ids
 
