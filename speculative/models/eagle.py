@@ -87,6 +87,16 @@ class EagleHead(NativeCausalLM):
 
         return self.forward_with(run, input_ids, cache, num_tokens, logits_indices)
 
+    def score(self, input_ids: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        """Whole sequences at positions 0 .. q - 1 from an empty cache: input_ids [batch, q], features
+        [batch, q, feature_size] -> logits [batch, q, vocab_size], hidden [batch, q, hidden_size];
+        differentiable with respect to the head's parameters where gradients are enabled (training)."""
+        batch, q = input_ids.shape
+        cache = self.new_cache(batch, q)
+        self.prepare(q)
+        positions = self._arange[:q].expand(batch, q)
+        return self.run_head(input_ids, features, positions, cache.keys, cache.values, self._arange[:q], None)
+
     @torch.no_grad()
     def forward_tree(
         self,

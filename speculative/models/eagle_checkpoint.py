@@ -77,6 +77,37 @@ def load_eagle_head(path: str | Path, layout: EagleLayout, target: NativeCausalL
     return head
 
 
+def save_eagle_head(head: EagleHead, path: str | Path) -> None:
+    """Write `head` as a checkpoint directory in its published layout (module docstring): config.json
+    and model.safetensors, without the weights it shares with its target."""
+    from safetensors.torch import save_file
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    c = head.config
+    config = {
+        "architectures": ["LlamaForCausalLM" if head.layout == "eagle" else "LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **{name: getattr(c, name) for name in (*REQUIRED_FIELDS, *_OPTIONAL_FIELDS[:4]) if hasattr(c, name)},
+        "rope_theta": c.rope_parameters["rope_theta"],
+        "max_position_embeddings": c.max_position_embeddings,
+    }
+    if head.layout == "eagle3":
+        config["draft_vocab_size"] = head.lm_head.out_features
+        config["eagle_aux_hidden_state_layer_ids"] = list(head.target_layers)
+    shared = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    if head.layout == "eagle3":
+        shared = {"model.embed_tokens.weight"}
+    weights = {
+        _checkpoint_name(name, head.layout).removeprefix("model."): tensor.detach().contiguous().cpu()
+        for name, tensor in head.state_dict().items()
+        if name not in shared
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, str(directory / "model.safetensors"))
+
+
 def _head_config(
     raw: dict, layout: EagleLayout, target: NativeCausalLM, where: Path
 ) -> tuple[LlamaConfig, int, tuple[int, ...]]:
