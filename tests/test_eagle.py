@@ -17,7 +17,7 @@ from scipy.stats import chi2
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.config import GenerationConfig
 from speculative.engine.state import SampleState
-from speculative.models.eagle_checkpoint import load_eagle_head
+from speculative.models.eagle_checkpoint import load_eagle_head, save_eagle_head
 from speculative.models.llama import NativeCausalLM
 
 HIDDEN, HEADS, KV_HEADS, VOCAB = 64, 4, 2, 96
@@ -334,3 +334,17 @@ def test_prefill_features_follow_the_rows(tmp_path, target, monkeypatch) -> None
     state = SampleState.from_json(full[1].to_json())
     resumed = list(LLM(target, draft_model=path, speculative_config=config, seed=9).resume(state, chunks))
     assert resumed[-1].sequences == full[-1].sequences
+
+
+@pytest.mark.parametrize("layout", ["eagle", "eagle3"])
+def test_saved_heads_load_back(tmp_path, target, layout) -> None:
+    """save_eagle_head writes the published layout: a head loads back with the same weights."""
+    native = NativeCausalLM.from_hf(target)
+    config = head_config(layout, draft_vocab=40) if layout == "eagle3" else None
+    weights = head_weights(layout, draft_vocab=40) if layout == "eagle3" else None
+    head = load_eagle_head(write_head(tmp_path / "a", layout, weights, config), layout, native)
+    save_eagle_head(head, tmp_path / "b")
+    again = load_eagle_head(tmp_path / "b", layout, native)
+    assert again.target_layers == head.target_layers
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[name], tensor)
