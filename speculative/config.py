@@ -15,8 +15,11 @@ from speculative.sampling_params import SamplingParams
 class SpeculativeConfig:
     """How the engine speculates (vLLM's `speculative_config`).
 
-    method: "draft_model" (a small model, `LLM(draft_model=...)`), "ngram" (prompt lookup) or "suffix"
-        (suffix decoding over the request and past responses, speculative/proposers/suffix.py).
+    method: "draft_model" (a small model, `LLM(draft_model=...)`), "ngram" (prompt lookup), "suffix"
+        (suffix decoding over the request and past responses, speculative/proposers/suffix.py), or
+        "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head (`LLM(draft_model=<its directory>)`) drafting a
+        chain or a tree from the target's hidden states (models/eagle.py; the native forward, not
+        compiled).
     num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32.
     acceptance: "rejection" (lossless: the output follows the target's distribution exactly) or
         "typical" (Medusa's typical acceptance: faster at temperature > 0, NOT lossless).
@@ -29,10 +32,10 @@ class SpeculativeConfig:
         step times (`speculative.engine.draft_length`); 0 switches speculation off where it does not
         pay. The output stays exact, but a seeded sampled request's text then depends on timing.
     tree: None (a chain of k drafts), or a token tree of depth <= k verified in one forward:
-        "dynamic" (the draft model's tree follows its confidence, as EAGLE-2's) or "static" (a fixed
-        topology); for "ngram" either one merges every match's continuation into a trie, for "suffix"
-        either one takes the most frequent continuations. Trees need
-        the native forward (model types llama, mistral, qwen2, qwen3) and exclude `adaptive`.
+        "dynamic" (the draft model's or EAGLE head's tree follows its confidence, as EAGLE-2's) or
+        "static" (a fixed topology); for "ngram" either one merges every match's continuation into a
+        trie, for "suffix" either one takes the most frequent continuations. Trees need the native
+        forward (model types llama, mistral, qwen2, qwen3) and exclude `adaptive`.
     tree_width: a draft-model tree's candidates per expanded node and nodes expanded per depth. [1, 16].
     tree_nodes: drafts per tree. [1, 128].
     suffix_decoding_max_tree_depth: the "suffix" tries' depth: a match's tokens plus its proposal's.
@@ -46,7 +49,7 @@ class SpeculativeConfig:
         the path) a "suffix" draft needs. [0, 1].
     """
 
-    method: Literal["draft_model", "ngram", "suffix"] = "draft_model"
+    method: Literal["draft_model", "ngram", "suffix", "eagle", "eagle3"] = "draft_model"
     num_speculative_tokens: int = 4
     acceptance: Literal["rejection", "typical"] = "rejection"
     posterior_threshold: float = 0.09
@@ -64,11 +67,12 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         _check(
-            self.method in ("draft_model", "ngram", "suffix"),
+            self.method in ("draft_model", "ngram", "suffix", "eagle", "eagle3"),
             "method",
             self.method,
-            '"draft_model", "ngram" or "suffix"',
+            '"draft_model", "ngram", "suffix", "eagle" or "eagle3"',
         )
+
         k = self.num_speculative_tokens
         _check(is_int(k) and 1 <= k <= 32, "num_speculative_tokens", k, "an integer in [1, 32]")
         _check(

@@ -19,10 +19,19 @@ from speculative.engine.state import SampleState, unpack_generator
 from speculative.models.base import LanguageModel
 from speculative.models.compiled import prepare_model, warm_up_pair
 from speculative.models.dtypes import check_dtype
+from speculative.models.eagle_checkpoint import load_eagle_head
+from speculative.models.llama import NativeCausalLM
 from speculative.models.loading import ModelImpl, load_model
 from speculative.models.quantization import check_quantization, quantize_model
 from speculative.precompile import PreCompileConfig
-from speculative.proposers import DraftModelProposer, DraftTreeProposer, NgramProposer, SuffixProposer
+from speculative.proposers import (
+    DraftModelProposer,
+    DraftTreeProposer,
+    EagleProposer,
+    EagleTreeProposer,
+    NgramProposer,
+    SuffixProposer,
+)
 from speculative.sampling_params import SamplingParams
 
 
@@ -76,8 +85,13 @@ class LLM:
         if speculative_config is None and draft_model is not None:
             speculative_config = SpeculativeConfig(method="draft_model")
         method = speculative_config.method if speculative_config else None
-        if method == "draft_model" and draft_model is None:
-            raise ValueError('SpeculativeConfig(method="draft_model") needs LLM(draft_model=...)')
+        if method in ("draft_model", "eagle", "eagle3") and draft_model is None:
+            raise ValueError(f'SpeculativeConfig(method="{method}") needs LLM(draft_model=...)')
+        if method in ("eagle", "eagle3") and (not isinstance(draft_model, str) or compile or quantization):
+            raise ValueError(
+                f'SpeculativeConfig(method="{method}") needs LLM(draft_model=<the EAGLE head\'s directory>) '
+                "and a target that is neither compiled nor quantized"
+            )
         if method in ("ngram", "suffix") and draft_model is not None:
             raise ValueError(f'SpeculativeConfig(method="{method}") uses no draft model; drop draft_model')
         if draft_dtype is not None:
@@ -110,6 +124,17 @@ class LLM:
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
             proposer = _draft_proposer(self.draft.model, speculative_config)
+        elif method in ("eagle", "eagle3"):
+            if not isinstance(self.target.model, NativeCausalLM):
+                raise ValueError(
+                    f'SpeculativeConfig(method="{method}") needs the native forward for the target '
+                    f"(model types llama, mistral, qwen2, qwen3); got {type(self.target.model).__name__}"
+                )
+            head = load_eagle_head(draft_model, method, self.target.model)
+            proposer = EagleProposer(head)
+            if speculative_config.tree:
+                c = speculative_config
+                proposer = EagleTreeProposer(head, c.tree, c.tree_width, c.tree_nodes)
         elif method == "ngram":
             proposer = NgramProposer(
                 speculative_config.prompt_lookup_min,

@@ -99,7 +99,7 @@ def test_mismatched_params_list(no_work) -> None:
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("method", "medusa", 'method must be "draft_model", "ngram" or "suffix"'),
+        ("method", "medusa", 'method must be "draft_model", "ngram", "suffix", "eagle" or "eagle3"'),
         ("acceptance", "maybe", 'acceptance must be "rejection" or "typical"'),
         ("posterior_threshold", 1.5, r"posterior_threshold must be in \[0, 1\]"),
         ("posterior_alpha", -1.0, "posterior_alpha must be >= 0"),

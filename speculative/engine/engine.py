@@ -5,7 +5,9 @@ One step (`Engine.step`), for all active rows at once (B rows, k draft tokens, V
      token tree of depth <= k (Proposal.parents; speculative/tree.py); guided rows draft under their
      grammar (speculative/proposers/grammar.py);
   2. the target scores [last token, x_1..x_k] in one forward: logits [B, k+1, V] (a tree: every node
-     in one forward_tree, whose accepted path the cache then keeps as a chain, keep_path);
+     in one forward_tree, whose accepted path the cache then keeps as a chain, keep_path); for a
+     proposer with `hidden_layers` (an EAGLE head) the forward also returns those layers' hidden
+     states, which the proposer is handed (`observe`) before the commit;
   3. the acceptance rule keeps a prefix of the drafts and adds one token of the target's own
      (recovered or bonus): [B, k+1] with -1 padding (acceptance/base.py); with no drafts the target
      samples its one token;
@@ -103,6 +105,8 @@ class Engine:
         self.decode = decode
         self.draft_length = DraftLength(self.k, adaptive)
         self.room = self.k if room is None or proposer is None else room
+        # what a proposer that reads the target's hidden states wants of its forward (EagleProposer)
+        self.hidden_layers: tuple[int, ...] | None = getattr(proposer, "hidden_layers", None)
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
         self.stop_strings: dict[int, StopStrings] = {}
@@ -183,14 +187,16 @@ class Engine:
         )
         self._want_logprobs(self.sequences + sequences)
         if any(s.output_token_ids for s in sequences):
-            cache, finished = self._rebuild_cache(batch), []
+            (cache, features), finished = self._rebuild_cache(batch), []
         else:
-            cache, finished = self._prefill(batch)
+            cache, features, finished = self._prefill(batch)
         if not batch.sequences:
             return finished
         if self.proposer is not None:
             if self.batch is not None:
                 self.proposer.catch_up(self.batch.tokens, self.batch.lengths)
+            if features is not None:  # the new rows' hidden states, for a proposer that reads them
+                self.proposer.observe(features)
             self.proposer.add_rows(batch.tokens, batch.lengths)
         if self.batch is None:
             self.batch, self.cache = batch, cache
@@ -212,16 +218,15 @@ class Engine:
         clock.mark()
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
         query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, j+1]
-        if parents is None:
-            logits = self.target.forward(query, self.cache)  # [B, j+1, V]
-        else:
-            root_slots = self.cache.lengths.clone()  # [B]
-            logits = self.target.forward_tree(query, self.cache, parents)  # [B, j+1, V]
+        root_slots = self.cache.lengths.clone() if parents is not None else None  # [B]
+        logits, features = self._score(query, parents)  # [B, j+1, V], [B, j+1, F] or None
         clock.mark()
         if parents is not None:
-            emitted, logits = self._verify_tree(
+            emitted, logits, path = self._verify_tree(
                 batch, logits, last, draft_ids, draft_probs, parents, root_slots
             )
+            if features is not None:  # along the accepted path, as the cache keeps it
+                features = features.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, features.shape[2]))
             drafted = tree_depths(parents).max(dim=1).values  # [B]: a tree drafts as deep as a chain
         elif draft_ids.shape[1]:
             emitted = self.rule.verify(
@@ -231,6 +236,8 @@ class Engine:
         else:  # plain step: the target's own token
             emitted = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
             drafted = torch.zeros_like(batch.lengths)
+        if features is not None:
+            self.proposer.observe(features)
         commit = self._commit(batch, emitted, logits, drafted, first_token=False)  # the step's sync
         self._settle(batch, self.cache, self.proposer, commit)
         seconds = time.perf_counter() - start
@@ -253,6 +260,18 @@ class Engine:
         if not batch.sequences:
             self.reset()
         return commit.finished
+
+    def _score(self, query: Tensor, parents: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The target's forward over the step's query [B, q] (a chain, or the tree `parents`): its
+        logits [B, q, V] and, for a proposer with `hidden_layers`, those layers' hidden states [B, q,
+        F] (None otherwise)."""
+        if parents is None:
+            if self.hidden_layers:
+                return self.target.forward(query, self.cache, hidden_layers=self.hidden_layers)
+            return self.target.forward(query, self.cache), None
+        if self.hidden_layers:
+            return self.target.forward_tree(query, self.cache, parents, hidden_layers=self.hidden_layers)
+        return self.target.forward_tree(query, self.cache, parents), None
 
     def _propose(self, batch: Batch, k: int) -> Proposal:
         """The step's drafts: token ids [B, j] (-1 where a row has nothing), the distributions they
@@ -293,14 +312,15 @@ class Engine:
         """The rule over each row's tree (logits [B, M, V] at its nodes; last [B, 1] the roots' tokens;
         draft_ids [B, M - 1]; draft_probs [B, M - 1, V] or None; parents [B, M]); the accepted path's
         K/V are moved to the cache as a chain from `root_slots` [B] on. Returns the emitted tokens [B,
-        M] (-1 padded) and the logits each was chosen from [B, M, V] (the path's nodes)."""
+        M] (-1 padded), the logits each was chosen from [B, M, V] (the path's nodes) and the path [B,
+        M] (its nodes, -1 padded)."""
         tokens = torch.cat([last, draft_ids], dim=1)  # [B, M], the nodes' tokens
         probs = None if draft_probs is None else F.pad(draft_probs, (0, 0, 1, 0))  # [B, M, V]
         context = batch.context(draft_ids, parents)
         emitted, path = self.rule.verify_tree(logits, tokens, parents, probs, batch.strategy, context)
         self.cache.keep_path(root_slots, path)
         along = path.clamp(min=0)[:, :, None].expand(-1, -1, logits.shape[-1])  # [B, M, V]
-        return emitted, logits.gather(1, along)
+        return emitted, logits.gather(1, along), path
 
     def _commit(
         self, batch: Batch, emitted: Tensor, logits: Tensor, drafted: Tensor | None, first_token: bool
@@ -463,23 +483,26 @@ class Engine:
             s.params.logprobs is not None or s.params.sampled_sequences > s.params.n for s in sequences
         )
 
-    def _rebuild_cache(self, batch: Batch) -> KVCache:
+    def _rebuild_cache(self, batch: Batch) -> tuple[KVCache, Tensor | None]:
         """Resume: the target's cache computed again from the tokens (all but the last), sampling
-        nothing."""
+        nothing; and the hidden states [B, width, F] of those tokens a proposer reads (None: none)."""
         lengths = batch.lengths
         cache = self.target.new_cache(len(batch.sequences), batch.capacity)
-        self.target.forward(
+        extra = {"hidden_layers": self.hidden_layers} if self.hidden_layers else {}
+        out = self.target.forward(
             batch.tokens[:, : max(batch.host_lengths) - 1],
             cache,
             num_tokens=lengths - 1,
             logits_indices=torch.zeros_like(lengths)[:, None],
+            **extra,
         )
-        return cache
+        return cache, out[1] if self.hidden_layers else None
 
-    def _prefill(self, batch: Batch) -> tuple[KVCache, list[Sequence]]:
+    def _prefill(self, batch: Batch) -> tuple[KVCache, Tensor | None, list[Sequence]]:
         """The target's prefill of each prompt (its first sequence's row); the prompt's other sequences
-        copy its cache row; each samples a first token. Returns the new cache and the sequences that
-        finished with that token."""
+        copy its cache row; each samples a first token. Returns the new cache, the hidden states a
+        proposer reads of the prompts of the rows that stay ([B, width, F], None if it reads none) and
+        the sequences that finished with that token."""
         sequences = batch.sequences
         heads = [
             row
@@ -487,7 +510,7 @@ class Engine:
             if row == 0 or s.prompt_index != sequences[row - 1].prompt_index
         ]
         all_logits = any(s.params.prompt_logprobs is not None for s in sequences)
-        logits, cache, order = self._prefill_prompts(batch, heads, all_logits)  # [P, 1 or width, V]
+        logits, features, cache, order = self._prefill_prompts(batch, heads, all_logits)  # [P, 1 or width, V]
         if all_logits:
             logits = self._prompt_logprobs(batch, heads, order, logits)
         rows = [order[bisect.bisect_right(heads, row) - 1] for row in range(len(sequences))]  # -> cache row
@@ -495,16 +518,22 @@ class Engine:
             index = torch.tensor(rows, dtype=torch.long, device=batch.tokens.device)
             cache.select_rows(index)
             logits = logits[index]
+            features = None if features is None else features[index]
         first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
         commit = self._commit(batch, first, logits, None, first_token=True)
         self._settle(batch, cache, None, commit)
-        return cache, commit.finished
+        if features is not None and commit.finished:
+            gone = {id(s) for s in commit.finished}
+            features = features[[row for row, s in enumerate(sequences) if id(s) not in gone]]
+        return cache, features, commit.finished
 
     def _prefill_prompts(
         self, batch: Batch, heads: list[int], all_logits: bool
-    ) -> tuple[Tensor, KVCache, list[int]]:
+    ) -> tuple[Tensor, Tensor | None, KVCache, list[int]]:
         """The target on each prompt (batch rows `heads`). Returns its logits ([P, 1, V] at each prompt's
-        last token; [P, width, V] with all_logits), its cache and, per prompt, its row in them.
+        last token; [P, width, V] with all_logits), the hidden states a proposer reads ([P, width, F]
+        at every prompt position, right-padded; None if it reads none), its cache and, per prompt, its
+        row in them.
 
         On a CPU, prompts of different lengths are prefilled in a few forwards of similar lengths
         (`prefill_groups`), not all padded to the longest; elsewhere, and when every position's logits
@@ -515,20 +544,25 @@ class Engine:
             if self.target.device.type == "cpu" and not all_logits
             else [list(range(len(heads)))]
         )
-        cache, parts = None, []
+        cache, parts, features = None, [], []
+        extra = {"hidden_layers": self.hidden_layers} if self.hidden_layers else {}
+        longest = max(prompt_lengths)
         for group in groups:  # the cache's rows: the groups' rows one after the other
             index = torch.tensor([heads[i] for i in group], dtype=torch.long, device=batch.tokens.device)
             lengths = batch.lengths[index]
             part = self.target.new_cache(len(group), batch.capacity)
             width = max(prompt_lengths[i] for i in group)
-            parts.append(
-                self.target.forward(
-                    batch.tokens[index, :width],
-                    part,
-                    num_tokens=lengths,
-                    logits_indices=None if all_logits else (lengths - 1)[:, None],
-                )
+            out = self.target.forward(
+                batch.tokens[index, :width],
+                part,
+                num_tokens=lengths,
+                logits_indices=None if all_logits else (lengths - 1)[:, None],
+                **extra,
             )
+            if self.hidden_layers:
+                out, hidden = out
+                features.append(F.pad(hidden, (0, 0, 0, longest - width)))
+            parts.append(out)
             if cache is None:
                 cache = part
             else:
@@ -536,7 +570,8 @@ class Engine:
         order = [0] * len(heads)
         for row, prompt in enumerate(i for group in groups for i in group):
             order[prompt] = row
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]), cache, order
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return logits, (torch.cat(features) if features else None), cache, order
 
     def _prompt_logprobs(self, batch: Batch, heads: list[int], order: list[int], logits: Tensor) -> Tensor:
         """Fill in prompt_logprobs of the sequences that asked, from every prompt position's logits

@@ -23,6 +23,7 @@ forward, the K/V written with one index_put per cache. The modules below only ho
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -168,9 +169,10 @@ class MLP(nn.Module):
 
 class Attention(nn.Module):
     """GQA self-attention's parameters and settings. NativeCausalLM runs it (RoPE at per-row
-    positions, a StaticKVCache written at those positions) with q/k/v as one fused projection."""
+    positions, a StaticKVCache written at those positions) with q/k/v as one fused projection.
+    input_size: the q/k/v projections' in_features (default hidden_size; EAGLE-3's layer reads 2x)."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, input_size: int | None = None) -> None:
         super().__init__()
         family = config.model_type
         self.layer_idx = layer_idx
@@ -182,10 +184,11 @@ class Attention(nn.Module):
         qkv_bias = {"llama": attention_bias, "mistral": False, "qwen2": True, "qwen3": attention_bias}[family]
         o_bias = {"llama": attention_bias, "qwen3": attention_bias}.get(family, False)
         hidden = config.hidden_size
+        inputs = input_size or hidden
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_out, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_out, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_out, bias=qkv_bias)
+        self.q_proj = nn.Linear(inputs, q_out, bias=qkv_bias)
+        self.k_proj = nn.Linear(inputs, kv_out, bias=qkv_bias)
+        self.v_proj = nn.Linear(inputs, kv_out, bias=qkv_bias)
         self.o_proj = nn.Linear(q_out, hidden, bias=o_bias)
         self.qk_norm = family == "qwen3"
         if self.qk_norm:
@@ -200,11 +203,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). input_size: see Attention."""
 
-    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+    def __init__(self, config: PretrainedConfig, layer_idx: int, input_size: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, input_size)
         self.mlp = MLP(config, bias=config.model_type == "llama" and getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -411,15 +414,31 @@ class NativeCausalLM(nn.Module):
         cache: StaticKVCache,
         num_tokens: Tensor | None = None,  # [batch] int64, real tokens per row (right padding after)
         logits_indices: Tensor | None = None,  # [batch, n] int64, query indices whose logits are wanted
-    ) -> Tensor:  # [batch, n, vocab] float32 (n = q without logits_indices)
+        hidden_layers: tuple[int, ...] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, n, vocab] float32 (n = q without logits_indices)
         """Append `input_ids` at each row's cache positions and return float32 logits.
 
         Row b's tokens go to positions cache.lengths[b] .. cache.lengths[b] + q - 1; afterwards the
         cache's lengths advance by `num_tokens` (default q). Padding tokens are written too, past the
         row's new length, where attention ignores them and later writes overwrite them.
+        hidden_layers: also return the hidden states of these layers at every query position, for
+        drafters that read them (EAGLE heads): (logits, hidden [batch, q, len(hidden_layers) *
+        hidden_size]), concatenated in the order given. Index i < num_hidden_layers is the residual
+        stream entering layer i (0: the embeddings; vLLM's aux-layer ids), i = num_hidden_layers the
+        final norm's output (what the lm_head reads). None (default): logits alone, at no extra cost.
         Raises ValueError if the cache has no room for q more tokens.
         """
+        if hidden_layers is not None:
+            self.check_hidden_layers(hidden_layers)
+            run = functools.partial(self.run, slots=None, tree_mask=None, hidden_layers=hidden_layers)
+            return self.forward_with(run, input_ids, cache, num_tokens, logits_indices)
         return self.forward_with(self.run, input_ids, cache, num_tokens, logits_indices)
+
+    def check_hidden_layers(self, hidden_layers: tuple[int, ...]) -> None:
+        """A ValueError unless every index is in [0, num_hidden_layers] (see forward)."""
+        top = len(self._layers)
+        if not hidden_layers or any(not 0 <= i <= top for i in hidden_layers):
+            raise ValueError(f"hidden_layers {tuple(hidden_layers)} must be indices in [0, {top}]")
 
     @torch.no_grad()
     def forward_tree(
@@ -427,7 +446,9 @@ class NativeCausalLM(nn.Module):
         input_ids: Tensor,  # [batch, q] the tokens of the tree's last q nodes; a padding node's -1 fed as 0
         cache: StaticKVCache,
         parents: Tensor,  # [batch, M] int64, the whole tree (speculative/tree.py's convention), M >= q
-    ) -> Tensor:  # [batch, q, vocab] float32
+        hidden_layers: tuple[int, ...] | None = None,
+        body: Callable[..., Any] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, q, vocab] float32
         """Score the nodes of token trees: each query node's logits predict the token after the path
         from the root (node 0, the row's last context token) to that node.
 
@@ -440,6 +461,9 @@ class NativeCausalLM(nn.Module):
         one root-to-node path as if it had been fed as a chain. A chain tree (parents [-1, 0, ...,
         M - 2]) gives forward's logits and cache. Raises ValueError if the cache has no room for q
         more tokens. Runs eagerly (also under CompiledCausalLM): compiled graphs stay those of chains.
+        hidden_layers: as forward's (then (logits, hidden [batch, q, ...]) at the query nodes).
+        body: the function of tensors to run over the nodes, with `run`'s arguments (default `run`;
+        an EAGLE head's binds its features); what it returns is returned.
         """
         batch, m = parents.shape
         q = input_ids.shape[1]
@@ -447,6 +471,8 @@ class NativeCausalLM(nn.Module):
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} must be [batch, q <= M] for parents [{batch}, {m}]"
             )
+        if hidden_layers is not None:
+            self.check_hidden_layers(hidden_layers)
         ancestors = tree_ancestors(parents)  # [batch, M, M]
         depths = ancestors.sum(-1) - 1  # [batch, M]
 
@@ -467,7 +493,11 @@ class NativeCausalLM(nn.Module):
                 )
 
             positions = node_positions[:, m - q :]
-            return self.run(input_ids, positions, keys, values, key_positions, None, slots, mask)
+            if body is not None:
+                return body(input_ids, positions, keys, values, key_positions, None, slots, mask)
+            return self.run(
+                input_ids, positions, keys, values, key_positions, None, slots, mask, hidden_layers
+            )
 
         return self.forward_with(run, input_ids.clamp(min=0), cache)
 
@@ -524,7 +554,8 @@ class NativeCausalLM(nn.Module):
         logits_indices: Tensor | None = None,  # [batch, n] int64
         slots: Tensor | None = None,  # [batch, q] int64, where the K/V are written; default positions
         tree_mask: Callable[[int | None], Tensor] | None = None,  # window -> [batch, 1, q, span] bool
-    ) -> Tensor:  # [batch, n, vocab] float32
+        hidden_layers: tuple[int, ...] | None = None,  # see forward
+    ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, n, vocab] float32 (and [batch, q, h * hidden])
         """The forward as a function of tensors: what torch.compile compiles.
 
         Writes the K/V of the tokens at `positions` and attends over keys [0, span), masking every
@@ -536,16 +567,61 @@ class NativeCausalLM(nn.Module):
         compiled call), the ops are those of a chain alone.
         """
         batch, q = input_ids.shape
+        hidden = F.embedding(input_ids.reshape(batch * q), self.model.embed_tokens.weight)  # [rows, hidden]
+        wanted = hidden_layers or ()
+        hidden, taps = self.run_layers(
+            hidden, None, batch, positions, keys, values, key_positions, slots, tree_mask, wanted
+        )
+        hidden = hidden.view(batch, q, -1)
+        logits = self.logits(hidden, logits_indices, self.model.norm.weight)
+        if hidden_layers is None:
+            return logits
+        if len(self._layers) in wanted:  # the final norm's output, at every position
+            taps[len(self._layers)] = rms_norm(hidden, self.model.norm.weight, self._eps)
+        return logits, torch.cat([taps[i].view(batch, q, -1) for i in hidden_layers], dim=-1)
+
+    def logits(self, hidden: Tensor, logits_indices: Tensor | None, norm: Tensor | None) -> Tensor:
+        """The lm_head over hidden [batch, q, hidden] at `logits_indices` ([batch, n], default all q),
+        after the RMSNorm of weight `norm` (None: none): [batch, n, vocab] float32."""
+        if logits_indices is not None:
+            index = logits_indices[..., None].expand(-1, -1, hidden.shape[-1])  # [batch, n, hidden]
+            hidden = hidden.gather(1, index)
+        if norm is not None:
+            hidden = rms_norm(hidden, norm, self._eps)
+        return self._lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1).float()
+
+    def run_layers(
+        self,
+        hidden: Tensor,  # [rows = batch * q, hidden], the residual stream entering the first layer
+        first_input: Tensor | None,  # [rows, in_features] the first attention's input; None: its norm
+        batch: int,
+        positions: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+        key_positions: Tensor,
+        slots: Tensor | None,
+        tree_mask: Callable[[int | None], Tensor] | None,
+        wanted: tuple[int, ...] = (),  # layers whose input streams are kept
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """The decoder layers of `run` (its other arguments) over the residual stream `hidden`. Returns
+        the stream after the last layer ([rows, hidden], before the final norm) and, for each i in
+        `wanted` below the number of layers, the stream entering layer i ([rows, hidden])."""
+        q = positions.shape[1]
         rows, heads, kv_heads, head_dim = batch * q, self._num_heads, self._num_kv_heads, self._head_dim
         eps, span = self._eps, key_positions.shape[0]
-        hidden = F.embedding(input_ids.reshape(rows), self.model.embed_tokens.weight)  # [rows, hidden]
+        taps: dict[int, Tensor] = {}
         cos = self._rope_cos[positions][:, :, None]  # [batch, q, 1, head_dim]
         sin = self._rope_sin[positions][:, :, None]
         batch_index = torch.arange(batch, device=positions.device)[:, None]  # [batch, 1]
         masks: dict[int | None, Tensor] = {}  # window -> additive mask [batch, 1, q, span]
-        for layer, key_cache, value_cache in zip(self._layers, keys, values):
+        for i, (layer, key_cache, value_cache) in enumerate(zip(self._layers, keys, values)):
+            if i in wanted:
+                taps[i] = hidden
             attn = layer.attn
-            qkv = layer.qkv(rms_norm(hidden, layer.input_norm.weight, eps))
+            if i == 0 and first_input is not None:
+                qkv = layer.qkv(first_input)
+            else:
+                qkv = layer.qkv(rms_norm(hidden, layer.input_norm.weight, eps))
             qkv = qkv.view(batch, q, heads + 2 * kv_heads, head_dim)  # q, k, v heads side by side
             qk = qkv[:, :, : heads + kv_heads]
             if attn.qk_norm:
@@ -576,9 +652,4 @@ class NativeCausalLM(nn.Module):
             gate, up = gate_up[:, : self._inner], gate_up[:, self._inner :]
             gate = F.silu(gate) if layer.act is None else layer.act(gate)
             hidden = layer.down(gate * up, hidden)  # + residual
-        hidden = hidden.view(batch, q, -1)
-        if logits_indices is not None:
-            index = logits_indices[..., None].expand(-1, -1, hidden.shape[-1])  # [batch, n, hidden]
-            hidden = hidden.gather(1, index)
-        hidden = rms_norm(hidden, self.model.norm.weight, eps)
-        return self._lm_head(hidden.view(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1).float()
+        return hidden, taps

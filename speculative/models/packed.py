@@ -203,7 +203,15 @@ class PackedLinear:
         return self.quantization is None and self._version != self._weights_version()
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:  # x [rows, in] -> [rows, out]
-        """x @ W.T + bias, plus `residual` ([rows, out]) when given."""
+        """x @ W.T + bias, plus `residual` ([rows, out]) when given. With gradients enabled and x or the
+        weights requiring them (training an EAGLE head, EagleHead.score), through the nn.Linear
+        parameters themselves, so that the gradients reach them and x."""
+        if (
+            self.quantization is None
+            and torch.is_grad_enabled()
+            and (x.requires_grad or self.linears[0].weight.requires_grad)
+        ):
+            return self._differentiable(x, residual)
         if self.quantization is not None:
             if torch.compiler.is_compiling():
                 if (
@@ -235,6 +243,16 @@ class PackedLinear:
                 return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, self.bias, "none", [], "")
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.prepacked, self.bias, "add")
         return _linear(x, self.weight, self.bias, residual)
+
+    def _differentiable(self, x: Tensor, residual: Tensor | None) -> Tensor:
+        linears = self.linears
+        weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight
+        bias = None
+        if any(linear.bias is not None for linear in linears):
+            bias = torch.cat(
+                [x.new_zeros(lin.out_features) if lin.bias is None else lin.bias for lin in linears]
+            )
+        return _linear_epilogue(F.linear(x, weight), bias, residual)
 
     def _quantized(self, x: Tensor, residual: Tensor | None) -> Tensor:
         """The eager quantized matmul: torch's int4 kernel; torch's int8 kernel in bfloat16 up to

@@ -4,6 +4,8 @@ from speculative.proposers.base import Proposal, Proposer
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.draft_tree import DraftTreeProposer
 from speculative.proposers.drafter import Drafter, DraftOut
+from speculative.proposers.eagle import EagleProposer
+from speculative.proposers.eagle_tree import EagleTreeProposer
 from speculative.proposers.ngram import NgramProposer
 from speculative.proposers.suffix import SuffixProposer
 
@@ -12,6 +14,8 @@ __all__ = [
     "DraftOut",
     "DraftTreeProposer",
     "Drafter",
+    "EagleProposer",
+    "EagleTreeProposer",
     "NgramProposer",
     "Proposal",
     "Proposer",

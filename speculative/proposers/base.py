@@ -36,6 +36,11 @@ class Proposer(Protocol):
 
     The context of the batch is `tokens` [batch, capacity] int64 with `lengths` [batch]: row b's
     context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
+
+    A proposer that reads the target's hidden states (EagleProposer) also has `hidden_layers` (the
+    target forward's argument of that name) and `observe(features)`: the engine runs the target with
+    them and hands over the features of the prefill (before add_rows) and of every step (before
+    select_rows and on_commit).
     """
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:

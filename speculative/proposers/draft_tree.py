@@ -28,6 +28,7 @@ feeds what the step added; plain steps (no proposal) add one token each.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -41,7 +42,6 @@ from speculative.sampling import SampleStrategy
 from speculative.sampling.processors import apply_allowed
 
 TreeShape = Literal["static", "dynamic"]
-
 # The log-probability score of a candidate its grammar forbids (-inf): below every allowed one, yet
 # finite, so that a parent still scores higher than its children.
 FORBIDDEN = -1e9
@@ -60,60 +60,18 @@ class DraftTreeProposer(DraftModelProposer):
         self.shape, self.width, self.num_nodes = shape, width, num_nodes
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
-        batch, device = tokens.shape[0], tokens.device
         need = lengths - self.cache.lengths  # [B] >= 1: what each row's draft cache lacks
         fed = self.missing + self.behind  # the most any row can lack (a host bound: no sync)
-        index = (lengths - need)[:, None] + torch.arange(fed, device=device)  # [B, fed], right-padded
+        index = (lengths - need)[:, None] + torch.arange(fed, device=tokens.device)  # [B, fed], right-padded
         query = tokens.gather(1, index)
         logits = self.model.forward(query, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None])
         root = tokens.gather(1, lengths[:, None] - 1)  # [B, 1]
-        # the pool of candidates, index 0 the root: token, pool parent, score, depth
-        pool_tokens, pool_parents = root, torch.full_like(root, -1)
-        pool_scores = torch.zeros(batch, 1, dtype=torch.float64, device=device)
-        pool_depths = [0]
-        frontier = torch.zeros_like(root)  # [B, f] pool indices of the nodes to expand
-        cached = torch.full_like(root, -1)  # [B, C] the fed tree's parents (cache order), root first
-        cache_index = torch.zeros_like(root)  # [B, P] each pool node's index in the fed tree, -1 if none
-        for depth in range(1, num_tokens + 1):
-            f = frontier.shape[1]
-            if strategy.any_guided:
-                allowed = _allowed_at(strategy.guides, pool_tokens, pool_parents, frontier, logits.shape[-1])
-                logits = apply_allowed(logits, allowed.to(device))
-            top = logits.float().log_softmax(dim=-1).topk(self.width, dim=-1)  # [B, f, w]
-            if self.shape == "dynamic":
-                gain = top.values.double().clamp(min=FORBIDDEN)
-            else:
-                gain = -torch.arange(self.width, device=device, dtype=torch.float64).expand(batch, f, -1)
-            scores = (pool_scores.gather(1, frontier)[:, :, None] + gain).flatten(1)  # [B, f * w]
-            base = pool_tokens.shape[1]
-            pool_tokens = torch.cat([pool_tokens, top.indices.flatten(1)], dim=1)
-            pool_parents = torch.cat([pool_parents, frontier.repeat_interleave(self.width, dim=1)], dim=1)
-            pool_scores = torch.cat([pool_scores, scores], dim=1)
-            pool_depths += [depth] * scores.shape[1]
-            cache_index = torch.cat([cache_index, torch.full_like(scores, -1, dtype=torch.long)], dim=1)
-            if depth == num_tokens:
-                break
-            frontier = base + scores.topk(min(self.width, scores.shape[1]), dim=1).indices  # [B, f']
-            fed_index = cached.shape[1] + torch.arange(frontier.shape[1], device=device).expand_as(frontier)
-            cache_index.scatter_(1, frontier, fed_index)
-            cached = torch.cat([cached, cache_index.gather(1, pool_parents.gather(1, frontier))], dim=1)
-            logits = self.model.forward_tree(pool_tokens.gather(1, frontier), self.cache, cached)
-        self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
-        return self._select(pool_tokens, pool_parents, pool_scores, pool_depths)
 
-    def _select(self, tokens: Tensor, parents: Tensor, scores: Tensor, depths: list[int]) -> Proposal:
-        """The best `num_nodes` candidates of the pool ([B, P], index 0 the root), as a tree in pool
-        order (parents come first there): Proposal(tokens [B, n], None, parents [B, 1 + n])."""
-        n = min(self.num_nodes, tokens.shape[1] - 1)
-        depth = torch.tensor(depths[1:], dtype=torch.float64, device=tokens.device)
-        key = scores[:, 1:] - 1e-9 * depth  # a parent scores at least as high as its child: ties to it
-        chosen = 1 + key.topk(n, dim=1).indices.sort(dim=1).values  # [B, n] pool indices, in pool order
-        node = torch.full_like(tokens, -1)  # pool index -> tree node
-        node[:, 0] = 0
-        node.scatter_(1, chosen, 1 + torch.arange(n, device=tokens.device).expand_as(chosen))
-        tree_parents = node.gather(1, parents.gather(1, chosen))  # [B, n]
-        root = torch.full_like(tree_parents[:, :1], -1)
-        return Proposal(tokens.gather(1, chosen), None, torch.cat([root, tree_parents], dim=1))
+        def expand(nodes: Tensor, cached: Tensor) -> Tensor:
+            return self.model.forward_tree(nodes, self.cache, cached)
+
+        self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
+        return grow_tree(logits, root, expand, num_tokens, self.shape, self.width, self.num_nodes, strategy)
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         cache, _ = self._prefill(tokens, lengths)  # each row lacks its last token, as `need` allows
@@ -137,6 +95,74 @@ class DraftTreeProposer(DraftModelProposer):
 
     def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
         """Nothing to do: each proposal feeds every row what its cache lacks."""
+
+
+def grow_tree(
+    logits: Tensor,
+    root: Tensor,
+    expand: Callable[[Tensor, Tensor], Tensor],
+    num_tokens: int,
+    shape: TreeShape,
+    width: int,
+    num_nodes: int,
+    strategy: SampleStrategy,
+) -> Proposal:
+    """The module docstring's growth, for any drafter: `logits` [B, 1, V] the draft's after the root
+    (the context's last token, root [B, 1]); `expand(nodes [B, f], cached [B, C])` feeds the frontier's
+    tokens as a tree whose nodes in feeding order (the root first) have parents `cached` (the new
+    nodes last, so their parents' feeding-order indices are cached[:, -f:]) and returns their logits
+    [B, f, V]. Guided rows of `strategy` take their candidates among what their grammar allows.
+    Returns the proposal: a tree of `num_nodes` drafts, at most `num_tokens` deep."""
+    batch, device = root.shape[0], root.device
+    # the pool of candidates, index 0 the root: token, pool parent, score, depth
+    pool_tokens, pool_parents = root, torch.full_like(root, -1)
+    pool_scores = torch.zeros(batch, 1, dtype=torch.float64, device=device)
+    pool_depths = [0]
+    frontier = torch.zeros_like(root)  # [B, f] pool indices of the nodes to expand
+    cached = torch.full_like(root, -1)  # [B, C] the fed tree's parents (cache order), root first
+    cache_index = torch.zeros_like(root)  # [B, P] each pool node's index in the fed tree, -1 if none
+    for depth in range(1, num_tokens + 1):
+        f = frontier.shape[1]
+        if strategy.any_guided:
+            allowed = _allowed_at(strategy.guides, pool_tokens, pool_parents, frontier, logits.shape[-1])
+            logits = apply_allowed(logits, allowed.to(device))
+        top = logits.float().log_softmax(dim=-1).topk(width, dim=-1)  # [B, f, w]
+        if shape == "dynamic":
+            gain = top.values.double().clamp(min=FORBIDDEN)
+        else:
+            gain = -torch.arange(width, device=device, dtype=torch.float64).expand(batch, f, -1)
+        scores = (pool_scores.gather(1, frontier)[:, :, None] + gain).flatten(1)  # [B, f * w]
+        base = pool_tokens.shape[1]
+        pool_tokens = torch.cat([pool_tokens, top.indices.flatten(1)], dim=1)
+        pool_parents = torch.cat([pool_parents, frontier.repeat_interleave(width, dim=1)], dim=1)
+        pool_scores = torch.cat([pool_scores, scores], dim=1)
+        pool_depths += [depth] * scores.shape[1]
+        cache_index = torch.cat([cache_index, torch.full_like(scores, -1, dtype=torch.long)], dim=1)
+        if depth == num_tokens:
+            break
+        frontier = base + scores.topk(min(width, scores.shape[1]), dim=1).indices  # [B, f']
+        fed_index = cached.shape[1] + torch.arange(frontier.shape[1], device=device).expand_as(frontier)
+        cache_index.scatter_(1, frontier, fed_index)
+        cached = torch.cat([cached, cache_index.gather(1, pool_parents.gather(1, frontier))], dim=1)
+        logits = expand(pool_tokens.gather(1, frontier), cached)
+    return select_tree(pool_tokens, pool_parents, pool_scores, pool_depths, num_nodes)
+
+
+def select_tree(
+    tokens: Tensor, parents: Tensor, scores: Tensor, depths: list[int], num_nodes: int
+) -> Proposal:
+    """The best `num_nodes` candidates of the pool ([B, P], index 0 the root), as a tree in pool
+    order (parents come first there): Proposal(tokens [B, n], None, parents [B, 1 + n])."""
+    n = min(num_nodes, tokens.shape[1] - 1)
+    depth = torch.tensor(depths[1:], dtype=torch.float64, device=tokens.device)
+    key = scores[:, 1:] - 1e-9 * depth  # a parent scores at least as high as its child: ties to it
+    chosen = 1 + key.topk(n, dim=1).indices.sort(dim=1).values  # [B, n] pool indices, in pool order
+    node = torch.full_like(tokens, -1)  # pool index -> tree node
+    node[:, 0] = 0
+    node.scatter_(1, chosen, 1 + torch.arange(n, device=tokens.device).expand_as(chosen))
+    tree_parents = node.gather(1, parents.gather(1, chosen))  # [B, n]
+    root = torch.full_like(tree_parents[:, :1], -1)
+    return Proposal(tokens.gather(1, chosen), None, torch.cat([root, tree_parents], dim=1))
 
 
 def _allowed_at(guides: list, tokens: Tensor, parents: Tensor, frontier: Tensor, vocab_size: int) -> Tensor:

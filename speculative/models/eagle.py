@@ -1,0 +1,157 @@
+"""EAGLE drafting heads: one Llama decoder layer that drafts from the target's hidden states.
+
+Head position p reads the token x_{p+1} and a feature of position p, and its logits predict x_{p+2}.
+The feature is the target's hidden state at p (a context token) or, while drafting past the context,
+the head's own output hidden state at p (its guess of the target's). Two published layouts:
+
+  "eagle" (EAGLE-1, Li et al. 2024, arXiv:2401.15077): the feature is the target's last hidden
+      state (after its final norm, what its lm_head reads); hidden = fc([embed(x) ; feature]) (2H -> H,
+      bias optional), then the decoder layer without its first RMSNorm (the attention reads `hidden`
+      as it is); the layer's output is the head's hidden state, and the target's lm_head (no norm)
+      gives the logits.
+  "eagle3" (EAGLE-3, arXiv:2503.01840): the target's feature is three of its layers' hidden states
+      concatenated (3H, low, middle and high: the residual streams entering those layers), which
+      `fc` (no bias) maps to H; the head's own feature (H) is taken as it is. The attention reads
+      [input_layernorm(embed(x)) ; hidden_norm(hidden)] (2H: its q/k/v projections take 2H), the
+      residual stream is `hidden`; the layer's output is the head's hidden state, and its own `norm`
+      and `lm_head` give logits over a draft vocabulary, whose token i is target token i + d2t[i].
+
+The head is a NativeCausalLM of one layer (its RoPE, KV cache, fused projections and layer code),
+with the embedding (and for "eagle" the lm_head) shared with the target (models/eagle_checkpoint.py
+loads one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PretrainedConfig
+
+from speculative.kv_cache import StaticKVCache
+from speculative.models.llama import DecoderLayer, NativeCausalLM, RMSNorm, rms_norm
+
+EagleLayout = Literal["eagle", "eagle3"]
+
+
+class EagleHead(NativeCausalLM):
+    """An EAGLE head (module docstring) in `layout`.
+
+    config: a llama config of one layer, vocab_size the target's; feature_size: the width of the
+    target's feature (H for "eagle", 3H for "eagle3"); target_layers: the target's layers it reads
+    (NativeCausalLM.forward's `hidden_layers`); draft_vocab_size ("eagle3"): the lm_head's rows;
+    fc_bias ("eagle"): whether fc has a bias. Parameter names are NativeCausalLM's (`model.layers.0.*`,
+    `model.norm`, `lm_head`) plus `fc`, `model.layers.0.hidden_norm` and the buffer `d2t` ("eagle3").
+    """
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layout: EagleLayout,
+        feature_size: int,
+        target_layers: tuple[int, ...],
+        draft_vocab_size: int | None = None,
+        fc_bias: bool = False,
+    ) -> None:
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.layout, self.target_layers = layout, target_layers
+        if layout == "eagle3":
+            layer = self.model.layers[0] = DecoderLayer(config, 0, input_size=2 * hidden)
+            layer.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+            self.lm_head = nn.Linear(hidden, draft_vocab_size or config.vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(self.lm_head.out_features, dtype=torch.long))
+            self.fc = nn.Linear(feature_size, hidden, bias=False)
+        else:
+            self.fc = nn.Linear(feature_size + hidden, hidden, bias=fc_bias)
+        self.pack_weights()
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,  # [batch, q], x_{p+1} at head position p
+        features: Tensor,  # [batch, q, feature_size or hidden_size], the feature of each position
+        cache: StaticKVCache,
+        num_tokens: Tensor | None = None,  # [batch] int64, real tokens per row (right padding after)
+        logits_indices: Tensor | None = None,  # [batch, n] int64
+    ) -> tuple[Tensor, Tensor]:  # logits [batch, n, vocab_size] float32, hidden [batch, n, hidden_size]
+        """Append head positions to `cache` (as NativeCausalLM.forward appends tokens) and return the
+        logits over the target's vocabulary (-inf outside an "eagle3" draft vocabulary) and the head's
+        hidden states at `logits_indices` (default all q): the features of the next positions."""
+
+        def run(ids: Tensor, positions: Tensor, keys, values, key_positions: Tensor, indices) -> tuple:
+            return self.run_head(ids, features, positions, keys, values, key_positions, indices)
+
+        return self.forward_with(run, input_ids, cache, num_tokens, logits_indices)
+
+    def score(self, input_ids: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+        """Whole sequences at positions 0 .. q - 1 from an empty cache: input_ids [batch, q], features
+        [batch, q, feature_size] -> logits [batch, q, vocab_size], hidden [batch, q, hidden_size];
+        differentiable with respect to the head's parameters where gradients are enabled (training)."""
+        batch, q = input_ids.shape
+        cache = self.new_cache(batch, q)
+        self.prepare(q)
+        positions = self._arange[:q].expand(batch, q)
+        return self.run_head(input_ids, features, positions, cache.keys, cache.values, self._arange[:q], None)
+
+    @torch.no_grad()
+    def forward_tree(
+        self,
+        input_ids: Tensor,  # [batch, q], the tokens of the tree's last q nodes
+        features: Tensor,  # [batch, q, hidden_size], the head's hidden states at their parents
+        cache: StaticKVCache,
+        parents: Tensor,  # [batch, M] int64, the whole tree (NativeCausalLM.forward_tree)
+    ) -> tuple[Tensor, Tensor]:  # logits [batch, q, vocab_size], hidden [batch, q, hidden_size]
+        """`forward` over the nodes of trees grown a level at a time (NativeCausalLM.forward_tree)."""
+
+        def run(ids, positions, keys, values, key_positions, indices, slots, tree_mask) -> tuple:
+            return self.run_head(
+                ids, features, positions, keys, values, key_positions, indices, slots, tree_mask
+            )
+
+        return super().forward_tree(input_ids, cache, parents, body=run)
+
+    def run_head(
+        self,
+        input_ids: Tensor,
+        features: Tensor,
+        positions: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+        key_positions: Tensor,
+        logits_indices: Tensor | None,
+        slots: Tensor | None = None,
+        tree_mask: Callable[[int | None], Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """`forward` as a function of tensors (NativeCausalLM.run's arguments, and the features)."""
+        batch, q = input_ids.shape
+        hidden_size, eps = self.config.hidden_size, self._eps
+        embeds = F.embedding(input_ids.reshape(batch * q), self.model.embed_tokens.weight)  # [rows, H]
+        features = features.reshape(batch * q, -1).to(embeds.dtype)
+        if self.layout == "eagle":
+            hidden = first = self.fc(torch.cat([embeds, features], dim=-1))
+        else:
+            hidden = features if features.shape[-1] == hidden_size else self.fc(features)
+            layer = self.model.layers[0]
+            first = torch.cat(
+                [
+                    rms_norm(embeds, layer.input_layernorm.weight, eps),
+                    rms_norm(hidden, layer.hidden_norm.weight, eps),
+                ],
+                dim=-1,
+            )
+        hidden, _ = self.run_layers(
+            hidden, first, batch, positions, keys, values, key_positions, slots, tree_mask
+        )
+        hidden = hidden.view(batch, q, -1)
+        if logits_indices is not None:
+            hidden = hidden.gather(1, logits_indices[..., None].expand(-1, -1, hidden_size))
+        if self.layout == "eagle":
+            return self.logits(hidden, None, None), hidden
+        logits = self.logits(hidden, None, self.model.norm.weight)  # [batch, n, draft vocab]
+        targets = torch.arange(logits.shape[-1], device=logits.device) + self.d2t
+        full = logits.new_full((*logits.shape[:2], self.vocab_size), -torch.inf)
+        return full.index_copy_(2, targets, logits), hidden

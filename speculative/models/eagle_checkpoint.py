@@ -1,0 +1,224 @@
+"""Loading an EAGLE head (models/eagle.py) from a published checkpoint directory.
+
+The directory holds `config.json` and `model.safetensors` or `pytorch_model.bin`, as the EAGLE and
+EAGLE-3 releases (SafeAILab/EAGLE, SpecForge) and vLLM read them:
+
+  config.json: a Llama config of the one layer: hidden_size, intermediate_size, num_attention_heads
+      and vocab_size (the target's) are required; num_key_value_heads, head_dim, rms_norm_eps,
+      hidden_act, rope_theta / rope_scaling (or rope_parameters), attention_bias, mlp_bias are read
+      where present.
+      "eagle3" also reads draft_vocab_size (default vocab_size), target_hidden_size (default
+      hidden_size) and the target layers it reads, eagle_aux_hidden_state_layer_ids (top level or in
+      `eagle_config`; default vLLM's (2, L // 2, L - 3) for a target of L layers).
+  weights, "eagle": fc.weight [H, 2H] (fc.bias [H] optional), layers.0.{self_attn.{q,k,v,o}_proj,
+      mlp.{gate,up,down}_proj, post_attention_layernorm}.weight (layers.0.input_layernorm.weight is
+      absent in the releases and unused), embed_tokens.weight optional.
+  weights, "eagle3": fc.weight [H, 3 * target H], midlayer.{self_attn.* (q/k/v over 2H),
+      mlp.*, input_layernorm, hidden_norm, post_attention_layernorm}.weight, norm.weight,
+      lm_head.weight [draft vocab, H], d2t [draft vocab] and t2d [vocab] (bool, not needed to draft)
+      optional, embed_tokens.weight optional.
+A leading "model." is accepted on any name. Without embed_tokens the head shares the target's
+embedding; an "eagle" head always uses the target's lm_head.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import LlamaConfig
+
+from speculative.models.eagle import EagleHead, EagleLayout
+from speculative.models.llama import NativeCausalLM
+
+REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+_OPTIONAL_FIELDS = (
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "hidden_act",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "attention_bias",
+    "mlp_bias",
+)
+# checkpoint prefix -> the head's parameter prefix
+_PREFIXES = {"eagle": {"layers.0.": "model.layers.0."}, "eagle3": {"midlayer.": "model.layers.0."}}
+_OPTIONAL_WEIGHTS = {
+    "eagle": {"fc.bias", "embed_tokens.weight", "layers.0.input_layernorm.weight"},
+    "eagle3": {"d2t", "t2d", "embed_tokens.weight"},
+}
+
+
+def load_eagle_head(path: str | Path, layout: EagleLayout, target: NativeCausalLM) -> EagleHead:
+    """The head of the checkpoint directory `path` (module docstring) in `layout`, for `target` (on its
+    device and dtype, sharing its embedding unless the checkpoint has one, and its lm_head for
+    "eagle"). A ValueError names the field or weight that is missing, unexpected or misshapen."""
+    directory = Path(path)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"EAGLE head {str(path)!r}: no config.json in that directory")
+    raw = json.loads(config_path.read_text())
+    config, feature_size, target_layers = _head_config(raw, layout, target, config_path)
+    weights = _read_weights(directory)
+    fc_bias = layout == "eagle" and "fc.bias" in _strip(weights)
+    head = EagleHead(config, layout, feature_size, target_layers, raw.get("draft_vocab_size"), fc_bias)
+    state = _head_state(_strip(weights), layout, head, directory)
+    head.load_state_dict(state, strict=False)
+    head = head.to(target.device, target.dtype).eval()
+    if "model.embed_tokens.weight" not in state:
+        head.model.embed_tokens.weight = target.model.embed_tokens.weight
+    if layout == "eagle":
+        head.lm_head.weight = target.lm_head.weight
+    head.pack_weights()
+    return head
+
+
+def save_eagle_head(head: EagleHead, path: str | Path) -> None:
+    """Write `head` as a checkpoint directory in its published layout (module docstring): config.json
+    and model.safetensors, without the weights it shares with its target."""
+    from safetensors.torch import save_file
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    c = head.config
+    config = {
+        "architectures": ["LlamaForCausalLM" if head.layout == "eagle" else "LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        **{name: getattr(c, name) for name in (*REQUIRED_FIELDS, *_OPTIONAL_FIELDS[:4]) if hasattr(c, name)},
+        "rope_theta": c.rope_parameters["rope_theta"],
+        "max_position_embeddings": c.max_position_embeddings,
+    }
+    if head.layout == "eagle3":
+        config["draft_vocab_size"] = head.lm_head.out_features
+        config["eagle_aux_hidden_state_layer_ids"] = list(head.target_layers)
+    shared = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    if head.layout == "eagle3":
+        shared = {"model.embed_tokens.weight"}
+    weights = {
+        _checkpoint_name(name, head.layout).removeprefix("model."): tensor.detach().contiguous().cpu()
+        for name, tensor in head.state_dict().items()
+        if name not in shared
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, str(directory / "model.safetensors"))
+
+
+def _head_config(
+    raw: dict, layout: EagleLayout, target: NativeCausalLM, where: Path
+) -> tuple[LlamaConfig, int, tuple[int, ...]]:
+    """The head's one-layer llama config, the width of the target features it reads and the target's
+    layers they come from (NativeCausalLM.forward's `hidden_layers`)."""
+    for name in REQUIRED_FIELDS:
+        if name not in raw:
+            raise ValueError(f"{where}: the EAGLE head's config has no {name!r}")
+    target_hidden, layers = target.config.hidden_size, len(target.model.layers)
+    if raw["vocab_size"] != target.vocab_size:
+        raise ValueError(f"{where}: vocab_size {raw['vocab_size']} is not the target's ({target.vocab_size})")
+    fields = {name: raw[name] for name in (*REQUIRED_FIELDS, *_OPTIONAL_FIELDS) if raw.get(name) is not None}
+    config = LlamaConfig(
+        **fields, num_hidden_layers=1, max_position_embeddings=target.max_length, tie_word_embeddings=False
+    )
+    if layout == "eagle":
+        if raw["hidden_size"] != target_hidden:
+            raise ValueError(
+                f"{where}: hidden_size {raw['hidden_size']} is not the target's ({target_hidden})"
+            )
+        return config, target_hidden, (layers,)
+    if raw.get("target_hidden_size", raw["hidden_size"]) != target_hidden:
+        name = "target_hidden_size" if "target_hidden_size" in raw else "hidden_size"
+        raise ValueError(f"{where}: {name} {raw[name]} is not the target's hidden size ({target_hidden})")
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    ids = tuple(ids) if ids else (2, layers // 2, layers - 3)
+    if len(ids) != 3 or any(not 0 <= i < layers for i in ids):
+        raise ValueError(
+            f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be 3 layer indices in [0, {layers}) "
+            f"(the default (2, L // 2, L - 3) needs a target of at least 3 layers)"
+        )
+    return config, 3 * target_hidden, ids
+
+
+def _read_weights(directory: Path) -> dict[str, Tensor]:
+    if (directory / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(directory / "model.safetensors")
+    if (directory / "pytorch_model.bin").is_file():
+        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ValueError(f"EAGLE head {str(directory)!r}: no model.safetensors or pytorch_model.bin")
+
+
+def _strip(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {name.removeprefix("model."): tensor for name, tensor in weights.items()}
+
+
+def _head_state(
+    weights: dict[str, Tensor], layout: EagleLayout, head: EagleHead, where: Path
+) -> dict[str, Tensor]:
+    """The checkpoint's weights under the head's names, each checked against the head's shape."""
+    expected = {**head.state_dict()}
+    own = {"model.embed_tokens.weight"}  # the target's unless the checkpoint has its own
+    if layout == "eagle":
+        own |= {"lm_head.weight", "model.norm.weight"}  # the target's lm_head; no final norm
+    names = {name: _head_name(name, layout) for name in weights if (name, layout) != ("t2d", "eagle3")}
+    for name, mapped in names.items():  # names first: a head of the other layout fails here
+        if mapped not in expected or (mapped in own and name != "embed_tokens.weight"):
+            raise ValueError(
+                f"{where}: unexpected weight {name!r} for an {layout!r} head (an EAGLE-1 head is "
+                f'method="eagle", an EAGLE-3 one method="eagle3")'
+            )
+    shapes = {name: (weights[name].shape, expected[mapped].shape) for name, mapped in names.items()}
+    if "t2d" in weights and layout == "eagle3":
+        shapes["t2d"] = (weights["t2d"].shape, torch.Size([head.vocab_size]))
+    for name, (theirs, ours) in shapes.items():
+        if theirs != ours:
+            raise ValueError(f"{where}: weight {name!r} has shape {tuple(theirs)}, expected {tuple(ours)}")
+    state = {mapped: weights[name] for name, mapped in names.items()}
+    seen = set(weights)
+    required = {_checkpoint_name(name, layout) for name in expected if name not in own}
+    missing = sorted(required - seen - _OPTIONAL_WEIGHTS[layout])
+    if missing:
+        raise ValueError(f"{where}: the {layout!r} head's checkpoint lacks weights {missing}")
+    if layout == "eagle3":
+        _check_d2t(state.get("d2t"), head, where)
+    return state
+
+
+def _check_d2t(d2t: Tensor | None, head: EagleHead, where: Path) -> None:
+    """d2t must map the draft vocabulary into the target's, one to one; without it they are the same."""
+    draft_vocab = head.lm_head.out_features
+    if d2t is None:
+        if draft_vocab != head.vocab_size:
+            raise ValueError(f"{where}: a draft vocabulary of {draft_vocab} tokens needs the weight 'd2t'")
+        return
+    targets = torch.arange(draft_vocab) + d2t.long()  # the draft vocabulary's tokens in the target's
+    if targets.min() < 0 or targets.max() >= head.vocab_size or targets.unique().numel() != draft_vocab:
+        raise ValueError(
+            f"{where}: weight 'd2t' does not map the draft vocabulary one to one into the target's"
+        )
+
+
+def _head_name(name: str, layout: EagleLayout) -> str:
+    if name == "embed_tokens.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    for theirs, ours in _PREFIXES[layout].items():
+        if name.startswith(theirs):
+            return ours + name.removeprefix(theirs)
+    return name
+
+
+def _checkpoint_name(name: str, layout: EagleLayout) -> str:
+    if name == "model.norm.weight":
+        return "norm.weight"
+    for theirs, ours in _PREFIXES[layout].items():
+        if name.startswith(ours):
+            return theirs + name.removeprefix(ours)
+    return name

@@ -1,0 +1,39 @@
+"""An EAGLE head proposing token trees (EAGLE-2's dynamic trees, or static ones), grown as
+draft_tree.py grows a draft model's: each expanded node is fed to the head with its token and, as
+its feature, the head's hidden state at its parent. The head's cache and features are kept as for
+chains (proposers/eagle.py): the engine hands over the target's features along the accepted path."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from speculative.models.eagle import EagleHead
+from speculative.proposers.base import Proposal
+from speculative.proposers.draft_tree import TreeShape, grow_tree
+from speculative.proposers.eagle import EagleProposer
+from speculative.sampling import SampleStrategy
+
+
+class EagleTreeProposer(EagleProposer):
+    """Proposes a tree of `num_nodes` drafts, at most `num_tokens` deep, from an EAGLE head: the
+    head's top candidates (deterministic, one-hot). shape, width, num_nodes: as DraftTreeProposer's."""
+
+    def __init__(self, head: EagleHead, shape: TreeShape, width: int, num_nodes: int) -> None:
+        super().__init__(head)
+        self.shape, self.width, self.num_nodes = shape, width, num_nodes
+
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
+        logits, hidden = self._feed_features(tokens, lengths)
+        fed = [hidden]  # the head's hidden states at the nodes fed, in feeding order (the root first)
+
+        def expand(nodes: Tensor, cached: Tensor) -> Tensor:
+            hidden = torch.cat(fed, dim=1)  # [B, C - q, H]
+            parents = cached[:, -nodes.shape[1] :, None].expand(-1, -1, hidden.shape[2])
+            out, hidden = self.head.forward_tree(nodes, hidden.gather(1, parents), self.cache, cached)
+            fed.append(hidden)
+            return out
+
+        self._proposed = num_tokens
+        root = tokens.gather(1, lengths[:, None] - 1)
+        return grow_tree(logits, root, expand, num_tokens, self.shape, self.width, self.num_nodes, strategy)
