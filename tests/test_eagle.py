@@ -16,6 +16,7 @@ from scipy.stats import chi2
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.config import GenerationConfig
+from speculative.demo import DEMO_DIR
 from speculative.engine.state import SampleState
 from speculative.models.eagle_checkpoint import load_eagle_head, save_eagle_head
 from speculative.models.llama import NativeCausalLM
@@ -348,3 +349,17 @@ def test_saved_heads_load_back(tmp_path, target, layout) -> None:
     assert again.target_layers == head.target_layers
     for name, tensor in head.state_dict().items():
         torch.testing.assert_close(again.state_dict()[name], tensor)
+
+
+def test_the_demo_head_drafts_for_the_demo_target() -> None:
+    """The committed head (models/demo/eagle, `python -m speculative.demo.train_eagle`) loads for the
+    demo target, drafts tokens the target accepts, and the greedy output is the target's alone."""
+    target, head = (str(DEMO_DIR / name) for name in ("target", "eagle"))
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "class Stack:\n    def __init__(self):"]
+    plain = LLM(target, dtype="float32").generate(prompts, params)
+    config = SpeculativeConfig(method="eagle", num_speculative_tokens=4)
+    llm = LLM(target, draft_model=head, speculative_config=config, dtype="float32")
+    eagle = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in eagle] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.num_accepted for o in eagle) > 0.2 * sum(o.metrics.num_drafted for o in eagle)

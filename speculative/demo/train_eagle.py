@@ -1,0 +1,145 @@
+"""An EAGLE-1 head for an already trained demo target: `python -m speculative.demo.train_eagle --pair
+models/demo --steps 300`.
+
+The demo recipe (`speculative.demo.train --eagle-steps N`) trains the head after the target and the
+draft; this trains it alone for the target the pair directory already holds, on the same corpus split
+(train files for training, held-out files for the measurements) encoded with the pair's own
+tokenizer, with the recipe's head shape, losses and schedule. The head is written to `<pair>/eagle/`
+in the published EAGLE-1 layout, with `training.json` beside it (the training record and the
+measured acceptance, greedy, of the head and of the pair's draft model: k=4 chains on held-out prompts
+through the engine, the acceptance rate and the mean tokens per step) and `README.md`, its card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from speculative.demo import corpus
+from speculative.demo.model_card import heldout_prompts
+from speculative.demo.train import FULL, eagle_head, eagle_loss, eagle_losses, train_loop
+from speculative.models.eagle_checkpoint import save_eagle_head
+
+
+def measure(pair: Path, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Greedy acceptance on `prompts` of the head (`pair/eagle`) and of the draft model, k=4 chains."""
+    from speculative import LLM, SamplingParams, SpeculativeConfig
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    result = {}
+    for name, method in (("eagle", "eagle"), ("draft", "draft_model")):
+        llm = LLM(
+            str(pair / "target"),
+            draft_model=str(pair / name),
+            speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=4),
+            dtype="float32",
+        )
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        drafted = sum(o.metrics.num_drafted for o in outputs)
+        accepted = sum(o.metrics.num_accepted for o in outputs)
+        steps = sum(o.metrics.num_steps for o in outputs)
+        result[name] = {
+            "acceptance_rate": round(accepted / drafted, 4),
+            "mean_accepted_length": round(1 + accepted / steps, 3),
+        }
+    return result
+
+
+def write_card(info: dict, path: Path) -> None:
+    """The head's card (`README.md` in `path`) from its training record `info`."""
+    acceptance = info["acceptance"]
+    rows = "\n".join(
+        f"| {name} | {figures['acceptance_rate']:.3f} | {figures['mean_accepted_length']:.2f} |"
+        for name, figures in ((name, acceptance[name]) for name in ("eagle", "draft"))
+    )
+    path.joinpath("README.md").write_text(
+        f"""# EAGLE-1 head for the demo target
+
+One Llama decoder layer (intermediate size {info["intermediate_size"]}) with an `fc` over [token
+embedding ; the target's last hidden state], sharing the target's embedding and LM head: load it with
+`LLM("models/demo/target", draft_model="models/demo/eagle",
+speculative_config=SpeculativeConfig(method="eagle"))`. Trained by
+`python -m speculative.demo.train_eagle --pair models/demo --steps {info["planned_steps"]}` on the
+demo corpus's training files: {info["steps"]} steps of {info["batch"]} windows of {info["seq_len"]}
+tokens, loss {info["loss"]}; final train loss {info["final_train_loss"]}, held-out cross-entropy
+{info["final_heldout_ce"]}; {info["seconds"]} s of training.
+
+Greedy acceptance, k = {acceptance["k"]} chains, {acceptance["prompts"]} held-out prompts of
+{acceptance["prompt_len"]} tokens, {acceptance["new_tokens"]} new tokens each (training.json):
+
+| drafter | acceptance rate | mean tokens per step |
+|---|---|---|
+{rows}
+"""
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", type=Path, required=True, help="the pair's directory (target/, draft/)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--max-minutes", type=float, help="safety cap on training time (recorded if hit)")
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    cfg = dict(FULL)
+    start = time.monotonic()
+    deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
+
+    tokenizer = AutoTokenizer.from_pretrained(args.pair / "target")
+    target = AutoModelForCausalLM.from_pretrained(args.pair / "target", dtype=torch.float32)
+    target.eval().requires_grad_(False)
+    train_files, heldout_files = corpus.split_files(corpus.list_files())
+    eos = tokenizer.eos_token_id
+    train_stream = corpus.token_stream(corpus.encode_files(tokenizer, corpus.read_texts(train_files)), eos)
+    heldout_encoded = corpus.encode_files(tokenizer, corpus.read_texts(heldout_files))
+    heldout_stream = corpus.token_stream(heldout_encoded, eos)
+    heldout = corpus.even_windows(heldout_stream, cfg["eval_windows"], cfg["seq_len"])
+
+    torch.manual_seed(args.seed)
+    head = eagle_head(target, cfg["draft"])
+    record = train_loop(
+        "eagle",
+        head,
+        lambda m, w: eagle_loss(m, target, w),
+        train_stream,
+        heldout,
+        cfg,
+        args.steps,
+        cfg["draft_lr"],
+        args.seed + 2,
+        deadline,
+        ce=lambda m, w: eagle_losses(m, target, w)[1],
+    )
+    save_eagle_head(head, args.pair / "eagle")
+    prompts = heldout_prompts(heldout_encoded, args.prompts, cfg["prompt_len"], args.seed).tolist()
+    info = {
+        "layout": "eagle (EAGLE-1)",
+        "target": str(args.pair / "target"),
+        "intermediate_size": cfg["draft"]["intermediate_size"],
+        "loss": "smooth L1 to the target's next feature + 0.1 x cross-entropy of the token after",
+        "batch": cfg["batch"],
+        "seq_len": cfg["seq_len"],
+        **record,
+        "acceptance": {
+            "prompts": args.prompts,
+            "prompt_len": cfg["prompt_len"],
+            "new_tokens": cfg["new_tokens"],
+            "k": 4,
+            **measure(args.pair, prompts, cfg["new_tokens"]),
+        },
+        "wall_seconds": round(time.monotonic() - start, 1),
+    }
+    (args.pair / "eagle" / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_card(info, args.pair / "eagle")
+    print(json.dumps(info["acceptance"], indent=2))
+    return info
+
+
+if __name__ == "__main__":
+    main()
