@@ -125,7 +125,24 @@ def _engine_flags() -> argparse.ArgumentParser:
         help="weight-only quantization of the "
         "target's and the draft's projections (CPU, native forward; int4: bfloat16 models)",
     )
+    _tensor_parallel_flag(flags)
+    flags.add_argument(
+        "--draft-tensor-parallel-size",
+        type=int,
+        default=1,
+        help="1 (the whole draft on every rank) or --tensor-parallel-size (the draft split too)",
+    )
     return flags
+
+
+def _tensor_parallel_flag(parser: argparse.ArgumentParser, default: int | None = 1) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=default,
+        help="split the target over N ranks (processes this command starts; under torchrun, its own); "
+        "N must divide its attention heads, key/value heads and MLP columns (1)",
+    )
 
 
 def _add_bench_parser(commands) -> None:
@@ -155,6 +172,7 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument("--device", help="cpu (default) or cuda")
     bench.add_argument("--model-impl", choices=["auto", "native", "transformers"])
     bench.add_argument("--seed", type=int)
+    _tensor_parallel_flag(bench, default=None)
     bench.add_argument(
         "--compile",
         action="store_true",
@@ -353,6 +371,8 @@ def _load(
         device=args.device,
         model_impl=args.model_impl,
         quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        draft_tensor_parallel_size=args.draft_tensor_parallel_size,
         **options,
     )
     loaded = time.perf_counter() - start
@@ -391,7 +411,17 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
     return "\n".join(lines)
 
 
+def _not_under_torchrun(command: str) -> None:
+    """A ValueError under torchrun (WORLD_SIZE > 1): `command` starts its own ranks."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            f"{command} starts its own tensor-parallel ranks (--tensor-parallel-size); "
+            "run it without torchrun"
+        )
+
+
 def bench(args: argparse.Namespace) -> int:
+    _not_under_torchrun("speculative bench")
     with needs_extra("bench", "speculative bench"):
         from rich.console import Console
 
@@ -414,6 +444,7 @@ def bench(args: argparse.Namespace) -> int:
         "model_impl",
         "seed",
         "compile",
+        "tensor_parallel_size",
         "llama_cpp",
         "llama_cpp_build",
         "gguf_cache",
@@ -481,6 +512,7 @@ def serve_app(args: argparse.Namespace):
     """The app `speculative serve` runs (FastAPI, not started): the flags checked, --chat-template
     before the models load, then the LLM (with the template as its tokenizer's), its scheduler and the
     OpenAI-compatible app. ValueError naming the flag for a bad value."""
+    _not_under_torchrun("speculative serve")
     with needs_extra("server", "speculative serve"):
         from speculative.server.app import create_app
         from speculative.server.scheduler import Scheduler
@@ -548,6 +580,8 @@ def _chat_template(value: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 prints the results
+        sys.stdout = open(os.devnull, "w")
     transformers_logging.set_verbosity_error()  # no weight-loading bars or warnings in the CLI's output
     transformers_logging.disable_progress_bar()
     try:

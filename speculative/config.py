@@ -151,6 +151,35 @@ _check = functools.partial(check, owner="SpeculativeConfig")
 
 
 @dataclass
+class ParallelConfig:
+    """How the models are split over processes: tensor parallelism (speculative/distributed/).
+
+    tensor_parallel_size: the ranks the target's attention heads, key/value heads and MLP columns are
+        split over (Megatron-LM's split, models/tensor_parallel.py); 1: one process, nothing split.
+        It must divide the target's heads, key/value heads and MLP columns (LLM names the values that
+        do), and the target must run on the native forward. >= 1.
+    draft_tensor_parallel_size: 1 (the whole draft model on every rank, the default: a small draft
+        gains less from the split than its collectives cost) or tensor_parallel_size (split as the
+        target).
+    """
+
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        check(is_int(size) and size >= 1, "tensor_parallel_size", size, "an integer >= 1", "ParallelConfig")
+        draft = self.draft_tensor_parallel_size
+        check(
+            is_int(draft) and draft in (1, size),
+            "draft_tensor_parallel_size",
+            draft,
+            f"1 or tensor_parallel_size ({size})",
+            "ParallelConfig",
+        )
+
+
+@dataclass
 class GenerationConfig(DictRoundTrip):
     """How `LLM.stream` runs a generation (after EasyDeL's vInferenceConfig).
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from contextlib import nullcontext
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from speculative.acceptance import RejectionSampler, TypicalAcceptanceSampler
-from speculative.config import GenerationConfig, SpeculativeConfig
+from speculative.config import GenerationConfig, ParallelConfig, SpeculativeConfig
+from speculative.distributed.draft_length import RankZeroDraftLength
+from speculative.distributed.group import TensorParallelGroup, connect
+from speculative.distributed.mirror import LeaderEngine
 from speculative.engine.engine import Engine
 from speculative.engine.inputs import InputProcessor, PromptType
 from speculative.engine.outputs import CompletionOutput, RequestOutput
@@ -23,6 +29,7 @@ from speculative.models.eagle_checkpoint import load_eagle_head
 from speculative.models.llama import NativeCausalLM
 from speculative.models.loading import ModelImpl, load_model
 from speculative.models.quantization import check_quantization, quantize_model
+from speculative.models.tensor_parallel import check_model
 from speculative.precompile import PreCompileConfig
 from speculative.proposers import (
     DraftModelProposer,
@@ -62,6 +69,15 @@ class LLM:
         the draft's projections after loading (models/quantization.py; CPU and the native forward
         only, int4 for bfloat16 models only, a ValueError otherwise). Output is exactly the quantized
         target's own, as always: the draft's quantization changes only how often drafts are accepted.
+    tensor_parallel_size: split the target over this many ranks (ParallelConfig; speculative/distributed/
+        says how the ranks start and agree): its attention heads, key/value heads and MLP columns,
+        each rank's KV cache holding its own heads. It must divide them (a ValueError names the
+        allowed values) and the target must run on the native forward, given as a hub id, a path or
+        a PreTrainedModel (each rank builds the LLM from these arguments); not with `compile`.
+        Spawned here, the ranks make every engine call this LLM makes: drive it through `generate`,
+        `stream`, `resume` or its engine, not its models by hand. An error on any rank stops them
+        all, and every later call raises a RuntimeError saying what happened.
+    draft_tensor_parallel_size: 1 (the whole draft on every rank) or tensor_parallel_size.
     """
 
     def __init__(
@@ -79,7 +95,10 @@ class LLM:
         compile: bool = False,
         precompile: PreCompileConfig | None = None,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
+        draft_tensor_parallel_size: int = 1,
     ) -> None:
+        arguments = {name: value for name, value in locals().items() if name != "self"}  # for other ranks
         if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
             raise TypeError("speculative_config must be a SpeculativeConfig or None")
         if speculative_config is None and draft_model is not None:
@@ -99,9 +118,54 @@ class LLM:
             if method != "draft_model":
                 raise ValueError("draft_dtype is the draft model's dtype: give it with a draft_model")
         check_quantization(quantization)
+        parallel = ParallelConfig(tensor_parallel_size, draft_tensor_parallel_size)
+        if method in ("eagle", "eagle3") and parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                f'SpeculativeConfig(method="{method}") does not run with tensor_parallel_size > 1 yet'
+            )
         self.quantization = quantization
+        self.speculative_config = speculative_config
+        self.precompile = precompile
         self.device = torch.device(device)
-        self.target = load_model(model, dtype, self.device, model_impl, tokenizer)
+        self.tensor_parallel: TensorParallelGroup | None = None
+        if parallel.tensor_parallel_size > 1:
+            if compile:
+                raise ValueError("compile=True does not run with tensor_parallel_size > 1 yet")
+            check_model(model, model_impl, parallel.tensor_parallel_size, "target", "tensor_parallel_size")
+            if parallel.draft_tensor_parallel_size > 1:
+                size, name = parallel.draft_tensor_parallel_size, "draft_tensor_parallel_size"
+                check_model(draft_model, model_impl, size, "draft model", name)
+            self.tensor_parallel = connect(parallel.tensor_parallel_size, self.device)
+            self.device = self.tensor_parallel.device(device)
+        ranks = self.tensor_parallel.ranks if self.tensor_parallel is not None else None
+        with ranks.building(arguments) if ranks is not None else nullcontext() as handle:
+            engine = Engine if ranks is None else functools.partial(LeaderEngine, ranks, handle)
+            self._build(
+                model, draft_model, dtype, draft_dtype, seed, model_impl, tokenizer, compile, parallel, engine
+            )
+        if ranks is not None:
+            weakref.finalize(self, ranks.drop, handle)
+
+    def _build(
+        self,
+        model: str | PreTrainedModel | LanguageModel,
+        draft_model: str | PreTrainedModel | LanguageModel | None,
+        dtype: str | torch.dtype,
+        draft_dtype: str | torch.dtype | None,
+        seed: int,
+        model_impl: ModelImpl,
+        tokenizer: PreTrainedTokenizerBase | str | None,
+        compile: bool,
+        parallel: ParallelConfig,
+        engine: Callable[..., Engine],
+    ) -> None:
+        """Load the models (this rank's share of them), make the proposer, the engine (with `engine`:
+        Engine, or rank 0's LeaderEngine) and the inputs' checker, and warm up the precompile shapes
+        (__init__'s arguments, checked)."""
+        config, quantization, precompile = self.speculative_config, self.quantization, self.precompile
+        method = config.method if config else None
+        group = self.tensor_parallel
+        self.target = load_model(model, dtype, self.device, model_impl, tokenizer, tensor_parallel=group)
         quantize_model(self.target.model, quantization, "target")
         self.target.model = prepare_model(self.target.model, compile, precompile)
         self.tokenizer = self.target.tokenizer
@@ -114,6 +178,8 @@ class LLM:
                 self.device,
                 model_impl,
                 dtype_name="dtype" if draft_dtype is None else "draft_dtype",
+                tensor_parallel=group if parallel.draft_tensor_parallel_size > 1 else None,
+                tensor_parallel_name="draft_tensor_parallel_size",
             )
             quantize_model(
                 self.draft.model,
@@ -123,7 +189,7 @@ class LLM:
             )
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
-            proposer = _draft_proposer(self.draft.model, speculative_config)
+            proposer = _draft_proposer(self.draft.model, config)
         elif method in ("eagle", "eagle3"):
             if not isinstance(self.target.model, NativeCausalLM):
                 raise ValueError(
@@ -132,35 +198,31 @@ class LLM:
                 )
             head = load_eagle_head(draft_model, method, self.target.model)
             proposer = EagleProposer(head)
-            if speculative_config.tree:
-                c = speculative_config
-                proposer = EagleTreeProposer(head, c.tree, c.tree_width, c.tree_nodes)
+            if config.tree:
+                proposer = EagleTreeProposer(head, config.tree, config.tree_width, config.tree_nodes)
         elif method == "ngram":
             proposer = NgramProposer(
-                speculative_config.prompt_lookup_min,
-                speculative_config.prompt_lookup_max,
-                speculative_config.tree_nodes if speculative_config.tree else None,
+                config.prompt_lookup_min,
+                config.prompt_lookup_max,
+                config.tree_nodes if config.tree else None,
             )
         elif method == "suffix":
             proposer = SuffixProposer(
-                speculative_config.suffix_decoding_max_tree_depth,
-                speculative_config.suffix_decoding_max_cached_requests,
-                speculative_config.suffix_decoding_max_spec_factor,
-                speculative_config.suffix_decoding_min_token_prob,
-                speculative_config.tree_nodes if speculative_config.tree else None,
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+                config.tree_nodes if config.tree else None,
             )
-        if speculative_config is not None and speculative_config.tree:
+        if config is not None and config.tree:
             _check_tree_forward(self.target.model)
         rule = RejectionSampler()
-        if speculative_config is not None and speculative_config.acceptance == "typical":
-            rule = TypicalAcceptanceSampler(
-                speculative_config.posterior_threshold, speculative_config.posterior_alpha
-            )
-        self.speculative_config = speculative_config
-        self.precompile = precompile
+        if config is not None and config.acceptance == "typical":
+            rule = TypicalAcceptanceSampler(config.posterior_threshold, config.posterior_alpha)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        k = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.engine = Engine(
+        k = config.num_speculative_tokens if config else 0
+        adaptive = bool(config and config.adaptive)
+        self.engine = engine(
             self.target.model,
             proposer,
             k,
@@ -168,9 +230,11 @@ class LLM:
             self.generator,
             rule,
             self.detokenize if self.tokenizer is not None else None,
-            adaptive=bool(speculative_config and speculative_config.adaptive),
-            room=_room(speculative_config),
+            adaptive=adaptive,
+            room=_room(config),
         )
+        if group is not None and adaptive:  # every rank drafts rank 0's choice
+            self.engine.draft_length = RankZeroDraftLength(k, self.device)
         context = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
         self.inputs = InputProcessor(
             self.tokenizer, self.target.model.vocab_size, context, self.device, precompile

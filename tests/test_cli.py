@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -57,6 +59,16 @@ def test_readme_first_command_on_the_demo_pair() -> None:
     assert "[draft_model, k=4]" in result.stdout
     rate = float(re.search(r"acceptance rate (\d\.\d\d)", result.stdout).group(1))
     assert rate > 0.3, result.stdout  # the distilled draft agrees with its target
+
+
+@pytest.mark.slow
+def test_readme_tensor_parallel_command_on_the_demo_pair() -> None:
+    """The README's tensor-parallel command (two ranks) writes the text of one process (float32)."""
+    split = run(readme_command("tp") + ["--max-tokens", "16", "--dtype", "float32"])
+    assert split.returncode == 0, split.stderr
+    whole = run(readme_command("demo") + ["--max-tokens", "16", "--dtype", "float32"])
+    assert split.stdout.split("\n[")[0] == whole.stdout.split("\n[")[0]
+    assert "[draft_model, k=4] 16 tokens" in split.stdout
 
 
 def test_ngram_suffix_and_plain(model_dirs) -> None:

@@ -17,7 +17,6 @@ import torch
 from speculative.bench.clock import CallTimes, hf_recording
 from speculative.bench.timing import synchronize
 from speculative.llm import LLM
-from speculative.proposers import SuffixProposer
 from speculative.sampling_params import SamplingParams
 
 
@@ -78,8 +77,7 @@ class OursMethod(Method):
     tree: str | None = None
 
     def reset(self) -> None:
-        if isinstance(self.llm.engine.proposer, SuffixProposer):
-            self.llm.engine.proposer.clear_cache()
+        self.llm.engine.clear_proposer_cache()
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -69,6 +69,8 @@ class BenchConfig:
     dtype / draft_dtype: the models' dtypes, ours and Hugging Face's alike (draft_dtype None: dtype).
     compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and every
         drafter's method at k; their graphs are compiled while the pair loads.
+    tensor_parallel_size: ours split over that many ranks (LLM's tensor_parallel_size); each of our
+        methods then loads the pair itself (every rank must), and `compile` is refused.
     llama_cpp: a llama.cpp checkout whose folder `llama_cpp_build` holds bin/llama-server (llamacpp.py);
         None skips the llama.cpp methods. The pair must then be local folders (converted to GGUF once,
         cached in `gguf_cache`, gguf_cache.py).
@@ -92,6 +94,7 @@ class BenchConfig:
     model_impl: str = "auto"
     seed: int = 0
     compile: bool = False
+    tensor_parallel_size: int = 1
     llama_cpp: str | None = None
     llama_cpp_build: str = "build"
     gguf_cache: str = str(DEFAULT_CACHE)
@@ -118,6 +121,8 @@ class Pair:
     def __init__(self, config: BenchConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if config.compile and config.tensor_parallel_size > 1:
+            raise ValueError("--compile does not run with --tensor-parallel-size > 1 yet")
         spec = SpeculativeConfig("draft_model", config.k) if config.draft_model else None
         self.llm = LLM(
             config.model,
@@ -128,6 +133,7 @@ class Pair:
             device=config.device,
             seed=config.seed,
             model_impl=config.model_impl,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         if self.llm.tokenizer is None:
             raise ValueError(f"{config.model} has no tokenizer: the benchmark's prompts are text")
@@ -179,20 +185,23 @@ class Pair:
         SpeculativeConfig's default width and size; `options`: more SpeculativeConfig fields."""
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
+        loading = {"device": self.device, "tokenizer": self.tokenizer}
+        config = self.config
+        if config.tensor_parallel_size > 1:  # every rank loads the pair itself
+            target, draft = config.model, config.draft_model
+            loading.update(dtype=config.dtype, model_impl=config.model_impl)
+            loading.update(tensor_parallel_size=config.tensor_parallel_size)
+            if drafter == "draft_model":
+                loading.update(draft_dtype=config.draft_dtype)
         if drafter is None:
-            return OursMethod(
-                f"ours_ar{suffix}",
-                f"ours autoregressive{label}",
-                engine,
-                llm=LLM(target, device=self.device, tokenizer=self.tokenizer),
-            )
+            llm = LLM(target, **loading)
+            return OursMethod(f"ours_ar{suffix}", f"ours autoregressive{label}", engine, llm=llm)
         llm = LLM(
             target,
             draft_model=draft if drafter == "draft_model" else None,
             speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive, tree=tree, **options),
-            device=self.device,
-            seed=self.config.seed,
-            tokenizer=self.tokenizer,
+            seed=config.seed,
+            **loading,
         )
         short = {"draft_model": "draft", "ngram": "ngram", "suffix": "suffix"}[drafter]
         if adaptive:

@@ -155,6 +155,13 @@ class Engine:
         if self.proposer is not None:
             self.proposer.select_rows(torch.empty(0, dtype=torch.long, device=self.target.device))
 
+    def clear_proposer_cache(self) -> None:
+        """Forget what earlier generations taught the proposer (suffix decoding's cache of past
+        responses): a benchmark's new pass over prompts it has answered."""
+        clear = getattr(self.proposer, "clear_cache", None)
+        if clear is not None:
+            clear()
+
     @contextmanager
     def recording_steps(self) -> Iterator[list[StepStats]]:
         """Within the block, every step appends its StepStats to the yielded list (prefills are not

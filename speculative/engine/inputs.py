@@ -149,11 +149,16 @@ class InputProcessor:
         over the output so far) restored."""
         sequences = state.to_sequences(self.device)
         for s in sequences:
-            s.bad_words_token_ids, guide = self._sampling_aids(s.params)
-            if guide is not None:
-                s.guide = guide.new_state()
-                s.guide.accept(s.output_token_ids)
+            self.attach_aids(s)
         return sequences
+
+    def attach_aids(self, s: Sequence) -> None:
+        """Give a sequence made elsewhere (a SampleState, another rank) its bad words' token ids and its
+        grammar state, advanced over its output so far."""
+        s.bad_words_token_ids, guide = self._sampling_aids(s.params)
+        if guide is not None:
+            s.guide = guide.new_state()
+            s.guide.accept(s.output_token_ids)
 
     def _sampling_aids(self, p: SamplingParams) -> tuple[list[list[int]], object]:
         """The tokenizer's share of a request: its bad words' token ids and its compiled grammar."""

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
@@ -129,7 +128,7 @@ class EagleHead(NativeCausalLM):
         """`forward` as a function of tensors (NativeCausalLM.run's arguments, and the features)."""
         batch, q = input_ids.shape
         hidden_size, eps = self.config.hidden_size, self._eps
-        embeds = F.embedding(input_ids.reshape(batch * q), self.model.embed_tokens.weight)  # [rows, H]
+        embeds = self.embed(input_ids.reshape(batch * q))  # [rows, H]
         features = features.reshape(batch * q, -1).to(embeds.dtype)
         if self.layout == "eagle":
             hidden = first = self.fc(torch.cat([embeds, features], dim=-1))

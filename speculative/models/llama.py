@@ -275,13 +275,19 @@ class NativeCausalLM(nn.Module):
         except the fused q/k/v and gate/up projections, which are copies (see PackedLinear)."""
         with torch.device("meta"):
             native = cls(hf_model.config)
-        native.load_state_dict(hf_model.state_dict(), strict=True, assign=True)
+        return native._take_weights(hf_model, hf_model.state_dict())
+
+    def _take_weights(self, hf_model: nn.Module, state_dict: dict[str, Tensor]) -> NativeCausalLM:
+        """Take `state_dict` (the HF model's, or this model's share of it) as this model's parameters
+        (built on the meta device), tie the lm_head as the config says, take the HF model's RoPE
+        frequencies, lay the weights out; returns the model in eval mode."""
+        self.load_state_dict(state_dict, strict=True, assign=True)
         if getattr(hf_model.config, "tie_word_embeddings", False):
-            native.lm_head.weight = native.model.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
         weight = hf_model.get_input_embeddings().weight
-        native.inv_freq = hf_model.model.rotary_emb.inv_freq.to(weight.device, torch.float32)
-        native.pack_weights()
-        return native.eval()
+        self.inv_freq = hf_model.model.rotary_emb.inv_freq.to(weight.device, torch.float32)
+        self.pack_weights()
+        return self.eval()
 
     def pack_weights(self) -> None:
         """Lay the projection weights out for the matmul kernels (PackedLinear), from the parameters."""
@@ -294,17 +300,29 @@ class NativeCausalLM(nn.Module):
                 layer.post_attention_layernorm,
                 None if silu else m.act_fn,
                 PackedLinear([a.q_proj, a.k_proj, a.v_proj]),
-                PackedLinear([a.o_proj]),
+                self._row_linear(a.o_proj),
                 PackedLinear([m.gate_proj, m.up_proj]),
-                PackedLinear([m.down_proj]),
+                self._row_linear(m.down_proj),
             )
             for layer, a, m in ((layer, layer.self_attn, layer.mlp) for layer in self.model.layers)
         ]
-        self._lm_head = PackedLinear([self.lm_head])
+        self._lm_head = self._head_linear()
         packed = [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         # only a prepacked copy can go stale: every other layout is the parameters' own storage
         self._prepacked = [p for p in (*packed, self._lm_head) if p.prepacked is not None]
         self._rope_cos = self._rope_sin = self._arange = torch.empty(0)
+
+    def _row_linear(self, linear: nn.Linear) -> PackedLinear:
+        """The layer that runs o_proj or down_proj (row-parallel in models/tensor_parallel.py)."""
+        return PackedLinear([linear])
+
+    def _head_linear(self) -> PackedLinear:
+        """The layer that runs the lm_head (split by vocabulary in models/tensor_parallel.py)."""
+        return PackedLinear([self.lm_head])
+
+    def embed(self, token_ids: Tensor) -> Tensor:  # [rows] -> [rows, hidden]
+        """The token embeddings (gathered from the ranks' vocabulary shards in models/tensor_parallel.py)."""
+        return F.embedding(token_ids, self.model.embed_tokens.weight)
 
     def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the parameters got new tensors
         self._check_not_quantized("moving or casting it (.to(), .float(), ...)")
@@ -567,7 +585,7 @@ class NativeCausalLM(nn.Module):
         compiled call), the ops are those of a chain alone.
         """
         batch, q = input_ids.shape
-        hidden = F.embedding(input_ids.reshape(batch * q), self.model.embed_tokens.weight)  # [rows, hidden]
+        hidden = self.embed(input_ids.reshape(batch * q))  # [rows, hidden]
         wanted = hidden_layers or ()
         hidden, taps = self.run_layers(
             hidden, None, batch, positions, keys, values, key_positions, slots, tree_mask, wanted

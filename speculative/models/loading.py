@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import (
@@ -18,6 +18,10 @@ from speculative.models import llama
 from speculative.models.base import LanguageModel
 from speculative.models.dtypes import DtypeChoice, check_dtype, resolve_dtype
 from speculative.models.hf import HFCausalLM
+from speculative.models.tensor_parallel import TensorParallelCausalLM, check_model
+
+if TYPE_CHECKING:
+    from speculative.distributed.group import TensorParallelGroup
 
 ModelImpl = Literal["auto", "native", "transformers"]
 
@@ -41,6 +45,8 @@ def load_model(
     model_impl: ModelImpl = "auto",
     tokenizer: PreTrainedTokenizerBase | str | None = None,
     dtype_name: str = "dtype",
+    tensor_parallel: TensorParallelGroup | None = None,
+    tensor_parallel_name: str = "tensor_parallel_size",
 ) -> LoadedModel:
     """Load `model` (hub id, local path, a transformers model, or a LanguageModel as it is).
 
@@ -49,10 +55,15 @@ def load_model(
         not compute it natively, where it is float32 (models/dtypes.py); float32 if it names none.
     model_impl: "auto" uses the native forward for Llama, Mistral, Qwen2 and Qwen3 and transformers'
         forward otherwise; "native" requires the native one; "transformers" forces transformers'.
+    tensor_parallel: this rank's group: the model is loaded whole, then this rank's shard kept
+        (TensorParallelCausalLM; a ValueError naming `tensor_parallel_name` unless it runs natively
+        and the group's size divides its heads and MLP columns). None: the whole model.
     """
     if model_impl not in ("auto", "native", "transformers"):
         raise ValueError(f'model_impl must be "auto", "native" or "transformers"; got {model_impl!r}')
     check_dtype(dtype, dtype_name)
+    if tensor_parallel is not None:
+        check_model(model, model_impl, tensor_parallel.size, "model", tensor_parallel_name)
     device = torch.device(device)
     if isinstance(model, str):
         name = model
@@ -83,7 +94,10 @@ def load_model(
             f"model_impl='native' supports model types {sorted(llama.SUPPORTED_MODEL_TYPES)}; "
             f"{name} is {hf.config.model_type!r}"
         )
-    wrapped = llama.NativeCausalLM.from_hf(hf) if native else HFCausalLM(hf)
+    if tensor_parallel is not None:
+        wrapped = TensorParallelCausalLM.from_hf(hf, tensor_parallel)
+    else:
+        wrapped = llama.NativeCausalLM.from_hf(hf) if native else HFCausalLM(hf)
     return LoadedModel(wrapped, _tokenizer(tokenizer), _eos_token_ids(hf, wrapped.vocab_size), name, choice)
 
 
