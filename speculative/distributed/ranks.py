@@ -123,10 +123,8 @@ class _Child:
                 raise RuntimeError(f"tensor-parallel {self.describe()}")
 
     def describe(self) -> str:
-        """What became of it: "rank r exited with code c: its error", or "rank r is running"."""
+        """How it exited: "rank r exited with code c: what it said failed" (call once it has exited)."""
         code = self.process.poll()
-        if code is None:
-            return f"rank {self.rank} is running"
         with self._reading:
             while self.error is None and (message := _next(self.connection, 0)) is not None:
                 if message[0] == "error":
