@@ -162,8 +162,9 @@ class LLM:
         """Load the models (this rank's share of them), make the proposer, the engine (with `engine`:
         Engine, or rank 0's LeaderEngine) and the inputs' checker, and warm up the precompile shapes
         (__init__'s arguments, checked)."""
-        config, quantization, precompile = self.speculative_config, self.quantization, self.precompile
-        method = config.method if config else None
+        speculative_config = self.speculative_config
+        quantization, precompile = self.quantization, self.precompile
+        method = speculative_config.method if speculative_config else None
         group = self.tensor_parallel
         self.target = load_model(model, dtype, self.device, model_impl, tokenizer, tensor_parallel=group)
         quantize_model(self.target.model, quantization, "target")
@@ -189,7 +190,7 @@ class LLM:
             )
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
             _check_same_vocabulary(self.target, self.draft)
-            proposer = _draft_proposer(self.draft.model, config)
+            proposer = _draft_proposer(self.draft.model, speculative_config)
         elif method in ("eagle", "eagle3"):
             if not isinstance(self.target.model, NativeCausalLM):
                 raise ValueError(
@@ -198,30 +199,33 @@ class LLM:
                 )
             head = load_eagle_head(draft_model, method, self.target.model)
             proposer = EagleProposer(head)
-            if config.tree:
-                proposer = EagleTreeProposer(head, config.tree, config.tree_width, config.tree_nodes)
+            if speculative_config.tree:
+                c = speculative_config
+                proposer = EagleTreeProposer(head, c.tree, c.tree_width, c.tree_nodes)
         elif method == "ngram":
             proposer = NgramProposer(
-                config.prompt_lookup_min,
-                config.prompt_lookup_max,
-                config.tree_nodes if config.tree else None,
+                speculative_config.prompt_lookup_min,
+                speculative_config.prompt_lookup_max,
+                speculative_config.tree_nodes if speculative_config.tree else None,
             )
         elif method == "suffix":
             proposer = SuffixProposer(
-                config.suffix_decoding_max_tree_depth,
-                config.suffix_decoding_max_cached_requests,
-                config.suffix_decoding_max_spec_factor,
-                config.suffix_decoding_min_token_prob,
-                config.tree_nodes if config.tree else None,
+                speculative_config.suffix_decoding_max_tree_depth,
+                speculative_config.suffix_decoding_max_cached_requests,
+                speculative_config.suffix_decoding_max_spec_factor,
+                speculative_config.suffix_decoding_min_token_prob,
+                speculative_config.tree_nodes if speculative_config.tree else None,
             )
-        if config is not None and config.tree:
+        if speculative_config is not None and speculative_config.tree:
             _check_tree_forward(self.target.model)
         rule = RejectionSampler()
-        if config is not None and config.acceptance == "typical":
-            rule = TypicalAcceptanceSampler(config.posterior_threshold, config.posterior_alpha)
+        if speculative_config is not None and speculative_config.acceptance == "typical":
+            rule = TypicalAcceptanceSampler(
+                speculative_config.posterior_threshold, speculative_config.posterior_alpha
+            )
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        k = config.num_speculative_tokens if config else 0
-        adaptive = bool(config and config.adaptive)
+        k = speculative_config.num_speculative_tokens if speculative_config else 0
+        adaptive = bool(speculative_config and speculative_config.adaptive)
         self.engine = engine(
             self.target.model,
             proposer,
@@ -231,7 +235,7 @@ class LLM:
             rule,
             self.detokenize if self.tokenizer is not None else None,
             adaptive=adaptive,
-            room=_room(config),
+            room=_room(speculative_config),
         )
         if group is not None and adaptive:  # every rank drafts rank 0's choice
             self.engine.draft_length = RankZeroDraftLength(k, self.device)

@@ -58,7 +58,7 @@ class TensorParallelGroup:
 def connect(size: int, device: torch.device) -> TensorParallelGroup:
     """This process's place among `size` ranks (see the module docstring). ValueError where a group
     already exists with another number of ranks."""
-    from speculative.distributed import ranks
+    from speculative.distributed import ranks  # here: ranks.py imports this module
 
     spawned = ranks.current()
     if spawned is not None and spawned.size == size and spawned.failure is None:

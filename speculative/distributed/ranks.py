@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
@@ -109,8 +110,8 @@ class _Child:
         self._reading = threading.Lock()  # the engine's thread waits for answers, a watcher reads errors
 
     def expect(self, kind: str, handle: int | None = None) -> Any:
-        """Wait for its next message, which must be of `kind` (for `handle`): its payload. A RuntimeError
-        if it exits first."""
+        """Wait for its message of `kind` (for `handle`), skipping others (an "error" is kept as
+        `error`): its payload. A RuntimeError if it exits first."""
         while True:
             with self._reading:
                 message = _next(self.connection, 0.1)
@@ -122,10 +123,8 @@ class _Child:
                 raise RuntimeError(f"tensor-parallel {self.describe()}")
 
     def describe(self) -> str:
-        """What became of it: "rank r exited with code c: its error", or "rank r is running"."""
+        """How it exited: "rank r exited with code c: what it said failed" (call once it has exited)."""
         code = self.process.poll()
-        if code is None:
-            return f"rank {self.rank} is running"
         with self._reading:
             while self.error is None and (message := _next(self.connection, 0)) is not None:
                 if message[0] == "error":
@@ -154,7 +153,9 @@ class Ranks:
         self.live: set[int] = set()
         self.failure: str | None = None
         self._handles = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # stopping
+        self._sending = threading.Lock()  # one message at a time on each connection
+        self._dropped: deque[int] = deque()  # LLMs dropped since the last send
         self._closing = False
         self._threads = torch.get_num_threads()
         threads = max(1, self._threads // size)
@@ -229,19 +230,21 @@ class Ranks:
         if self.failure is not None:
             raise RuntimeError(f"the tensor-parallel ranks were stopped: {self.failure}")
         try:
-            for child in self.children:
-                child.connection.send_bytes(data)
+            with self._sending:
+                messages = []
+                while self._dropped:
+                    messages.append(pickle.dumps(("drop", self._dropped.popleft(), None)))
+                for child in self.children:
+                    for message in (*messages, data):
+                        child.connection.send_bytes(message)
         except OSError as error:
             raise RuntimeError(self.stop(f"rank 0 could not reach a rank ({error})")) from None
 
     def drop(self, handle: int) -> None:
-        """Every other rank forgets the LLM `handle` (an LLM's finalizer; quiet when the ranks are gone)."""
+        """Every other rank forgets the LLM `handle`, told with the next message sent (this is an LLM's
+        finalizer, which the garbage collector may run in any thread, amid a send)."""
         self.live.discard(handle)
-        if self.failure is None and not self._closing:
-            try:
-                self.send(handle, "drop")
-            except (RuntimeError, OSError):
-                pass
+        self._dropped.append(handle)
 
     def stop(self, reason: str) -> str:
         """End every rank after a failure (the first reason counts): waits up to STOP_GRACE_S for the

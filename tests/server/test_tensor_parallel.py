@@ -1,9 +1,12 @@
 """The server at tensor_parallel_size=2 (spawned ranks, gloo): continuous batching over concurrent
-streams gives every greedy and seeded request the output it gets alone in one process."""
+streams gives every greedy and seeded request the output it gets alone in one process. Slow: it
+starts its rank 1 anew (about 7 s of its 10)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 from speculative import LLM, SpeculativeConfig
 from speculative.distributed import shutdown
@@ -17,6 +20,7 @@ NUM_CLIENTS = 12
 MAX_NUM_SEQS = 6  # fewer than the clients' sequences: requests wait, then join the running batch
 
 
+@pytest.mark.slow  # about 10 s, most of it starting rank 1
 def test_concurrent_streams_at_tensor_parallel_2_give_each_request_its_solo_output() -> None:
     target, draft, tokenizer = tiny_pair()
     reference = speculative_llm(target, draft, tokenizer)
