@@ -192,6 +192,28 @@ def eagle_loss(head: EagleHead, target: LlamaForCausalLM, windows: torch.Tensor)
     return regression + 0.1 * ce
 
 
+def train_eagle_head(target, stream, heldout, cfg, steps, seed, deadline, out: Path) -> dict:
+    """Train a fresh EAGLE-1 head for `target` (eagle_head, with the draft's sizes and learning rate)
+    `steps` steps on `stream` (train_loop's other arguments), write it to `out`/eagle in the published
+    layout and return train_loop's record."""
+    head = eagle_head(target, cfg["draft"])
+    record = train_loop(
+        "eagle",
+        head,
+        lambda m, w: eagle_loss(m, target, w),
+        stream,
+        heldout,
+        cfg,
+        steps,
+        cfg["draft_lr"],
+        seed + 2,
+        deadline,
+        ce=lambda m, w: eagle_losses(m, target, w)[1],
+    )
+    save_eagle_head(head, out / "eagle")
+    return record
+
+
 @torch.no_grad()
 def heldout_loss(model, windows: torch.Tensor, batch: int, ce=ce_loss) -> float:
     """Mean cross-entropy `ce(model, windows)` (default next-token) over the fixed held-out windows."""
@@ -349,21 +371,9 @@ def main(argv: list[str] | None = None) -> dict:
     save(draft, tokenizer, args.out / "draft")
     eagle_rec = None
     if args.eagle_steps:
-        head = eagle_head(target, cfg["draft"])
-        eagle_rec = train_loop(
-            "eagle",
-            head,
-            lambda m, w: eagle_loss(m, target, w),
-            train_stream,
-            heldout,
-            cfg,
-            args.eagle_steps,
-            cfg["draft_lr"],
-            args.seed + 2,
-            cap,
-            ce=lambda m, w: eagle_losses(m, target, w)[1],
+        eagle_rec = train_eagle_head(
+            target, train_stream, heldout, cfg, args.eagle_steps, args.seed, cap, args.out
         )
-        save_eagle_head(head, args.out / "eagle")
     train_seconds = time.monotonic() - wall_start
 
     info = {

@@ -22,8 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative.demo import corpus
 from speculative.demo.model_card import heldout_prompts
-from speculative.demo.train import FULL, eagle_head, eagle_loss, eagle_losses, train_loop
-from speculative.models.eagle_checkpoint import save_eagle_head
+from speculative.demo.train import FULL, train_eagle_head
 
 
 def measure(pair: Path, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -102,21 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     heldout = corpus.even_windows(heldout_stream, cfg["eval_windows"], cfg["seq_len"])
 
     torch.manual_seed(args.seed)
-    head = eagle_head(target, cfg["draft"])
-    record = train_loop(
-        "eagle",
-        head,
-        lambda m, w: eagle_loss(m, target, w),
-        train_stream,
-        heldout,
-        cfg,
-        args.steps,
-        cfg["draft_lr"],
-        args.seed + 2,
-        deadline,
-        ce=lambda m, w: eagle_losses(m, target, w)[1],
-    )
-    save_eagle_head(head, args.pair / "eagle")
+    record = train_eagle_head(target, train_stream, heldout, cfg, args.steps, args.seed, deadline, args.pair)
     prompts = heldout_prompts(heldout_encoded, args.prompts, cfg["prompt_len"], args.seed).tolist()
     info = {
         "layout": "eagle (EAGLE-1)",
