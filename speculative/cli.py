@@ -71,6 +71,7 @@ def _engine_flags() -> argparse.ArgumentParser:
         action="store_true",
         help="draft by suffix decoding: suffix tries of the request and of past responses",
     )
+    _eagle_flags(drafter)
     flags.add_argument("--suffix-max-depth", type=int, default=24, help="--suffix: the tries' depth (24)")
     flags.add_argument(
         "--suffix-max-cached-requests",
@@ -135,6 +136,18 @@ def _engine_flags() -> argparse.ArgumentParser:
     return flags
 
 
+def _eagle_flags(group, more: str = "") -> None:
+    """--eagle PATH and --eagle3 PATH (vLLM's method names) in a mutually exclusive group: an EAGLE
+    head's checkpoint directory; `more` ends their help."""
+    for layout, name in (("eagle", "EAGLE-1"), ("eagle3", "EAGLE-3")):
+        group.add_argument(
+            f"--{layout}",
+            metavar="PATH",
+            help=f"draft with an {name} head (its checkpoint directory) reading the target's hidden "
+            f"states; eager, unquantized, one rank (--tree: EAGLE-2's trees){more}",
+        )
+
+
 def _tensor_parallel_flag(parser: argparse.ArgumentParser, default: int | None = 1) -> None:
     parser.add_argument(
         "--tensor-parallel-size",
@@ -155,6 +168,10 @@ def _add_bench_parser(commands) -> None:
     )
     bench.add_argument("--model", help="target model (default: the demo pair's target)")
     bench.add_argument("--draft-model", help="draft model (default with the demo target: the demo's draft)")
+    _eagle_flags(
+        bench.add_mutually_exclusive_group(),
+        "; measured as chains of k and dynamic trees (default with the demo target: models/demo/eagle)",
+    )
     bench.add_argument(
         "--prompts",
         action="append",
@@ -331,7 +348,7 @@ def generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
     )
-    model, draft = _models(args.model, args.draft_model, args.ngram or args.suffix)
+    model, draft = _models(args.model, _draft_path(args), args.ngram or args.suffix)
     config = _speculative_config(args, draft)
     llm = _load(args, model, draft, config, compile=args.compile)
     prompts = args.prompt or [DEFAULT_PROMPT]
@@ -376,7 +393,9 @@ def _load(
         **options,
     )
     loaded = time.perf_counter() - start
-    models = "target and draft" if llm.draft is not None else "target"
+    models = (
+        "target and draft" if llm.draft is not None else "target and EAGLE head" if _head(llm) else "target"
+    )
     print(_dtypes(llm), file=sys.stderr)
     print(f"speculative: loaded {models} in {loaded:.2f} s", file=sys.stderr, flush=True)
     return llm
@@ -386,11 +405,18 @@ def _dtypes(llm: LLM) -> str:
     """One line: the dtype each model runs in and why ("speculative: target in float32 (auto: ...)"),
     and the weights' quantization, if any."""
     quantized = f", {llm.quantization} weights" if getattr(llm, "quantization", None) else ""
+    if _head(llm):
+        return f"speculative: target and EAGLE head in {llm.target.dtype}"
     if llm.draft is None:
         return f"speculative: target in {llm.target.dtype}{quantized}"
     if llm.draft.dtype == llm.target.dtype:
         return f"speculative: target and draft in {llm.target.dtype}{quantized}"
     return f"speculative: target in {llm.target.dtype}; draft in {llm.draft.dtype}{quantized}"
+
+
+def _head(llm: LLM) -> bool:
+    """Whether the LLM drafts with an EAGLE head (which runs in the target's dtype)."""
+    return llm.speculative_config is not None and llm.speculative_config.method in ("eagle", "eagle3")
 
 
 def _figures(m: SpeculationMetrics, finish_reason: str | None, config: SpeculativeConfig | None) -> str:
@@ -429,6 +455,9 @@ def bench(args: argparse.Namespace) -> int:
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
     config.model, config.draft_model = _models(args.model, args.draft_model)
+    config.eagle_method = "eagle3" if args.eagle3 else "eagle"
+    demo_head = args.model is None and Path(config.eagle).is_dir()
+    config.eagle = args.eagle or args.eagle3 or (config.eagle if demo_head else None)
     fields = (
         "prompts",
         "k",
@@ -517,7 +546,7 @@ def serve_app(args: argparse.Namespace):
         from speculative.server.app import create_app
         from speculative.server.scheduler import Scheduler
 
-    model, draft = _models(args.model, args.draft_model, args.ngram or args.suffix)
+    model, draft = _models(args.model, _draft_path(args), args.ngram or args.suffix)
     name = args.served_model_name or args.model or "speculative-demo"
     for flag in (
         "max_prompt_tokens",
@@ -592,8 +621,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _models(model: str | None, draft: str | None, modelless: bool = False) -> tuple[str, str | None]:
-    """(target, draft) of --model and --draft-model; without --model the demo pair, speculating with its
-    draft unless --draft-model, --ngram or --suffix says otherwise (OSError saying how to get it where it
+    """(target, draft) of --model and --draft-model (or --eagle, --eagle3); without --model the demo pair,
+    speculating with its draft unless a drafter flag says otherwise (OSError saying how to get it where it
     is not)."""
     if model is not None:
         return model, draft
@@ -605,12 +634,18 @@ def _models(model: str | None, draft: str | None, modelless: bool = False) -> tu
     return str(DEMO_DIR / "target"), draft or (None if modelless else str(DEMO_DIR / "draft"))
 
 
+def _draft_path(args: argparse.Namespace) -> str | None:
+    """The drafter's directory: --draft-model's, --eagle's or --eagle3's (None: none given)."""
+    return args.draft_model or args.eagle or args.eagle3
+
+
 def _speculative_config(args: argparse.Namespace, draft: str | None) -> SpeculativeConfig | None:
     """The SpeculativeConfig the flags ask for; None (plain decoding) without a drafter."""
     if not (args.ngram or args.suffix or draft):
         return None
+    methods = {"ngram": args.ngram, "suffix": args.suffix, "eagle": args.eagle, "eagle3": args.eagle3}
     return SpeculativeConfig(
-        method="ngram" if args.ngram else "suffix" if args.suffix else "draft_model",
+        method=next((method for method, given in methods.items() if given), "draft_model"),
         adaptive=args.adaptive,
         num_speculative_tokens=args.num_speculative_tokens,
         acceptance=args.acceptance,

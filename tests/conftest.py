@@ -10,6 +10,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from speculative.demo.train import eagle_head
+from speculative.models.eagle_checkpoint import save_eagle_head
+
 FAMILIES = {
     "llama": dict(model_type="llama"),
     "mistral": dict(model_type="mistral", sliding_window=None),
@@ -86,7 +89,8 @@ def _byte_level(tokens: list[str]) -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    """A saved tiny target and draft (Llama, byte tokenizer) loadable by path, as a user's would be."""
+    """A saved tiny target and draft (Llama, byte tokenizer) loadable by path, as a user's would be, and
+    an untrained EAGLE-1 head for the target ("eagle")."""
     root = tmp_path_factory.mktemp("models")
     tokenizer = byte_tokenizer()
     eos = tokenizer.eos_token_id
@@ -98,7 +102,15 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         paths[name] = str(path)
+    paths["eagle"] = save_eagle_head_for(target, root / "eagle")
     return paths
+
+
+def save_eagle_head_for(target: torch.nn.Module, path) -> str:
+    """An untrained EAGLE-1 head for `target` (the demo recipe's, 4 heads) saved at `path`; its path."""
+    sizes = {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+    save_eagle_head(eagle_head(target, sizes), path)
+    return str(path)
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from speculative import cli
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -184,3 +186,40 @@ def test_demo_dir_of_a_checkout(monkeypatch) -> None:
 
     monkeypatch.delenv("SPECULATIVE_DEMO_DIR", raising=False)
     assert demo._demo_dir() == README.parent / "models" / "demo"
+
+
+def test_eagle_head_flags(model_dirs, capsys) -> None:
+    """--eagle drafts with the head, in chains or (--tree) trees, and writes the target's own text."""
+    base = ["generate", "--model", model_dirs["target"], "--prompt", "ab ab ab", "--max-tokens", "10"]
+    assert cli.main(base) == 0
+    plain = capsys.readouterr().out.split("\n[")[0]
+    for flags, tag in (
+        (["--eagle", model_dirs["eagle"], "-k", "3"], "[eagle, k=3] 10 tokens"),
+        (["--eagle", model_dirs["eagle"], "--tree", "dynamic"], "[eagle, k=4, dynamic tree of 8] 10 tokens"),
+    ):
+        assert cli.main(base + flags) == 0
+        out, err = capsys.readouterr()
+        assert out.split("\n[")[0] == plain and tag in out and "acceptance rate" in out
+        assert "speculative: loaded target and EAGLE head in" in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--compile"], "a target that is neither compiled nor quantized"),
+        (["--quantization", "int8"], "a target that is neither compiled nor quantized"),
+        (["--tensor-parallel-size", "2"], 'method="eagle3") does not run with tensor_parallel_size > 1'),
+        (["--draft-dtype", "bfloat16"], "draft_dtype is the draft model's dtype"),
+    ],
+    ids=["compile", "quantization", "tensor-parallel", "draft-dtype"],
+)
+def test_eagle_head_refusals_are_cli_errors(model_dirs, capsys, flags, message) -> None:
+    argv = ["generate", "--model", model_dirs["target"], "--eagle3", model_dirs["eagle"], *flags]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eagle_is_one_of_the_drafters(model_dirs, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--eagle", model_dirs["eagle"], "--draft-model", model_dirs["draft"]])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

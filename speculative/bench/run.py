@@ -61,6 +61,8 @@ class BenchConfig:
     """What `speculative bench` measures (the CLI flags, with the same names).
 
     model / draft_model: the pair (paths or hub ids); draft_model None skips the draft-model methods.
+    eagle: an EAGLE head's checkpoint directory for the target, of layout `eagle_method` ("eagle" or
+        "eagle3"); None skips the EAGLE methods (so does tensor_parallel_size > 1: heads run on one rank).
     prompts: JSONL files, one prompt set each, named after the file's stem.
     k: drafts per step of the side-by-side comparison; sweep_k: the k of the k sweep.
     batch_sizes: the batch-size sweep. max_tokens: tokens generated per prompt (EOS ignored).
@@ -78,6 +80,8 @@ class BenchConfig:
 
     model: str = str(DEMO_DIR / "target")
     draft_model: str | None = str(DEMO_DIR / "draft")
+    eagle: str | None = str(DEMO_DIR / "eagle")
+    eagle_method: str = "eagle"
     prompts: list[str] = field(
         default_factory=lambda: [str(BUNDLED_DIR / f"{n}.jsonl") for n in ("code", "multiturn", "edit")]
     )
@@ -159,6 +163,8 @@ class Pair:
         tok = self.tokenizer
         self.pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
         self.drafters = ["draft_model", "ngram", "suffix"] if self.draft is not None else ["ngram", "suffix"]
+        if config.eagle is not None and config.tensor_parallel_size == 1:
+            self.drafters.append(config.eagle_method)
         self.compiled_target = self.compiled_draft = None
         if config.compile:  # sharing the eager models' weights; every shape the runs use compiled now
             self.compiled_target = CompiledCausalLM(self.target)
@@ -179,9 +185,10 @@ class Pair:
         tree: str | None = None,
         **options,
     ) -> OursMethod:
-        """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram or suffix; with
-        `compiled`, on the compiled models (engine "ours_compiled"); with `adaptive`, k chosen per step
-        in [0, k] (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep and of
+        """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram, suffix or
+        the EAGLE head (drafter "eagle" or "eagle3": config.eagle); with `compiled`, on the compiled
+        models (engine "ours_compiled"); with `adaptive`, k chosen per step in [0, k]
+        (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep and of
         SpeculativeConfig's default width and size; `options`: more SpeculativeConfig fields."""
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
@@ -198,12 +205,12 @@ class Pair:
             return OursMethod(f"ours_ar{suffix}", f"ours autoregressive{label}", engine, llm=llm)
         llm = LLM(
             target,
-            draft_model=draft if drafter == "draft_model" else None,
+            draft_model=draft if drafter == "draft_model" else config.eagle if drafter in HEADS else None,
             speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive, tree=tree, **options),
             seed=config.seed,
             **loading,
         )
-        short = {"draft_model": "draft", "ngram": "ngram", "suffix": "suffix"}[drafter]
+        short = "draft" if drafter == "draft_model" else drafter
         if adaptive:
             suffix, label = f"_adaptive{suffix}", f"{label}, adaptive"
         if tree:
@@ -297,6 +304,12 @@ NOTES = [
     "takes the measured tokens per step (a the per-depth acceptance giving it), T_v over their own tree "
     "verifications whatever their size, and T_d per depth of drafting: E * T_1 / (k * T_d + T_v), what a "
     "perfect engine would reach with the same trees at the same call times.",
+    "Ours eagle drafts with an EAGLE head (SpeculativeConfig method eagle or eagle3), chains of k and "
+    "EAGLE-2's dynamic trees: one decoder layer reading the target's hidden states, which the target's "
+    "verification returns beside its logits (that cost is in the method's own T_v). Its T_d is the head's "
+    "work per drafted token, feeding it the target's features of the tokens kept at the step before "
+    "included, so a step costs k * T_d + T_v as a draft model's does and the bound holds unchanged. The "
+    "head runs eagerly (no compiled EAGLE methods) and on one rank; HF has no counterpart.",
 ]
 
 LLAMA_CPP_NOTE = (
@@ -311,9 +324,17 @@ LLAMA_CPP_NOTE = (
 )
 
 
-# The tree each drafter's tree method grows: the draft model's follows its confidence; an n-gram trie
+# The tree each drafter's tree method grows: a draft model's or EAGLE head's follows its confidence (EAGLE-2's
+# dynamic trees); an n-gram trie
 # has no scores (either shape merges every match); suffix decoding's follows its counts either way.
-TREES = {"draft_model": "dynamic", "ngram": "static", "suffix": "static"}
+TREES = {
+    "draft_model": "dynamic",
+    "ngram": "static",
+    "suffix": "static",
+    "eagle": "dynamic",
+    "eagle3": "dynamic",
+}
+HEADS = ("eagle", "eagle3")  # drafters that are EAGLE heads: eager (never compiled), one rank
 # Drafters with a Hugging Face counterpart, an adaptive method and a k sweep; suffix decoding has no HF
 # counterpart and already sizes its proposals by itself.
 SWEPT = ("draft_model", "ngram")
@@ -329,10 +350,19 @@ def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[st
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
     methods += [pair.ours(d, config.k, tree=TREES[d]) for d in drafters]
     if config.compile:
+        compiled = [d for d in drafters if d not in HEADS]
         methods += [pair.ours(None, 0, compiled=True)]
-        methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
-        methods += [pair.ours(d, config.k, compiled=True, tree=TREES[d]) for d in drafters]
+        methods += [pair.ours(d, config.k, compiled=True) for d in compiled]
+        methods += [pair.ours(d, config.k, compiled=True, tree=TREES[d]) for d in compiled]
     skipped = {}
+    if not any(d in HEADS for d in drafters):
+        note = (
+            "no EAGLE head: --eagle PATH (the demo pair's is models/demo/eagle)"
+            if config.eagle is None
+            else "EAGLE heads run on one rank, not with --tensor-parallel-size > 1"
+        )
+        for name, label in (("ours_eagle", "ours eagle"), ("ours_eagle_tree", "ours eagle, dynamic tree")):
+            skipped[name] = {"label": label, "note": note}
     if pair.draft is None:
         for name, label in (
             ("hf_assisted", "HF assisted"),
@@ -534,4 +564,4 @@ def _with_relative_paths(config: dict) -> dict:
     return {name: shown(value) if name in _PATH_FIELDS else value for name, value in config.items()}
 
 
-_PATH_FIELDS = ("model", "draft_model", "prompts", "llama_cpp", "gguf_cache")
+_PATH_FIELDS = ("model", "draft_model", "eagle", "prompts", "llama_cpp", "gguf_cache")
