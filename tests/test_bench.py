@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,16 +14,19 @@ import pytest
 import torch
 from conftest import byte_tokenizer, tiny_model
 
+from speculative import cli
+from speculative.bench import run as bench_run
 from speculative.bench.memory import copy_bandwidth, memory_bound, weight_bytes
 from speculative.bench.prompts import BUNDLED_DIR, PromptRecord, encode, load_jsonl
 from speculative.bench.report import memory_bound_line
+from speculative.bench.run import skipped_heads
 from speculative.bench.timing import (
     acceptance_for_tokens_per_step,
     efficiency,
     expected_tokens_per_step,
     speedup_bound,
 )
-from speculative.demo import corpus
+from speculative.demo import DEMO_DIR, corpus
 
 SKIPPED = {"vllm_draft", "llamacpp", "llamacpp_draft", "llamacpp_draft_default"}  # no vLLM, no --llama-cpp
 METHODS = {
@@ -38,6 +42,8 @@ METHODS = {
     "ours_ngram_tree",
     "ours_suffix",
     "ours_suffix_tree",
+    "ours_eagle",
+    "ours_eagle_tree",
 } | SKIPPED
 PLOTS = ("tokens_per_s.png", "acceptance_by_position.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 
@@ -155,6 +161,12 @@ def run_quick(out: Path, *model_args: str) -> dict:
                 assert entry["identical_fraction"] == 1.0, (name, entry)
         assert len(methods["ours_draft"]["acceptance_per_position"]) == 4
         assert methods["ours_draft_tree"]["tree"] == "dynamic" and methods["ours_draft"]["tree"] is None
+        for name in ("ours_eagle", "ours_eagle_tree"):  # the head's drafting clocked: a bound of its own
+            assert (
+                methods[name]["drafter"] == "eagle" and methods[name]["T_d"] > 0 and methods[name]["T_v"] > 0
+            )
+        assert methods["ours_eagle_tree"]["tree"] == "dynamic" and methods["ours_eagle"]["tree"] is None
+        assert len(methods["ours_eagle"]["acceptance_per_position"]) == 4
     for sweeps in results["sweeps"]["k"].values():
         for points in sweeps.values():
             assert [p["k"] for p in points] == [1, 4]
@@ -162,6 +174,7 @@ def run_quick(out: Path, *model_args: str) -> dict:
             assert all(p["T_v"] > 0 and p["T_d"] > 0 for p in points)
     batch = results["sweeps"]["batch"]
     assert {r["batch_size"] for r in batch} == {1, 2}
+    assert {(r["batch_size"], r["method"]) for r in batch} >= {(2, "ours_eagle"), (2, "ours_eagle_tree")}
     assert all(r["identical_fraction"] == 1.0 for r in batch if r["method"].startswith("ours"))
     report = (out / "report.md").read_text()
     assert (
@@ -178,7 +191,13 @@ def run_quick(out: Path, *model_args: str) -> dict:
 
 def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
     results = run_quick(
-        tmp_path / "out", "--model", model_dirs["target"], "--draft-model", model_dirs["draft"]
+        tmp_path / "out",
+        "--model",
+        model_dirs["target"],
+        "--draft-model",
+        model_dirs["draft"],
+        "--eagle",
+        model_dirs["eagle"],
     )
     assert results["config"]["max_tokens"] == 24
     assert any("cut to their last" in note for note in results["notes"])  # 256-token models, longer prompts
@@ -189,6 +208,23 @@ def test_bench_quick_on_the_demo_pair(tmp_path: Path) -> None:
     assert results["config"]["model"] == "models/demo/target"
     assert str(Path.cwd()) not in (tmp_path / "out" / "report.md").read_text()
     assert results["sets"]["code"]["methods"]["ours_draft"]["acceptance_rate"] > 0.2
+
+
+def test_bench_eagle_head_flags(monkeypatch, model_dirs) -> None:
+    """The demo target's head by default, --eagle / --eagle3's otherwise, none for another target: its
+    methods are then skipped, and say why (as they are with the target split over ranks)."""
+    configs = []
+    monkeypatch.setattr(bench_run, "run_and_report", lambda config, out, console: configs.append(config))
+    for argv in ([], ["--eagle3", model_dirs["eagle"]], ["--model", model_dirs["target"]]):
+        assert cli.main(["bench", *argv]) == 0
+    demo, given, other = configs
+    assert (demo.eagle, demo.eagle_method) == (str(DEMO_DIR / "eagle"), "eagle") and not skipped_heads(demo)
+    assert (given.eagle, given.eagle_method) == (model_dirs["eagle"], "eagle3")
+    assert other.eagle is None
+    assert skipped_heads(other)["ours_eagle"]["note"].startswith("no EAGLE head: --eagle PATH")
+    split = dataclasses.replace(given, tensor_parallel_size=2)
+    assert set(skipped_heads(split)) == {"ours_eagle", "ours_eagle_tree"}
+    assert "one rank" in skipped_heads(split)["ours_eagle_tree"]["note"]
 
 
 def test_memory_bound_counts_each_weight_once_and_reports_fractions() -> None:

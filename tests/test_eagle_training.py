@@ -3,12 +3,17 @@ sized: the head learns, saves in the published layout, loads, and drafts exactly
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from conftest import tiny_model
 from exactness import hf_greedy
+from safetensors.torch import load_file
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
-from speculative.demo.train import eagle_head, eagle_loss, eagle_losses, heldout_loss, train_loop
+from speculative.demo import train_eagle
+from speculative.demo.train import SMOKE, eagle_head, eagle_loss, eagle_losses, heldout_loss, train_loop
 from speculative.models.eagle_checkpoint import save_eagle_head
 
 
@@ -45,3 +50,28 @@ def test_a_trained_head_learns_saves_loads_and_stays_exact(tmp_path) -> None:
     prompt = [5, 9, 13, 17]
     output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert output[0].outputs[0].token_ids == hf_greedy(target, prompt, 20, None)
+
+
+def test_train_eagle_resumes_the_saved_head_and_adds_up_its_record(model_dirs, tmp_path) -> None:
+    """`train_eagle --resume` trains the saved head further (starting from its weights) and appends
+    to its training.json: steps, tokens and seconds summed over the pieces."""
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    for name in ("target", "draft"):
+        (pair / name).symlink_to(model_dirs[name])
+    argv = ["--pair", str(pair), "--smoke", "--prompts", "2"]
+    first = train_eagle.main([*argv, "--steps", "2"])
+    saved = load_file(pair / "eagle" / "model.safetensors")
+    record = train_eagle.main([*argv, "--steps", "3", "--resume"])
+    resumed = load_file(pair / "eagle" / "model.safetensors")
+    assert set(resumed) == set(saved)
+    changes = [(resumed[name] - saved[name]).abs().max().item() for name in saved]
+    # moved by 2 steps at a learning rate of at most 3e-3 from the saved weights, not from a fresh head
+    assert 0 < max(changes) < 0.02, changes
+    assert json.loads((pair / "eagle" / "training.json").read_text()) == record
+    assert [p["steps"] for p in record["pieces"]] == [2, 3] and record["pieces"][0] == first["pieces"][0]
+    window = SMOKE["batch"] * SMOKE["seq_len"]
+    assert (record["steps"], record["planned_steps"], record["tokens"]) == (5, 5, 5 * window)
+    assert record["seconds"] == pytest.approx(sum(p["seconds"] for p in record["pieces"]), abs=0.1)
+    assert record["final_heldout_ce"] == record["pieces"][1]["final_heldout_ce"]
+    assert "--steps 2`, then `--resume --steps 3`" in (pair / "eagle" / "README.md").read_text()

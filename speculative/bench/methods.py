@@ -48,8 +48,8 @@ class Generation:
 @dataclass
 class Method:
     """A named decoding method. engine: "hf", "ours", "ours_compiled", "vllm" or "llama.cpp"; drafter:
-    "draft_model", "ngram", "suffix" or None (plain decoding); k: drafts per step (0 without a drafter);
-    max_batch: the largest batch it takes (None: any)."""
+    "draft_model", "ngram", "suffix", "eagle", "eagle3" (EAGLE heads) or None (plain decoding); k: drafts
+    per step (0 without a drafter); max_batch: the largest batch it takes (None: any)."""
 
     name: str
     label: str

@@ -163,7 +163,7 @@ class Pair:
         tok = self.tokenizer
         self.pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
         self.drafters = ["draft_model", "ngram", "suffix"] if self.draft is not None else ["ngram", "suffix"]
-        if config.eagle is not None and config.tensor_parallel_size == 1:
+        if not skipped_heads(config):
             self.drafters.append(config.eagle_method)
         self.compiled_target = self.compiled_draft = None
         if config.compile:  # sharing the eager models' weights; every shape the runs use compiled now
@@ -340,6 +340,20 @@ HEADS = ("eagle", "eagle3")  # drafters that are EAGLE heads: eager (never compi
 SWEPT = ("draft_model", "ngram")
 
 
+def skipped_heads(config: BenchConfig) -> dict[str, dict]:
+    """The EAGLE methods' entries as skipped (with why) where they cannot run: no head given, or the
+    target split over ranks; {} where they run."""
+    if config.eagle is not None and config.tensor_parallel_size == 1:
+        return {}
+    note = (
+        "no EAGLE head: --eagle PATH (with the demo target, its head models/demo/eagle)"
+        if config.eagle is None
+        else "EAGLE heads run on one rank, not with --tensor-parallel-size > 1"
+    )
+    labels = {"ours_eagle": "ours eagle", "ours_eagle_tree": "ours eagle, dynamic tree"}
+    return {name: {"label": label, "note": note} for name, label in labels.items()}
+
+
 def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[str, dict]]:
     """The methods of the side-by-side table, and those skipped (with why). llama.cpp's servers are
     started here and registered on `servers`, which stops them."""
@@ -354,15 +368,7 @@ def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[st
         methods += [pair.ours(None, 0, compiled=True)]
         methods += [pair.ours(d, config.k, compiled=True) for d in compiled]
         methods += [pair.ours(d, config.k, compiled=True, tree=TREES[d]) for d in compiled]
-    skipped = {}
-    if not any(d in HEADS for d in drafters):
-        note = (
-            "no EAGLE head: --eagle PATH (the demo pair's is models/demo/eagle)"
-            if config.eagle is None
-            else "EAGLE heads run on one rank, not with --tensor-parallel-size > 1"
-        )
-        for name, label in (("ours_eagle", "ours eagle"), ("ours_eagle_tree", "ours eagle, dynamic tree")):
-            skipped[name] = {"label": label, "note": note}
+    skipped = skipped_heads(config)
     if pair.draft is None:
         for name, label in (
             ("hf_assisted", "HF assisted"),

@@ -63,9 +63,11 @@ def bound_figures(
 ) -> dict:
     """T_1, T_v, T_d, the bound and the efficiency of a method (plain decoding: bound 1).
 
-    drafter: "draft_model", "ngram" or None; alpha: its per-token acceptance; own_speedup: its speedup
-    over its own engine's plain decoding (None: no efficiency); run: the step times its runs paid
-    (clock.py: "T_1", "T_v", "T_d", None where not recorded; no bound without them). An n-gram
+    drafter: Method.drafter ("draft_model", "ngram", an EAGLE head's "eagle", ...) or None; alpha: its
+    per-token acceptance; own_speedup: its speedup over its own engine's plain decoding (None: no
+    efficiency); run: the step times its runs paid (clock.py: "T_1", "T_v", "T_d", None where not
+    recorded; no bound without them; an EAGLE head's T_d is its own forwards, its reading of the
+    target's features being in the target's forwards, T_v). An n-gram
     proposal that was not clocked (HF prompt lookup's) counts as free, T_d = 0, which makes its bound
     an upper one (a lookup costs little beside a forward).
     """

@@ -32,7 +32,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from speculative.demo import corpus
 from speculative.demo.model_card import measure_and_write_card
 from speculative.models.eagle import EagleHead
-from speculative.models.eagle_checkpoint import save_eagle_head
+from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_head
 
 FULL = {
     "vocab_size": 8192,
@@ -192,11 +192,17 @@ def eagle_loss(head: EagleHead, target: LlamaForCausalLM, windows: torch.Tensor)
     return regression + 0.1 * ce
 
 
-def train_eagle_head(target, stream, heldout, cfg, steps, seed, deadline, out: Path) -> dict:
-    """Train a fresh EAGLE-1 head for `target` (eagle_head, with the draft's sizes and learning rate)
-    `steps` steps on `stream` (train_loop's other arguments), write it to `out`/eagle in the published
-    layout and return train_loop's record."""
-    head = eagle_head(target, cfg["draft"])
+def train_eagle_head(
+    target, stream, heldout, cfg, steps, seed, deadline, out: Path, resume: bool = False
+) -> dict:
+    """Train an EAGLE-1 head for `target` `steps` steps on `stream` at the draft's learning rate
+    (train_loop's other arguments): a fresh one (eagle_head, with the draft's sizes) or, with `resume`,
+    the one saved in `out`/eagle (its sizes and weights; a fresh optimizer and schedule). Write it to
+    `out`/eagle in the published layout and return train_loop's record."""
+    path = out / "eagle"
+    head = eagle_head(target, json.loads((path / "config.json").read_text()) if resume else cfg["draft"])
+    if resume:
+        load_head_weights(head, path)
     record = train_loop(
         "eagle",
         head,
@@ -210,7 +216,7 @@ def train_eagle_head(target, stream, heldout, cfg, steps, seed, deadline, out: P
         deadline,
         ce=lambda m, w: eagle_losses(m, target, w)[1],
     )
-    save_eagle_head(head, out / "eagle")
+    save_eagle_head(head, path)
     return record
 
 

@@ -77,6 +77,17 @@ def load_eagle_head(path: str | Path, layout: EagleLayout, target: NativeCausalL
     return head
 
 
+def load_head_weights(head: EagleHead, path: str | Path) -> None:
+    """Load the weights of the checkpoint directory `path` (as save_eagle_head writes them, checked as
+    load_eagle_head checks them) into `head`, a head of the same layout and shapes, to train it further;
+    the weights it shares with its target are left as they are."""
+    directory = Path(path)
+    head.load_state_dict(
+        _head_state(_strip(_read_weights(directory)), head.layout, head, directory), strict=False
+    )
+    head.pack_weights()
+
+
 def save_eagle_head(head: EagleHead, path: str | Path) -> None:
     """Write `head` as a checkpoint directory in its published layout (module docstring): config.json
     and model.safetensors, without the weights it shares with its target."""
