@@ -10,6 +10,7 @@ from conftest import noisy_copy, tiny_model
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.bench.clock import CallTimes, hf_recording, run_step_times
 from speculative.bench.timing import bound_figures, speedup_bound
+from speculative.engine.stats import StepStats
 
 PROMPT = [5, 17, 33, 2, 9, 41, 5, 17]
 
@@ -60,6 +61,11 @@ def test_call_times_from_the_engines_steps_and_the_means_per_kind_of_call() -> N
         CallTimes(target=[(1, 4.0), (2, 100.0)], drafting=[(1, 0.5), (1, 1.5)]),
     ]
     assert run_step_times(calls, 3) == {"T_1": 3.0, "T_v": 7.0, "T_d": 1.0}
+    # an EAGLE head's first proposal feeds it the prompt (its prefill): not drafting, left out
+    steps = [StepStats(1, 3, 4, 3, 1, 9.0, 1.0, 10.0), StepStats(1, 0, 1, 0, 0, 0.0, 1.0, 1.0)]
+    steps.append(StepStats(1, 3, 4, 3, 3, 1.5, 1.0, 2.5))
+    assert CallTimes.from_steps(steps).drafting == [(3, 9.0), (3, 1.5)]
+    assert CallTimes.from_steps(steps, first_proposal_prefills=True).drafting == [(3, 1.5)]
     assert run_step_times([], 3) == {"T_1": None, "T_v": None, "T_d": None}
 
 

@@ -19,6 +19,9 @@ from speculative.bench.timing import synchronize
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
+HEADS = ("eagle", "eagle3")
+"""Drafters that are EAGLE heads (SpeculativeConfig.method): they draft from the target's features."""
+
 
 @dataclass
 class Generation:
@@ -96,7 +99,7 @@ class OursMethod(Method):
             sum(m.num_drafted for m in metrics),
             [sum(c) for c in zip(*(m.accepted_per_position for m in metrics))] if self.k else [],
             [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [],
-            CallTimes.from_steps(steps),
+            CallTimes.from_steps(steps, first_proposal_prefills=self.drafter in HEADS),
         )
 
 

@@ -31,6 +31,7 @@ from speculative.bench.llamacpp import (
 from speculative.bench.measure import Advance, compare_methods, sweep_batch, sweep_k
 from speculative.bench.memory import copy_bandwidth, memory_bound, weight_bytes
 from speculative.bench.methods import (
+    HEADS,
     HFMethod,
     Method,
     OursMethod,
@@ -308,8 +309,10 @@ NOTES = [
     "EAGLE-2's dynamic trees: one decoder layer reading the target's hidden states, which the target's "
     "verification returns beside its logits (that cost is in the method's own T_v). Its T_d is the head's "
     "work per drafted token, feeding it the target's features of the tokens kept at the step before "
-    "included, so a step costs k * T_d + T_v as a draft model's does and the bound holds unchanged. The "
-    "head runs eagerly (no compiled EAGLE methods) and on one rank; HF has no counterpart.",
+    "included, so a step costs k * T_d + T_v as a draft model's does and the bound holds unchanged. A "
+    "run's first proposal also feeds the head the whole prompt's features, its prefill (a draft model's "
+    "is made before the first step): T_d leaves that proposal out, as the bound leaves out every "
+    "prefill. The head runs eagerly (no compiled EAGLE methods) and on one rank; HF has no counterpart.",
 ]
 
 LLAMA_CPP_NOTE = (
@@ -334,7 +337,6 @@ TREES = {
     "eagle": "dynamic",
     "eagle3": "dynamic",
 }
-HEADS = ("eagle", "eagle3")  # drafters that are EAGLE heads: eager (never compiled), one rank
 # Drafters with a Hugging Face counterpart, an adaptive method and a k sweep; suffix decoding has no HF
 # counterpart and already sizes its proposals by itself.
 SWEPT = ("draft_model", "ngram")
