@@ -173,6 +173,17 @@ def _add_bench_parser(commands) -> None:
         "; measured as chains of k and dynamic trees (default with the demo target: models/demo/eagle)",
     )
     bench.add_argument(
+        "--synthetic",
+        choices=["1b", "7b", "tiny"],
+        help="instead of --model: a synthetic Llama-shaped pair of that size, random weights, built in "
+        "process, its draft the target's first layers (for speed at real sizes without a model hub)",
+    )
+    bench.add_argument(
+        "--synthetic-acceptance",
+        type=float,
+        help="--synthetic: the draft's greedy agreement with the target it is calibrated to (0.8)",
+    )
+    bench.add_argument(
         "--prompts",
         action="append",
         help="a JSONL prompt set (repeat; default: the bundled code, multiturn and edit sets)",
@@ -454,9 +465,11 @@ def bench(args: argparse.Namespace) -> int:
         from speculative.bench.run import BenchConfig, run_and_report
 
     config = BenchConfig().quick() if args.quick else BenchConfig()
+    if args.synthetic and (args.model or args.draft_model or args.eagle or args.eagle3):
+        raise ValueError("--synthetic builds the pair: drop --model, --draft-model, --eagle and --eagle3")
     config.model, config.draft_model = _models(args.model, args.draft_model)
     config.eagle_method = "eagle3" if args.eagle3 else "eagle"
-    demo_head = args.model is None and Path(config.eagle).is_dir()
+    demo_head = args.model is None and not args.synthetic and Path(config.eagle).is_dir()
     config.eagle = args.eagle or args.eagle3 or (config.eagle if demo_head else None)
     fields = (
         "prompts",
@@ -477,6 +490,8 @@ def bench(args: argparse.Namespace) -> int:
         "llama_cpp",
         "llama_cpp_build",
         "gguf_cache",
+        "synthetic",
+        "synthetic_acceptance",
     )
     for name in fields:
         if getattr(args, name) is not None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
+from transformers import CompileConfig, StaticCache
 
 from speculative.bench.clock import CallTimes, hf_recording
 from speculative.bench.timing import synchronize
@@ -109,40 +111,83 @@ class HFMethod(Method):
 
     Counts the target's forward calls with a hook: each call of assisted generation or prompt lookup
     verifies a block and emits 1 + (accepted drafts) tokens, so accepted = tokens - calls. Batches are
-    left-padded.
+    left-padded. Forward hooks also time the calls (clock.py), unless `hooked` is False (a compiled
+    forward would trace them).
     """
 
     model: torch.nn.Module | None = None
     pad_token_id: int = 0
     options: dict = field(default_factory=dict)
+    hooked: bool = True
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        calls = []
-        hook = self.model.register_forward_hook(lambda *_: calls.append(1))
-        try:
-            with hf_recording(self.model, self.options.get("assistant_model")) as times:
-                synchronize(self.model.device)
-                start = time.perf_counter()
-                out = self.model.generate(
-                    ids.to(self.model.device),
-                    attention_mask=mask.to(self.model.device),
-                    max_new_tokens=max_tokens,
-                    do_sample=False,
-                    eos_token_id=None,
-                    pad_token_id=self.pad_token_id,
-                    **self.options,
-                )
-                synchronize(self.model.device)
-                seconds = time.perf_counter() - start
-        finally:
-            hook.remove()
+        calls, times = [], None
+        with ExitStack() as stack:
+            if self.hooked:
+                stack.callback(self.model.register_forward_hook(lambda *_: calls.append(1)).remove)
+                times = stack.enter_context(hf_recording(self.model, self.options.get("assistant_model")))
+            synchronize(self.model.device)
+            start = time.perf_counter()
+            out = self.model.generate(
+                ids.to(self.model.device),
+                attention_mask=mask.to(self.model.device),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=self.pad_token_id,
+                **self.call_options(),
+            )
+            synchronize(self.model.device)
+            seconds = time.perf_counter() - start
         tokens = out[:, width:].tolist()
-        accepted = len(tokens[0]) - len(calls) if self.k else 0  # speculative HF methods take batch 1
-        return Generation(tokens, seconds, len(calls), accepted, calls=times)
+        num_calls = len(calls) if self.hooked else len(tokens[0])  # unhooked: plain decoding
+        accepted = len(tokens[0]) - num_calls if self.k else 0  # speculative HF methods take batch 1
+        return Generation(tokens, seconds, num_calls, accepted, calls=times)
+
+    def call_options(self) -> dict:
+        """`generate`'s options for the next call."""
+        return self.options
+
+
+@dataclass
+class HFStaticMethod(HFMethod):
+    """HF `generate` with a static KV cache, which transformers compiles (torch.compile of the decoding
+    forward, with CUDA graphs on CUDA): Hugging Face's fastest path, batch 1. One StaticCache of
+    `cache_length` positions (the longest prompt and max_tokens), reset before each call, so that no
+    later call compiles again for a longer cache; the first call (the benchmark's warm-up) compiles.
+    Not hooked: its calls are not clocked, so it has no step times (and needs none: it has no drafts)."""
+
+    hooked: bool = False
+    cache_length: int = 0
+    cache: StaticCache | None = None
+
+    def call_options(self) -> dict:
+        if self.cache is None:
+            self.cache = StaticCache(config=self.model.config, max_cache_len=self.cache_length)
+        else:
+            self.cache.reset()
+        return {**self.options, "past_key_values": self.cache}
+
+
+def hf_static(model: torch.nn.Module, pad_token_id: int, cache_length: int) -> HFStaticMethod:
+    """HF `generate` on a static cache, compiled as transformers compiles it: on CUDA by default (mode
+    "reduce-overhead"); on a CPU only when asked (CompileConfig's `_compile_all_devices`), as here."""
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True
+    return HFStaticMethod(
+        "hf_static",
+        "HF generate, static cache, compiled",
+        "hf",
+        max_batch=1,
+        model=model,
+        pad_token_id=pad_token_id,
+        options={"compile_config": compile_config},
+        cache_length=cache_length,
+    )
 
 
 def hf_assistant(draft: torch.nn.Module, k: int) -> torch.nn.Module:

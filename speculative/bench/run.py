@@ -36,12 +36,14 @@ from speculative.bench.methods import (
     Method,
     OursMethod,
     hf_assistant,
+    hf_static,
     vllm_method,
     vllm_unavailable,
 )
 from speculative.bench.plots import write_plots
 from speculative.bench.prompts import BUNDLED_DIR, encode, load_jsonl
 from speculative.bench.report import print_tables, write_outputs
+from speculative.bench.synthetic import build_pair
 from speculative.bench.timing import bound_figures
 from speculative.config import SpeculativeConfig
 from speculative.demo import DEMO_DIR
@@ -77,6 +79,9 @@ class BenchConfig:
     llama_cpp: a llama.cpp checkout whose folder `llama_cpp_build` holds bin/llama-server (llamacpp.py);
         None skips the llama.cpp methods. The pair must then be local folders (converted to GGUF once,
         cached in `gguf_cache`, gguf_cache.py).
+    synthetic: instead of model / draft_model / eagle, a synthetic pair of that size built in process
+        (synthetic.py: "1b", "7b" or "tiny"), its draft calibrated to `synthetic_acceptance`; prompts
+        are tokenized by the demo pair's tokenizer. vLLM and llama.cpp need checkpoints: they skip.
     """
 
     model: str = str(DEMO_DIR / "target")
@@ -103,6 +108,8 @@ class BenchConfig:
     llama_cpp: str | None = None
     llama_cpp_build: str = "build"
     gguf_cache: str = str(DEFAULT_CACHE)
+    synthetic: str | None = None
+    synthetic_acceptance: float = 0.8
 
     def quick(self) -> BenchConfig:
         """The CI smoke test's settings: 2 prompts a set, 24 tokens, k sweep [1, k] on 1 prompt, batch
@@ -128,23 +135,6 @@ class Pair:
         self.device = torch.device(config.device)
         if config.compile and config.tensor_parallel_size > 1:
             raise ValueError("--compile does not run with --tensor-parallel-size > 1 yet")
-        spec = SpeculativeConfig("draft_model", config.k) if config.draft_model else None
-        self.llm = LLM(
-            config.model,
-            draft_model=config.draft_model,
-            speculative_config=spec,
-            dtype=config.dtype,
-            draft_dtype=config.draft_dtype if config.draft_model else None,
-            device=config.device,
-            seed=config.seed,
-            model_impl=config.model_impl,
-            tensor_parallel_size=config.tensor_parallel_size,
-        )
-        if self.llm.tokenizer is None:
-            raise ValueError(f"{config.model} has no tokenizer: the benchmark's prompts are text")
-        self.tokenizer = self.llm.tokenizer
-        self.target = self.llm.target.model
-        self.draft = self.llm.draft.model if self.llm.draft is not None else None
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
         draft_dtype = (
             dtype
@@ -153,14 +143,50 @@ class Pair:
             if config.draft_dtype == "auto"
             else getattr(torch, config.draft_dtype)
         )
-        self.hf_target = (
-            AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(self.device).eval()
+        self.synthetic = None
+        if config.synthetic is not None:  # HF's models are the pair; ours share their weights
+            if config.tensor_parallel_size > 1 or config.draft_dtype is not None:
+                raise ValueError("--synthetic pairs run on one rank, in one dtype (no --draft-dtype)")
+            built = build_pair(
+                config.synthetic,
+                torch.bfloat16 if dtype == "auto" else dtype,
+                config.device,
+                config.seed,
+                config.synthetic_acceptance,
+            )
+            self.synthetic, self.hf_target, self.hf_draft = built, built.target, built.draft
+            models, tokenizer = (built.target, built.draft), str(DEMO_DIR / "target")
+        else:
+            models, tokenizer = (config.model, config.draft_model), None
+        spec = SpeculativeConfig("draft_model", config.k) if models[1] else None
+        self.llm = LLM(
+            models[0],
+            draft_model=models[1],
+            speculative_config=spec,
+            dtype=config.dtype,
+            draft_dtype=config.draft_dtype if models[1] else None,
+            device=config.device,
+            seed=config.seed,
+            model_impl=config.model_impl,
+            tokenizer=tokenizer,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
-        self.hf_draft = (
-            AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=draft_dtype).to(self.device).eval()
-            if config.draft_model
-            else None
-        )
+        if self.llm.tokenizer is None:
+            raise ValueError(f"{config.model} has no tokenizer: the benchmark's prompts are text")
+        self.tokenizer = self.llm.tokenizer
+        self.target = self.llm.target.model
+        self.draft = self.llm.draft.model if self.llm.draft is not None else None
+        if self.synthetic is None:
+            self.hf_target = (
+                AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(self.device).eval()
+            )
+            self.hf_draft = (
+                AutoModelForCausalLM.from_pretrained(config.draft_model, dtype=draft_dtype)
+                .to(self.device)
+                .eval()
+                if config.draft_model
+                else None
+            )
         tok = self.tokenizer
         self.pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
         self.drafters = ["draft_model", "ngram", "suffix"] if self.draft is not None else ["ngram", "suffix"]
@@ -315,6 +341,14 @@ NOTES = [
     "prefill. The head runs eagerly (no compiled EAGLE methods) and on one rank; HF has no counterpart.",
 ]
 
+HF_STATIC_NOTE = (
+    "HF generate, static cache, compiled: generate(cache_implementation='static') as transformers runs it, "
+    "its decoding forward compiled (torch.compile; with CUDA graphs on CUDA; on a CPU only because the "
+    "benchmark asks, CompileConfig._compile_all_devices), one StaticCache sized for the longest prompt "
+    "and reused, so that only the warm-up compiles. Its forwards are not hooked (a compiled forward would "
+    "trace the hooks): no step times. Included with --compile or on CUDA."
+)
+
 LLAMA_CPP_NOTE = (
     "llama.cpp methods (bench/llamacpp.py): one llama-server per method, the pair converted to GGUF in the "
     "bench's dtype by the checkout's convert_hf_to_gguf.py, the bench's thread count, one slot, no prompt "
@@ -356,12 +390,17 @@ def skipped_heads(config: BenchConfig) -> dict[str, dict]:
     return {name: {"label": label, "note": note} for name, label in labels.items()}
 
 
-def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[str, dict]]:
+def build_methods(
+    pair: Pair, servers: ExitStack, longest_prompt: int
+) -> tuple[list[Method], dict[str, dict]]:
     """The methods of the side-by-side table, and those skipped (with why). llama.cpp's servers are
-    started here and registered on `servers`, which stops them."""
+    started here and registered on `servers`, which stops them. longest_prompt: the longest prompt's
+    tokens (HF's static cache is sized for it)."""
     config, drafters = pair.config, pair.drafters
     swept = [d for d in drafters if d in SWEPT]
     methods: list[Method] = [pair.hf(None, 0)] + [pair.hf(d, config.k) for d in swept]
+    if config.compile or pair.device.type == "cuda":
+        methods.append(hf_static(pair.hf_target, pair.pad_token_id, longest_prompt + config.max_tokens))
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
     methods += [pair.ours(d, config.k, tree=TREES[d]) for d in drafters]
@@ -378,7 +417,9 @@ def build_methods(pair: Pair, servers: ExitStack) -> tuple[list[Method], dict[st
             ("vllm_draft", "vLLM draft"),
         ):
             skipped[name] = {"label": label, "note": "no --draft-model given"}
-    why_not = vllm_unavailable(pair.device)
+    why_not = (
+        "a synthetic pair has no checkpoint to load" if pair.synthetic else vllm_unavailable(pair.device)
+    )
     if why_not is None and pair.draft is not None:
         methods.append(vllm_method(config.model, config.draft_model, config.k, config.dtype))
     elif "vllm_draft" not in skipped:
@@ -432,6 +473,8 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     clock = time.perf_counter()
     if config.llama_cpp is not None and llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build):
         raise ValueError(llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build))
+    if config.synthetic is not None and (config.llama_cpp is not None or config.eagle is not None):
+        raise ValueError("--synthetic pairs have no checkpoint for --llama-cpp and no EAGLE head (--eagle)")
     torch.manual_seed(config.seed)
     notes = list(NOTES)
     if torch.device(config.device).type == "cpu":
@@ -443,6 +486,8 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
             "(speculative.models.llama.small_call_threads). Compare runs made under the same policy."
         )
     pair = Pair(config)
+    if pair.synthetic is not None:
+        notes.insert(0, pair.synthetic.describe())
     if config.compile:
         notes.append(
             "Compiled methods (torch.compile of the native forward) share the eager models' weights; "
@@ -459,7 +504,10 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
         )
     sets = load_sets(config, pair.tokenizer, max_prompt, notes)
     names = list(sets)
-    methods, skipped = build_methods(pair, servers)
+    longest = max(len(p) for prompts in sets.values() for p in prompts)
+    methods, skipped = build_methods(pair, servers, longest)
+    if any(m.name == "hf_static" for m in methods):
+        notes.append(HF_STATIC_NOTE)
     llama_cpp = None
     if any(m.engine == "llama.cpp" for m in methods):
         notes.append(LLAMA_CPP_NOTE)
