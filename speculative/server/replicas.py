@@ -79,8 +79,9 @@ def serve_replicas(args: argparse.Namespace) -> int:
                 "num_cpus": share,
                 "runtime_env": {"env_vars": {MULTIPROCESS_DIR: metrics_dir.name}},
             },
-            # the replica's own queue answers 429 past --max-waiting: Ray's proxy holds none back
-            max_ongoing_requests=args.max_num_seqs + args.max_waiting,
+            # room for one request more than a full replica takes, which gets its 429: Ray routes to
+            # replicas with room first, and holds requests back only while each is answering a 429
+            max_ongoing_requests=args.max_num_seqs + args.max_waiting + 1,
             graceful_shutdown_timeout_s=args.shutdown_timeout,
         )
         serve.run(replicas.bind(args), name=APP_NAME, route_prefix="/")
