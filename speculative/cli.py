@@ -521,9 +521,9 @@ def uvicorn_options(args: argparse.Namespace) -> dict:
     }
 
 
-def check_serve_flags(args: argparse.Namespace) -> None:
-    """ValueError naming the flag for a bad value of `serve`'s own flags (the engine's are checked as
-    the models load)."""
+def check_serve_flags(args: argparse.Namespace) -> str | None:
+    """--chat-template's template (None: the tokenizer's); ValueError naming the flag for a bad value
+    of `serve`'s own flags (the engine's are checked as the models load)."""
     _not_under_torchrun("speculative serve")
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1; got {args.replicas}")
@@ -545,20 +545,20 @@ def check_serve_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
     if not args.timeout_request_body > 0:
         raise ValueError(f"--timeout-request-body must be > 0; got {args.timeout_request_body}")
+    return None if args.chat_template is None else _chat_template(args.chat_template)
 
 
 def serve_app(args: argparse.Namespace, replica: str | None = None):
     """The app `speculative serve` runs (FastAPI, not started): the flags checked, --chat-template
     before the models load, then the LLM (with the template as its tokenizer's), its scheduler and the
     OpenAI-compatible app (`replica`: create_app's). ValueError naming the flag for a bad value."""
-    check_serve_flags(args)
+    template = check_serve_flags(args)
     with needs_extra("server", "speculative serve"):
         from speculative.server.app import create_app
         from speculative.server.scheduler import Scheduler
 
     model, draft = _models(args.model, args.draft_model, args.ngram or args.suffix)
     name = args.served_model_name or args.model or "speculative-demo"
-    template = None if args.chat_template is None else _chat_template(args.chat_template)
     llm = _load(args, model, draft, _speculative_config(args, draft), seed=args.seed)
     if template is not None:
         if llm.tokenizer is None:

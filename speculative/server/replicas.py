@@ -54,7 +54,8 @@ def serve_replicas(args: argparse.Namespace) -> int:
     """Run args.replicas replicas of `speculative serve`'s app behind Ray Serve's proxy on
     --host/--port until SIGINT or SIGTERM, then shut Ray Serve down (each replica gets
     --shutdown-timeout seconds for its running requests) and Ray with it (flags checked by
-    `speculative.cli.check_serve_flags`)."""
+    `speculative.cli.check_serve_flags`). OSError when the replicas cannot start (a model that does
+    not load), after Ray's tries."""
     share = max(1, len(os.sched_getaffinity(0)) // args.replicas)
     metrics_dir = tempfile.TemporaryDirectory(prefix="speculative-metrics-")
     ray.init(
@@ -84,7 +85,10 @@ def serve_replicas(args: argparse.Namespace) -> int:
             max_ongoing_requests=args.max_num_seqs + args.max_waiting + 1,
             graceful_shutdown_timeout_s=args.shutdown_timeout,
         )
-        serve.run(replicas.bind(args), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(replicas.bind(args), name=APP_NAME, route_prefix="/")
+        except RuntimeError as error:  # Ray has logged the replicas' own errors
+            raise OSError(f"the replicas did not start, see their errors above ({error})") from None
         print(
             f"speculative: {args.replicas} replicas serving on http://{args.host}:{args.port}",
             file=sys.stderr,

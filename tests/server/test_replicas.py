@@ -64,6 +64,7 @@ def replica_processes(process) -> list[psutil.Process]:
         (["--replicas", "0"], "--replicas must be >= 1; got 0"),
         (["--tensor-parallel-size", "2"], "--replicas runs each engine in one process"),
         (["--device", "cuda"], "--replicas runs on the CPU only (--device cpu); got --device cuda"),
+        (["--chat-template", "{% if %}"], "--chat-template is not a valid Jinja template"),  # before Ray
     ],
 )
 def test_refused_flags(capsys, flags, message) -> None:
