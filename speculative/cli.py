@@ -281,6 +281,13 @@ def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
         "batching.",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engines serving behind Ray Serve's HTTP proxy on --host/--port (1: no Ray; more needs the "
+        "replicas extra)",
+    )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
         "--api-key",
@@ -521,7 +528,13 @@ def bench_serve(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """Serve `serve_app(args)` until SIGTERM or SIGINT: from then on new requests get 503 while running
-    ones have --shutdown-timeout seconds to finish."""
+    ones have --shutdown-timeout seconds to finish. With --replicas N > 1, N of them behind Ray Serve
+    (`speculative.server.replicas.serve_replicas`)."""
+    if args.replicas != 1:
+        check_serve_flags(args)
+        with needs_extra("replicas", "speculative serve --replicas"):
+            from speculative.server.replicas import serve_replicas
+        return serve_replicas(args)
     with needs_extra("server", "speculative serve"):
         import uvicorn
 
@@ -552,17 +565,16 @@ def uvicorn_options(args: argparse.Namespace) -> dict:
     }
 
 
-def serve_app(args: argparse.Namespace):
-    """The app `speculative serve` runs (FastAPI, not started): the flags checked, --chat-template
-    before the models load, then the LLM (with the template as its tokenizer's), its scheduler and the
-    OpenAI-compatible app. ValueError naming the flag for a bad value."""
+def check_serve_flags(args: argparse.Namespace) -> str | None:
+    """--chat-template's template (None: the tokenizer's); ValueError naming the flag for a bad value
+    of `serve`'s own flags (the engine's are checked as the models load)."""
     _not_under_torchrun("speculative serve")
-    with needs_extra("server", "speculative serve"):
-        from speculative.server.app import create_app
-        from speculative.server.scheduler import Scheduler
-
-    model, draft = _models(args.model, _draft_path(args), args.ngram or args.suffix)
-    name = args.served_model_name or args.model or "speculative-demo"
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1; got {args.replicas}")
+    if args.replicas > 1 and (args.tensor_parallel_size != 1 or args.draft_tensor_parallel_size != 1):
+        raise ValueError("--replicas runs each engine in one process: --tensor-parallel-size must be 1")
+    if args.replicas > 1 and args.device != "cpu":
+        raise ValueError(f"--replicas runs on the CPU only (--device cpu); got --device {args.device}")
     for flag in (
         "max_prompt_tokens",
         "max_model_len",
@@ -577,7 +589,20 @@ def serve_app(args: argparse.Namespace):
         raise ValueError(f"--shutdown-timeout must be >= 0; got {args.shutdown_timeout}")
     if not args.timeout_request_body > 0:
         raise ValueError(f"--timeout-request-body must be > 0; got {args.timeout_request_body}")
-    template = None if args.chat_template is None else _chat_template(args.chat_template)
+    return None if args.chat_template is None else _chat_template(args.chat_template)
+
+
+def serve_app(args: argparse.Namespace, replica: str | None = None):
+    """The app `speculative serve` runs (FastAPI, not started): the flags checked, --chat-template
+    before the models load, then the LLM (with the template as its tokenizer's), its scheduler and the
+    OpenAI-compatible app (`replica`: create_app's). ValueError naming the flag for a bad value."""
+    template = check_serve_flags(args)
+    with needs_extra("server", "speculative serve"):
+        from speculative.server.app import create_app
+        from speculative.server.scheduler import Scheduler
+
+    model, draft = _models(args.model, _draft_path(args), args.ngram or args.suffix)
+    name = args.served_model_name or args.model or "speculative-demo"
     llm = _load(args, model, draft, _speculative_config(args, draft), seed=args.seed)
     if template is not None:
         if llm.tokenizer is None:
@@ -599,6 +624,7 @@ def serve_app(args: argparse.Namespace):
         shutdown_timeout=args.shutdown_timeout,
         max_request_bytes=args.max_request_bytes,
         request_body_timeout=args.timeout_request_body,
+        replica=replica,
     )
 
 
@@ -626,13 +652,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if os.environ.get("RANK", "0") != "0":  # torchrun's other ranks: rank 0 prints the results
         sys.stdout = open(os.devnull, "w")
-    transformers_logging.set_verbosity_error()  # no weight-loading bars or warnings in the CLI's output
-    transformers_logging.disable_progress_bar()
+    quiet_transformers()
     try:
         return {"bench": bench, "bench-serve": bench_serve, "serve": serve}.get(args.command, generate)(args)
     except (ValueError, TypeError, OSError, ModuleNotFoundError) as error:  # bad input, a missing extra
         print(f"speculative: error: {error}", file=sys.stderr)
         return 2
+
+
+def quiet_transformers() -> None:
+    """No weight-loading bars or warnings from transformers in the CLI's output."""
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
 
 
 def _models(model: str | None, draft: str | None, modelless: bool = False) -> tuple[str, str | None]:

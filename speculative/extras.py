@@ -1,7 +1,8 @@
 """The optional features' modules: a missing one is an error that names the extra installing it.
 
 The core install is the engine alone; `pip install 'speculative[EXTRA]'` adds a feature's modules:
-server (`speculative serve`), bench (`speculative bench`), guided (guided decoding); `all` is the three.
+server (`speculative serve`), bench (`speculative bench`), guided (guided decoding), replicas
+(`speculative serve --replicas N`, Ray Serve); `all` is the four.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ EXTRAS = {
     "server": ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "prometheus_client"),
     "bench": ("matplotlib", "rich"),
     "guided": ("llguidance",),
+    "replicas": ("ray",),
 }
 """Each extra's top-level modules (the packages pyproject.toml's extra installs, by import name)."""
 

@@ -30,12 +30,22 @@ def test_bench_names_the_bench_extra(hide_module, capsys, missing) -> None:
     ) in capsys.readouterr().err
 
 
+def test_replicas_name_the_replicas_extra(hide_module, capsys) -> None:
+    hide_module("ray", "speculative.server.replicas")
+    assert cli.main(["serve", "--replicas", "2"]) == 2
+    assert (
+        "speculative serve --replicas needs the replicas extra: pip install 'speculative[replicas]' "
+        "(no module named 'ray')"
+    ) in capsys.readouterr().err
+
+
 MODULES = [  # (missing module, module importing it, its extra)
     ("llguidance", "speculative.sampling.guided", "guided"),
     ("fastapi", "speculative.server.app", "server"),
     ("prometheus_client", "speculative.server.metrics", "server"),
     ("matplotlib", "speculative.bench.plots", "bench"),
     ("rich", "speculative.bench.report", "bench"),
+    ("ray", "speculative.server.replicas", "replicas"),
 ]
 
 
@@ -58,7 +68,7 @@ def test_other_missing_modules_pass_unchanged() -> None:
     ):
         import no_such_module  # noqa: F401
     with (
-        pytest.raises(ValueError, match="extra must be one of server, bench, guided; got 'gpu'"),
+        pytest.raises(ValueError, match="extra must be one of server, bench, guided, replicas; got 'gpu'"),
         needs_extra("gpu", "x"),
     ):
         pass

@@ -39,6 +39,8 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 """A request body's size at most (`serve --max-request-bytes`); beyond, 413."""
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 """Seconds a request's body may take to arrive (`serve --timeout-request-body`); beyond, 408."""
+REPLICA_HEADER = "x-speculative-replica"
+"""The response header naming the replica that answered (`create_app(replica=...)`)."""
 
 
 def create_app(
@@ -52,6 +54,7 @@ def create_app(
     shutdown_timeout: float = 30.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    replica: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `scheduler`'s model as `model_name`.
 
@@ -60,7 +63,8 @@ def create_app(
     max_prompt_tokens: longest prompt taken (None: no limit but the context); max_model_len: prompt
     plus max_tokens at most; max_request_bytes: a request body's size at most (else 413, read no
     further); request_body_timeout: seconds the body may take to arrive (else 408: a client that
-    sends slowly holds no handler longer). Both close the connection. n and best_of are at most
+    sends slowly holds no handler longer). Both close the connection. replica: when set, every response
+    names it in the REPLICA_HEADER header (one of several behind a proxy). n and best_of are at most
     the scheduler's max_num_seqs. The lifespan starts the scheduler and, on shutdown, lets running
     requests finish within shutdown_timeout seconds.
     `drain(app)` (the CLI calls it on SIGTERM) starts that shutdown early.
@@ -84,6 +88,7 @@ def create_app(
         metrics=scheduler.metrics,
         max_request_bytes=max_request_bytes,
         request_body_timeout=request_body_timeout,
+        replica=replica,
     )
     _add_error_handlers(app)
     created = int(time.time())
@@ -173,7 +178,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(scheduler.metrics.exposed()), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -482,17 +487,26 @@ def _event(body: dict) -> str:
 
 class _Gate:
     """Pure ASGI middleware: the API key, draining (503), the body's size (413, the body read no
-    further than the limit) and time to arrive (408), and counting /v1 requests by status.
+    further than the limit) and time to arrive (408), counting /v1 requests by status, and naming
+    the replica in every response's headers (when it has a name).
 
     A streamed request is counted when its stream ends, with the status its handler leaves in
     `request.state.status` (200, 499 when the client left, 400 or 500 when the engine failed it)."""
 
     def __init__(
-        self, app, *, api_key: str | None, metrics, max_request_bytes: int, request_body_timeout: float
+        self,
+        app,
+        *,
+        api_key: str | None,
+        metrics,
+        max_request_bytes: int,
+        request_body_timeout: float,
+        replica: str | None,
     ) -> None:
         self.app, self.metrics, self.max_request_bytes = app, metrics, max_request_bytes
         self.request_body_timeout = request_body_timeout
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.replica = [(REPLICA_HEADER.encode(), replica.encode())] if replica else []
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -505,6 +519,7 @@ class _Gate:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), *self.replica]}
             await send(message)
 
         try:
