@@ -124,7 +124,17 @@ class CompiledCausalLM:
         input_ids, positions, logits_indices = self._dynamic(
             input_ids, positions, logits_indices, key_positions=key_positions, few_static=verification
         )
-        return self._compiled(input_ids, positions, keys, values, key_positions, logits_indices)
+        return self._owned(self._compiled(input_ids, positions, keys, values, key_positions, logits_indices))
+
+    def _owned(self, out: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        """A compiled call's outputs as the caller's own tensors. Under CUDA graphs ("reduce-overhead")
+        they live in the graphs' shared memory pool, where the next replay of any graph overwrites
+        them (torch raises on reading one after that): a draft's tokens and logits are read after the
+        target's verification replays, so every output is copied out. Elsewhere they are the call's own
+        already."""
+        if self.mode != "reduce-overhead":
+            return out
+        return out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
 
     def _dynamic(self, *tensors: Tensor, key_positions: Tensor, few_static: bool) -> list[Tensor]:
         """`tensors` ([batch, q] each) with standard strides, their sizes and those of key_positions and
@@ -206,7 +216,7 @@ class CompiledCausalLM:
             input_ids, positions = self._dynamic(
                 input_ids, positions, key_positions=key_positions, few_static=True
             )
-            return compiled(input_ids, positions, keys, values, key_positions)
+            return self._owned(compiled(input_ids, positions, keys, values, key_positions))
 
         written = input_ids.shape[1] + steps - 1
         return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=written)
