@@ -32,6 +32,7 @@ from speculative.models.quantization import check_quantization, quantize_model
 from speculative.models.tensor_parallel import check_model
 from speculative.precompile import PreCompileConfig
 from speculative.proposers import (
+    CrossTokenizerProposer,
     DraftModelProposer,
     DraftTreeProposer,
     EagleProposer,
@@ -46,7 +47,9 @@ class LLM:
     """A target model, optionally with a drafter, that generates text speculatively and exactly.
 
     model / draft_model: a hub id or local path, a transformers PreTrainedModel, or a LanguageModel.
-        The draft must share the target's vocabulary.
+        A draft whose vocabulary differs from the target's drafts across tokenizers
+        (CrossTokenizerProposer: a chain, greedy drafting; both tokenizers needed, fast ones; no
+        tree, compile, precompile or tensor parallelism).
     speculative_config: how to speculate; None decodes plainly with the target (the baseline),
         except that giving a draft_model alone speculates with SpeculativeConfig()'s defaults.
     dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype; device: "cpu", "cuda", ... "auto" is
@@ -59,6 +62,8 @@ class LLM:
     seed: seeds the generator of requests that have no seed of their own.
     model_impl: "auto" (native forward for Llama/Mistral/Qwen2/Qwen3), "native" or "transformers".
     tokenizer: overrides the tokenizer found beside the model (a path or a tokenizer object).
+    draft_tokenizer: overrides the one found beside the draft model (Hugging Face's
+        `assistant_tokenizer`): a draft whose vocabulary differs from the target's needs one.
     compile: run the native forward compiled with torch.compile (models/compiled.py): inductor on
         CPU, CUDA graphs on CUDA. Each kind of call compiles on its first use, unless `precompile`
         warms it up here.
@@ -92,6 +97,7 @@ class LLM:
         seed: int = 0,
         model_impl: ModelImpl = "auto",
         tokenizer: PreTrainedTokenizerBase | str | None = None,
+        draft_tokenizer: PreTrainedTokenizerBase | str | None = None,
         compile: bool = False,
         precompile: PreCompileConfig | None = None,
         quantization: str | None = None,
@@ -117,6 +123,8 @@ class LLM:
             check_dtype(draft_dtype, "draft_dtype")
             if method != "draft_model":
                 raise ValueError("draft_dtype is the draft model's dtype: give it with a draft_model")
+        if draft_tokenizer is not None and method != "draft_model":
+            raise ValueError("draft_tokenizer is the draft model's tokenizer: give it with a draft_model")
         check_quantization(quantization)
         parallel = ParallelConfig(tensor_parallel_size, draft_tensor_parallel_size)
         if method in ("eagle", "eagle3") and parallel.tensor_parallel_size > 1:
@@ -141,7 +149,16 @@ class LLM:
         with ranks.building(arguments) if ranks is not None else nullcontext() as handle:
             engine = Engine if ranks is None else functools.partial(LeaderEngine, ranks, handle)
             self._build(
-                model, draft_model, dtype, draft_dtype, seed, model_impl, tokenizer, compile, parallel, engine
+                model,
+                draft_model,
+                dtype,
+                draft_dtype,
+                seed,
+                model_impl,
+                (tokenizer, draft_tokenizer),
+                compile,
+                parallel,
+                engine,
             )
         if ranks is not None:
             weakref.finalize(self, ranks.drop, handle)
@@ -154,18 +171,19 @@ class LLM:
         draft_dtype: str | torch.dtype | None,
         seed: int,
         model_impl: ModelImpl,
-        tokenizer: PreTrainedTokenizerBase | str | None,
+        tokenizers: tuple[PreTrainedTokenizerBase | str | None, PreTrainedTokenizerBase | str | None],
         compile: bool,
         parallel: ParallelConfig,
         engine: Callable[..., Engine],
     ) -> None:
         """Load the models (this rank's share of them), make the proposer, the engine (with `engine`:
         Engine, or rank 0's LeaderEngine) and the inputs' checker, and warm up the precompile shapes
-        (__init__'s arguments, checked)."""
+        (__init__'s arguments, checked; `tokenizers`: tokenizer and draft_tokenizer)."""
         speculative_config = self.speculative_config
         quantization, precompile = self.quantization, self.precompile
         method = speculative_config.method if speculative_config else None
         group = self.tensor_parallel
+        tokenizer, draft_tokenizer = tokenizers
         self.target = load_model(model, dtype, self.device, model_impl, tokenizer, tensor_parallel=group)
         quantize_model(self.target.model, quantization, "target")
         self.target.model = prepare_model(self.target.model, compile, precompile)
@@ -178,6 +196,7 @@ class LLM:
                 dtype if draft_dtype is None else draft_dtype,
                 self.device,
                 model_impl,
+                draft_tokenizer,
                 dtype_name="dtype" if draft_dtype is None else "draft_dtype",
                 tensor_parallel=group if parallel.draft_tensor_parallel_size > 1 else None,
                 tensor_parallel_name="draft_tensor_parallel_size",
@@ -189,8 +208,11 @@ class LLM:
                 "dtype" if draft_dtype is None else "draft_dtype",
             )
             self.draft.model = prepare_model(self.draft.model, compile, precompile)
-            _check_same_vocabulary(self.target, self.draft)
-            proposer = _draft_proposer(self.draft.model, speculative_config)
+            if _same_vocabulary(self.target, self.draft):
+                proposer = _draft_proposer(self.draft.model, speculative_config)
+            else:
+                proposer = _cross_tokenizer_proposer(self.target, self.draft, speculative_config)
+                _check_cross_tokenizer(compile, precompile, group)
         elif method in ("eagle", "eagle3"):
             if not isinstance(self.target.model, NativeCausalLM):
                 raise ValueError(
@@ -239,12 +261,13 @@ class LLM:
         )
         if group is not None and adaptive:  # every rank drafts rank 0's choice
             self.engine.draft_length = RankZeroDraftLength(k, self.device)
-        context = min(m.model.max_length for m in (self.target, self.draft) if m is not None)
+        same_tokens = self.draft is not None and not isinstance(proposer, CrossTokenizerProposer)
+        context = min(m.model.max_length for m in (self.target, self.draft if same_tokens else None) if m)
         self.inputs = InputProcessor(
             self.tokenizer, self.target.model.vocab_size, context, self.device, precompile
         )
         if precompile is not None:
-            warm_up_pair(self.target.model, self.draft.model if self.draft else None, precompile, k)
+            warm_up_pair(self.target.model, self.draft.model if same_tokens else None, precompile, k)
 
     def generate(
         self,
@@ -390,20 +413,42 @@ def _check_tree_forward(model: LanguageModel, which: str = "model") -> None:
         )
 
 
-def _check_same_vocabulary(target, draft) -> None:
-    """The draft must share the target's vocabulary: same size and, where both have one, tokenizer."""
+def _same_vocabulary(target, draft) -> bool:
+    """Whether the draft shares the target's vocabulary: the same size and, where both have a tokenizer,
+    the same tokenizer vocabulary (a draft of another size where one has no tokenizer is a ValueError:
+    it cannot draft across tokenizers)."""
     vt, vd = target.model.vocab_size, draft.model.vocab_size
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        return vt == vd and target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
     if vt != vd:
         raise ValueError(
-            f"the draft model's vocabulary ({vd} tokens) differs from the target's ({vt}); "
-            f"speculative decoding needs a draft that shares the target's vocabulary"
+            f"the draft model's vocabulary ({vd} tokens) differs from the target's ({vt}) and the "
+            f"{'draft' if draft.tokenizer is None else 'target'} has no tokenizer: drafting across "
+            "tokenizers needs both (give LLM(tokenizer=...) or a draft directory with its tokenizer)"
         )
-    if (
-        target.tokenizer is not None
-        and draft.tokenizer is not None
-        and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab()
-    ):
+    return True
+
+
+def _cross_tokenizer_proposer(target, draft, config: SpeculativeConfig) -> CrossTokenizerProposer:
+    """The proposer of a draft with its own tokenizer: a chain only (a ValueError naming `tree`)."""
+    if config.tree is not None:
         raise ValueError(
-            "the draft model's tokenizer maps tokens to other ids than the target's; "
-            "speculative decoding needs a draft that shares the target's vocabulary"
+            "SpeculativeConfig.tree is not supported with a draft model that has its own tokenizer "
+            "(drafting across tokenizers proposes chains); use tree=None"
         )
+    return CrossTokenizerProposer(draft.model, draft.tokenizer, target.tokenizer)
+
+
+def _check_cross_tokenizer(compile: bool, precompile, group) -> None:
+    """compile, precompile and tensor parallelism do not run with a draft of its own tokenizer (a
+    ValueError naming the argument)."""
+    for name, given in (
+        ("compile", compile),
+        ("precompile", precompile is not None),
+        ("tensor_parallel_size", group is not None),
+    ):
+        if given:
+            raise ValueError(
+                f"{name} is not supported with a draft model that has its own tokenizer (drafting across "
+                "tokenizers)"
+            )

@@ -7,6 +7,7 @@ from conftest import byte_tokenizer, tiny_model
 
 import speculative.engine.engine as engine_module
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.proposers import CrossTokenizerProposer
 
 
 @pytest.fixture
@@ -52,13 +53,14 @@ def test_bad_k(k) -> None:
 
 def test_draft_with_another_vocabulary() -> None:
     with pytest.raises(
-        ValueError, match=r"draft model's vocabulary \(100 tokens\) differs from the target's \(96\)"
+        ValueError, match=r"draft model's vocabulary \(100 tokens\) differs from the target's \(96\) and the "
     ):
         LLM(tiny_model("llama"), draft_model=tiny_model("llama", vocab_size=100))
 
 
 def test_draft_with_another_tokenizer(tmp_path) -> None:
-    """Same vocabulary size, but the draft's tokenizer maps tokens to other ids."""
+    """Same vocabulary size, but the draft's tokenizer maps tokens to other ids: it drafts across
+    tokenizers (tests/test_cross_tokenizer.py)."""
     tokenizer, other = byte_tokenizer(), byte_tokenizer()
     tokenizer.add_tokens(["<a>"])
     other.add_tokens(["<b>"])
@@ -66,8 +68,8 @@ def test_draft_with_another_tokenizer(tmp_path) -> None:
     for name, tok in (("target", tokenizer), ("draft", other)):
         model.save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
-    with pytest.raises(ValueError, match="tokenizer maps tokens to other ids"):
-        LLM(str(tmp_path / "target"), draft_model=str(tmp_path / "draft"))
+    llm = LLM(str(tmp_path / "target"), draft_model=str(tmp_path / "draft"))
+    assert isinstance(llm.engine.proposer, CrossTokenizerProposer)
 
 
 def test_method_and_draft_mismatch() -> None:

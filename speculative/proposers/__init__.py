@@ -1,6 +1,7 @@
 """Proposers: whatever proposes draft tokens, behind one interface."""
 
 from speculative.proposers.base import Proposal, Proposer
+from speculative.proposers.cross_tokenizer import CrossTokenizerProposer
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.draft_tree import DraftTreeProposer
 from speculative.proposers.drafter import Drafter, DraftOut
@@ -10,6 +11,7 @@ from speculative.proposers.ngram import NgramProposer
 from speculative.proposers.suffix import SuffixProposer
 
 __all__ = [
+    "CrossTokenizerProposer",
     "DraftModelProposer",
     "DraftOut",
     "DraftTreeProposer",
