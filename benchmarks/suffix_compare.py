@@ -30,7 +30,9 @@ def main() -> None:
     parser.add_argument("--more-spec-factor", type=float, default=2.0, help="the second suffix's factor")
     args = parser.parse_args()
     sets = [str(BUNDLED_DIR / f"{name}.jsonl") for name in ("multiturn", "edit", "code")]
-    config = BenchConfig(prompts=sets, k=args.k, max_tokens=args.max_tokens, num_prompts=args.num_prompts)
+    config = BenchConfig(
+        prompts=sets, k=args.k, max_tokens=args.max_tokens, num_prompts=args.num_prompts, eagle=None
+    )
     pair = Pair(config)
     methods = [pair.hf(None, 0), pair.ours(None, 0)] + [pair.ours(d, args.k) for d in pair.drafters]
     methods += [

@@ -129,3 +129,13 @@ def test_sampling_is_exact_whatever_k_each_step_has(pair) -> None:  # noqa: F811
         sample(llm, [prompt] * SAMPLES, [params] * SAMPLES), exact_probs(target, prompt, 1.0, -1)
     )
     assert chi2.sf(stat, dof) > 1e-3, f"chi-square {stat:.1f} on {dof} dof"
+
+
+def test_one_slow_step_does_not_switch_speculation_on() -> None:
+    """Plain steps best by a small margin (a batch of many rows); one plain step three times as slow as
+    the others (rows finishing in it) must not make drafting look better."""
+    cost = lambda k: 10.0 + 16.0 * k  # noqa: E731
+    chooser = _measured(4, cost, acceptance=0.75, steps=100)
+    assert chooser.choose(1) == 0
+    chooser.observe(1, 0, 3 * cost(0), [0], [0])
+    assert chooser.choose(1) == 0

@@ -1,19 +1,21 @@
 """Adaptive draft length: the k of each step, from measured acceptance and measured step times.
 
 With c_i the chance that draft i is accepted once drafts 1..i-1 were (measured per position), a step
-that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (Leviathan
-et al. 2023's expected tokens per step, with a per-position acceptance). It costs t_B(k), measured for
-the batch size B: the whole step's wall time (drafting, verification, acceptance, the host sync), an
-exponential moving average for each k tried, the line through them for k not tried. The step drafts
-k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculation switched off for
-batch sizes where it does not pay. The first batch size starts by measuring max_k and 0; a batch
-size met later starts from the step times of the nearest one measured, rescaled at its own first
-step and replaced k by k as it measures them: batches shrink a row at a time as rows finish, and
-probing max_k and 0 at each size costs more than it teaches. Now and then a neighbour of the best k
-is measured again so that the estimates follow the workload: after _EXPLORE steps at a batch size,
-then at intervals that double (up to _EXPLORE_MAX) while the best k stays the same, back to _EXPLORE
-when it changes. An exploration step is not free: where plain steps are best, its drafter first
-catches up on every token it skipped.
+that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (Leviathan et
+al. 2023's expected tokens per step, with a per-position acceptance). It costs t_B(k), measured for the
+batch size B: the whole step's wall time (drafting, verification, acceptance, the host sync), an
+exponential moving average for each k tried (a step slower than _OUTLIER times the average counts as
+that much: at 32 rows one slow last step of a batch, 44 ms against 26, raised a plain step's average by
+a quarter, enough to switch speculation on where it lost), the line through them for k not tried. The
+step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculation switched
+off for batch sizes where it does not pay. The first batch size starts by measuring max_k and 0; a batch
+size met later starts from the step times of the nearest one measured, rescaled at its own first step
+and replaced k by k as it measures them: batches shrink a row at a time as rows finish, and probing
+max_k and 0 at each size costs more than it teaches. Now and then a neighbour of the best k is measured
+again so that the estimates follow the workload: after _EXPLORE steps at a batch size, then at intervals
+that double (up to _EXPLORE_MAX) while the best k stays the same, back to _EXPLORE when it changes. An
+exploration step is not free: where plain steps are best, its drafter first catches up on every token it
+skipped.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _EXPLORE = 16  # steps at a batch size before a neighbour of the best k is measu
 _EXPLORE_MAX = 256  # ... an interval that doubles up to this while the best k stays the same
 _DECAY = 0.98  # per step, for the acceptance counts
 _SMOOTHING = 0.3  # weight of a new step time in its moving average
+_OUTLIER = 1.5  # a step time beyond this times its k's mean counts as this much (see observe)
 
 
 class DraftLength:
@@ -93,8 +96,8 @@ class DraftLength:
         if k in borrowed or k not in times:
             borrowed.discard(k)
             times[k] = seconds
-        else:
-            times[k] = (1 - _SMOOTHING) * times[k] + _SMOOTHING * seconds
+        else:  # one slow step (rows joining or finishing in it, another process) moves the mean a little
+            times[k] = (1 - _SMOOTHING) * times[k] + _SMOOTHING * min(seconds, _OUTLIER * times[k])
         counts[k] = counts.get(k, 0) + 1
         if k == 0:
             return
