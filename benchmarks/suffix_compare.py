@@ -2,8 +2,8 @@
 measurement (interleaved runs, exactness against HF greedy) restricted to those methods, on the bundled
 code, multiturn and edit sets. The README's suffix figures come from it.
 
-    python benchmarks/suffix_compare.py [--num-prompts 6] [--max-tokens 96] [-k 4] [--more-k 8] \
-        [--more-spec-factor 2.0]
+    python benchmarks/suffix_compare.py [--num-prompts 6] [--max-tokens 96] [-k 4] [--more-k 24] \
+        [--more-spec-factor 4.0]
 
 Methods: HF generate, ours AR, ours with each drafter at k (suffix with vLLM's defaults), and ours
 n-gram and suffix at a larger k (suffix with a larger max_spec_factor too). Prints one line per set
@@ -26,8 +26,13 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("-k", type=int, default=4, help="drafts per step of every drafter")
-    parser.add_argument("--more-k", type=int, default=8, help="k of the second n-gram and suffix methods")
-    parser.add_argument("--more-spec-factor", type=float, default=2.0, help="the second suffix's factor")
+    parser.add_argument(
+        "--more-k",
+        type=int,
+        default=24,
+        help="k of the second n-gram and suffix methods (24: the tries' depth)",
+    )
+    parser.add_argument("--more-spec-factor", type=float, default=4.0, help="the second suffix's factor")
     args = parser.parse_args()
     sets = [str(BUNDLED_DIR / f"{name}.jsonl") for name in ("multiturn", "edit", "code")]
     config = BenchConfig(

@@ -81,3 +81,20 @@ def test_committed_pair_loads_with_plain_transformers_and_writes_code() -> None:
             out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert "\n    " in text and any(c in text for c in "=()"), text  # indented Python statements
+
+
+def test_smoke_cross_draft_drafts_for_the_smoke_target(smoke_dir):
+    """The cross-tokenizer draft's recipe (train_cross_draft --smoke) on the smoke pair: its own
+    tokenizer, a card, and a measured acceptance of drafts that keep the target's greedy text."""
+    from speculative.demo import train_cross_draft
+
+    info = train_cross_draft.main(["--pair", str(smoke_dir), "--smoke", "--steps", "4", "--prompts", "2"])
+    out = smoke_dir / "cross-draft"
+    assert (
+        len(AutoTokenizer.from_pretrained(out))
+        == info["vocab_size"]
+        != len(AutoTokenizer.from_pretrained(smoke_dir / "target"))
+    )
+    assert json.loads((out / "training.json").read_text())["acceptance"] == info["acceptance"]
+    assert info["acceptance"]["cross-draft"]["mean_accepted_length"] >= 1.0
+    assert (out / "README.md").read_text().startswith("#")

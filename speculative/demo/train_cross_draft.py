@@ -22,9 +22,10 @@ import torch
 
 from speculative.demo import corpus
 from speculative.demo.model_card import heldout_prompts, machine
-from speculative.demo.train import FULL, ce_loss, count_params, llama, save, train_loop
+from speculative.demo.train import FULL, SMOKE, ce_loss, count_params, llama, save, train_loop
 
 VOCAB_SIZE = 4096
+SMOKE_VOCAB_SIZE = 320  # the smoke target's is 384
 
 
 def measure(pair: Path, prompts: list[list[int]], new_tokens: int, k: int = 4) -> dict:
@@ -89,19 +90,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", type=Path, required=True, help="the pair's directory (target/, draft/)")
     parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
+    parser.add_argument(
+        "--vocab-size", type=int, help=f"its BPE's size ({VOCAB_SIZE}; --smoke: {SMOKE_VOCAB_SIZE})"
+    )
     parser.add_argument("--max-minutes", type=float, help="safety cap on training time (recorded if hit)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--smoke", action="store_true", help="the recipe's tiny sizes on a few files, in seconds"
+    )
     args = parser.parse_args(argv)
-    cfg = dict(FULL)
+    cfg = dict(SMOKE if args.smoke else FULL)
     start = time.monotonic()
     deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
     out = args.pair / "cross-draft"
 
     train_files, heldout_files = corpus.split_files(corpus.list_files())
+    if cfg["files"] is not None:
+        train_files, heldout_files = train_files[: cfg["files"][0]], heldout_files[: cfg["files"][1]]
     train_texts = corpus.read_texts(train_files)
-    tokenizer = corpus.train_tokenizer(train_texts, args.vocab_size)
+    vocab_size = args.vocab_size or (SMOKE_VOCAB_SIZE if args.smoke else VOCAB_SIZE)
+    tokenizer = corpus.train_tokenizer(train_texts, vocab_size)
     tokenizer.model_max_length = cfg["seq_len"]
     eos = tokenizer.eos_token_id
     train_stream = corpus.token_stream(corpus.encode_files(tokenizer, train_texts), eos)
