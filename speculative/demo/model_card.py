@@ -62,6 +62,34 @@ def greedy_acceptance(target, draft, prompts: torch.Tensor, new_tokens: int, eos
 
 
 @torch.no_grad()
+def engine_acceptance(
+    pair: Path, drafters: dict[str, str], prompts: list[list[int]], new_tokens: int, k: int = 4
+) -> dict:
+    """Greedy acceptance through the engine, k-token chains on `prompts` (the target's token ids), of
+    each drafter `pair/<name>` run as SpeculativeConfig method `drafters[name]`: per name, the
+    acceptance rate and the mean tokens per step."""
+    from speculative import LLM, SamplingParams, SpeculativeConfig
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    result = {}
+    for name, method in drafters.items():
+        llm = LLM(
+            str(pair / "target"),
+            draft_model=str(pair / name),
+            speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=k),
+            dtype="float32",
+        )
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        drafted = sum(o.metrics.num_drafted for o in outputs)
+        accepted = sum(o.metrics.num_accepted for o in outputs)
+        steps = sum(o.metrics.num_steps for o in outputs)
+        result[name] = {
+            "acceptance_rate": round(accepted / max(drafted, 1), 4),
+            "mean_accepted_length": round(1 + accepted / steps, 3),
+        }
+    return result
+
+
 def decode_step_ms(model, context: int, steps: int) -> float:
     """Mean milliseconds of one batch-1 single-token forward with a KV cache holding `context` tokens."""
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))

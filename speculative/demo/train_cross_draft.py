@@ -21,36 +21,11 @@ from pathlib import Path
 import torch
 
 from speculative.demo import corpus
-from speculative.demo.model_card import heldout_prompts, machine
+from speculative.demo.model_card import engine_acceptance, heldout_prompts, machine
 from speculative.demo.train import FULL, SMOKE, ce_loss, count_params, llama, save, train_loop
 
 VOCAB_SIZE = 4096
 SMOKE_VOCAB_SIZE = 320  # the smoke target's is 384
-
-
-def measure(pair: Path, prompts: list[list[int]], new_tokens: int, k: int = 4) -> dict:
-    """Greedy acceptance on `prompts` (target token ids) of `pair/cross-draft` (across tokenizers) and of
-    `pair/draft` (same vocabulary), k-token chains: the acceptance rate and the mean tokens per step."""
-    from speculative import LLM, SamplingParams, SpeculativeConfig
-
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    result = {}
-    for name in ("cross-draft", "draft"):
-        llm = LLM(
-            str(pair / "target"),
-            draft_model=str(pair / name),
-            speculative_config=SpeculativeConfig(num_speculative_tokens=k),
-            dtype="float32",
-        )
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        drafted = sum(o.metrics.num_drafted for o in outputs)
-        accepted = sum(o.metrics.num_accepted for o in outputs)
-        steps = sum(o.metrics.num_steps for o in outputs)
-        result[name] = {
-            "acceptance_rate": round(accepted / max(drafted, 1), 4),
-            "mean_accepted_length": round(1 + accepted / steps, 3),
-        }
-    return result
 
 
 def write_card(info: dict, path: Path) -> None:
@@ -153,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
             "prompt_len": cfg["prompt_len"],
             "new_tokens": cfg["new_tokens"],
             "k": 4,
-            **measure(args.pair, prompts, cfg["new_tokens"]),
+            **engine_acceptance(
+                args.pair, {"cross-draft": "draft_model", "draft": "draft_model"}, prompts, cfg["new_tokens"]
+            ),
         },
         "machine": machine(),
     }

@@ -26,33 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative.demo import corpus
-from speculative.demo.model_card import heldout_prompts
+from speculative.demo.model_card import engine_acceptance, heldout_prompts
 from speculative.demo.train import FULL, SMOKE, train_eagle_head
-
-
-def measure(pair: Path, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Greedy acceptance on `prompts` of the head (`pair/eagle`) and of the draft model, k=4 chains."""
-    from speculative import LLM, SamplingParams, SpeculativeConfig
-
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    result = {}
-    for name, method in (("eagle", "eagle"), ("draft", "draft_model")):
-        llm = LLM(
-            str(pair / "target"),
-            draft_model=str(pair / name),
-            speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=4),
-            dtype="float32",
-        )
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        drafted = sum(o.metrics.num_drafted for o in outputs)
-        accepted = sum(o.metrics.num_accepted for o in outputs)
-        steps = sum(o.metrics.num_steps for o in outputs)
-        result[name] = {
-            "acceptance_rate": round(accepted / drafted, 4),
-            "mean_accepted_length": round(1 + accepted / steps, 3),
-        }
-    return result
-
 
 PIECE_TOTALS = ("steps", "planned_steps", "tokens", "seconds", "wall_seconds")
 PIECE_FIELDS = (*PIECE_TOTALS, "stopped_early", "tokens_per_second", "final_train_loss", "final_heldout_ce")
@@ -153,7 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": cfg["prompt_len"],
         "new_tokens": cfg["new_tokens"],
         "k": 4,
-        **measure(args.pair, prompts, cfg["new_tokens"]),
+        **engine_acceptance(
+            args.pair, {"eagle": "eagle", "draft": "draft_model"}, prompts, cfg["new_tokens"]
+        ),
     }
     piece = {
         **record,
