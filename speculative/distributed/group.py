@@ -10,6 +10,7 @@ peers never come ends in an error, not a hang.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -65,6 +66,9 @@ def connect(size: int, device: torch.device) -> TensorParallelGroup:
         return TensorParallelGroup(0, size, 0, spawned)
     if spawned is None and not dist.is_initialized() and {"RANK", "WORLD_SIZE"} <= os.environ.keys():
         dist.init_process_group(backend(device.type), timeout=TIMEOUT)
+        # ended before the interpreter's own teardown: a torchrun rank once aborted at exit ("terminate
+        # called without an active exception") with the group left to be torn down with the process
+        atexit.register(_destroy)
     if spawned is None and dist.is_initialized():
         if dist.get_world_size() != size:
             raise ValueError(
@@ -74,3 +78,9 @@ def connect(size: int, device: torch.device) -> TensorParallelGroup:
         rank = dist.get_rank()
         return TensorParallelGroup(rank, size, int(os.environ.get("LOCAL_RANK", rank)))
     return TensorParallelGroup(0, size, 0, ranks.start(size, device.type))
+
+
+def _destroy() -> None:
+    """Destroy the default group this process initialized, if it is still there."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
