@@ -101,7 +101,7 @@ def test_greedy_is_exact_whatever_k_each_step_has(method: str) -> None:
     expected = [o.outputs[0].token_ids for o in baseline.generate(prompts, params)]
     _forced(llm, [4, 0, 0, 2, 0, 3, 1, 0, 0, 0, 4])
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
-    # Rows admitted while the draft cache is behind (after plain steps) catch up first.
+    # Rows admitted while the draft cache is behind (after plain steps).
     engine = llm.engine
     sequences = [llm.make_sequences(p, params, i) for i, p in enumerate(prompts)]
     _forced(llm, [0, 0, 0, 3])
@@ -139,3 +139,38 @@ def test_one_slow_step_does_not_switch_speculation_on() -> None:
     assert chooser.choose(1) == 0
     chooser.observe(1, 0, 3 * cost(0), [0], [0])
     assert chooser.choose(1) == 0
+
+
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
+def test_rows_joining_while_speculation_is_off_cost_the_draft_nothing(model_impl: str) -> None:
+    """A draft model prefills rows that join during plain steps only when it next proposes: joins while
+    k = 0 run no draft forward at all, and a row that joined and left unproposed-for is never fed.
+    Every row still gives its solo output."""
+    target = tiny_model("llama", num_layers=2)
+    config = SpeculativeConfig(num_speculative_tokens=3, adaptive=True)
+    llm = LLM(target, draft_model=noisy_copy(target, 0.03), speculative_config=config, model_impl=model_impl)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 5, 6, 7], [20, 21, 22]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 3, 16, 12)]
+    expected = [LLM(target).generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    engine = llm.engine
+    draft = engine.proposer.model
+    fed: list[int] = []
+    forward = draft.forward
+    draft.forward = lambda tokens, cache, **kw: fed.append(tokens.shape[0]) or forward(tokens, cache, **kw)
+    sequences = [llm.make_sequences(p, q, i) for i, (p, q) in enumerate(zip(prompts, params))]
+    _forced(llm, [0])
+    engine.add(sequences[0])
+    engine.step()
+    engine.add(sequences[1])  # finishes (3 tokens) before the draft ever proposes
+    engine.step()
+    engine.add(sequences[2])
+    engine.step()
+    engine.step()
+    assert fed == [] and sequences[1][0].finish_reason == "length"
+    _forced(llm, [3, 0, 2, 0, 0])
+    engine.step()  # the two running rows are prefilled for this proposal, in one forward
+    assert fed[0] == 2
+    engine.add(sequences[3])  # joins a batch whose draft cache is behind after the next plain step
+    while engine.sequences:
+        engine.step()
+    assert [g[0].output_token_ids for g in sequences] == expected

@@ -15,7 +15,7 @@ max_k and 0 at each size costs more than it teaches. Now and then a neighbour of
 again so that the estimates follow the workload: after _EXPLORE steps at a batch size, then at intervals
 that double (up to _EXPLORE_MAX) while the best k stays the same, back to _EXPLORE when it changes. An
 exploration step is not free: where plain steps are best, its drafter first catches up on every token it
-skipped.
+skipped (a draft model also prefills the rows that joined since it last proposed).
 """
 
 from __future__ import annotations

@@ -200,8 +200,6 @@ class Engine:
         if not batch.sequences:
             return finished
         if self.proposer is not None:
-            if self.batch is not None:
-                self.proposer.catch_up(self.batch.tokens, self.batch.lengths)
             if features is not None:  # the new rows' hidden states, for a proposer that reads them
                 self.proposer.observe(features)
             self.proposer.add_rows(batch.tokens, batch.lengths)

@@ -43,14 +43,16 @@ class HFKVCache(RowLengths):
             self.valid = self.valid[:, :keep]
 
     def append_rows(self, other: HFKVCache) -> None:
-        """Concatenate `other`'s rows; the one with fewer slots gets invalid slots at its end."""
+        """Concatenate `other`'s rows; the one with fewer slots gets invalid slots at its end (a cache
+        that no forward has written yet, none: its rows are empty)."""
         if self.single_row_reason is not None:
             raise ValueError(self.single_row_reason)
         slots = max(self.valid.shape[1], other.valid.shape[1])
         merged = DynamicCache()
-        for i, (mine, theirs) in enumerate(zip(self.past.layers, other.past.layers)):
-            keys = torch.cat([_pad_slots(mine.keys, slots), _pad_slots(theirs.keys, slots)])
-            values = torch.cat([_pad_slots(mine.values, slots), _pad_slots(theirs.values, slots)])
+        for i in range(max(_layers(self), _layers(other))):
+            (my_keys, my_values), (their_keys, their_values) = _kv(self, other, i), _kv(other, self, i)
+            keys = torch.cat([_pad_slots(my_keys, slots), _pad_slots(their_keys, slots)])
+            values = torch.cat([_pad_slots(my_values, slots), _pad_slots(their_values, slots)])
             merged.update(keys, values, i)
         self.past = merged
         self.valid = torch.cat(
@@ -124,6 +126,21 @@ class HFCausalLM:
         if logits_indices is not None:
             logits = logits.gather(1, logits_indices[:, :, None].expand(-1, -1, logits.shape[-1]))
         return logits
+
+
+def _layers(cache: HFKVCache) -> int:
+    """Layers the cache holds K/V for (0 before its first forward)."""
+    return sum(layer.keys is not None for layer in cache.past.layers)
+
+
+def _kv(cache: HFKVCache, other: HFKVCache, i: int) -> tuple[Tensor, Tensor]:
+    """Layer i's keys and values [batch, heads, slots, dim] of `cache`, or, where it has none yet,
+    empty ones (no slots) shaped as `other`'s."""
+    if i < _layers(cache):
+        layer = cache.past.layers[i]
+        return layer.keys, layer.values
+    like = other.past.layers[i]
+    return tuple(t.new_zeros(cache.batch_size, t.shape[1], 0, t.shape[3]) for t in (like.keys, like.values))
 
 
 def _pad_slots(t: Tensor, slots: int) -> Tensor:

@@ -62,10 +62,6 @@ class Proposer(Protocol):
         drafts and the target's token; 1 + the proposal's width means some row kept its whole chain."""
         ...
 
-    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
-        """Bring state left behind by plain steps up to the rows' contexts (before rows are added)."""
-        ...
-
     def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
         """Rows `rows` ([m] int64) of the batch finished in the step just committed (on_commit has not
         seen it) and are about to leave it (select_rows follows); their final contexts are

@@ -130,9 +130,6 @@ class CrossTokenizerProposer:
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         pass  # the next proposal re-syncs the draft with the accepted text
 
-    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
-        pass
-
     def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
         pass
 

@@ -8,6 +8,12 @@ When some row kept its whole block (all k drafts and the bonus), the draft has n
 row then feeds its last two tokens (for the others the first of them is recomputed, identically).
 Rollback is a length change. After plain steps (k = 0: no proposal) the cache is left `behind` by one
 token per step, the same for every row; the next proposal feeds those too.
+
+Rows join lazily: `add_rows` gives them empty rows in the cache (`pending`), and the first proposal
+after it runs their prefill, so that rows which join while speculation is off (adaptive k = 0, a
+server under heavy load) cost the draft nothing. That proposal first feeds the running rows what
+plain steps left `behind`, then prefills the pending rows up to the same point (all but their last
+`missing` tokens) and puts them in their places.
 """
 
 from __future__ import annotations
@@ -36,14 +42,34 @@ class DraftModelProposer:
         self.missing = 1  # the context's last tokens that the next proposal feeds (1 or 2) ...
         self.behind = 0  # ... and before them, tokens the cache lacks after plain steps
         self._proposed = 0  # the width of the proposal being committed (0: none, a plain step)
+        self.pending: list[int] = []  # rows whose prefill waits for the next proposal (empty in the cache)
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
-        cache, width = self._prefill(tokens, lengths)
+        empty = self.model.new_cache(tokens.shape[0], tokens.shape[1])
         if self.cache is None or self.cache.batch_size == 0:
-            self.cache, self.behind, self.missing = cache, 0, 1
-        else:  # the running rows lack their last `missing` tokens: so will these
-            cache.rollback(lengths - self.missing, width + 1 - self.missing)
-            self.cache.append_rows(cache)
+            self.cache, self.behind, self.missing, self.pending = empty, 0, 1, []
+        else:
+            self.cache.append_rows(empty)
+        joined = self.cache.batch_size
+        self.pending += range(joined - tokens.shape[0], joined)
+
+    def _add_pending(self, tokens: Tensor, lengths: Tensor) -> None:
+        """Prefill the pending rows to the running rows' state (module docstring)."""
+        rows = torch.tensor(self.pending, device=tokens.device)
+        if len(self.pending) == self.cache.batch_size:  # all new: the prefill's cache is the cache
+            self.cache, _ = self._prefill(tokens, lengths)
+            self.behind, self.missing, self.pending = 0, 1, []
+            return
+        self._catch_up(tokens, lengths)
+        cache, width = self._prefill(tokens[rows], lengths[rows])
+        cache.rollback(lengths[rows] - self.missing, width + 1 - self.missing)
+        running = self.cache.batch_size
+        self.cache.append_rows(cache)
+        order = list(range(running))
+        for i, row in enumerate(self.pending):  # each pending row's place takes its prefilled row
+            order[row] = running + i
+        self.cache.select_rows(torch.tensor(order, device=tokens.device))
+        self.pending = []
 
     def _prefill(self, tokens: Tensor, lengths: Tensor) -> tuple[KVCache, int]:
         """A new cache of the rows' contexts but their last tokens, and its host max length."""
@@ -58,6 +84,8 @@ class DraftModelProposer:
         return cache, width
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
+        if self.pending:
+            self._add_pending(tokens, lengths)
         fed = self.missing + self.behind
         query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))  # [B, fed]
         greedy_decode = getattr(self.model, "greedy_decode", None)
@@ -81,9 +109,11 @@ class DraftModelProposer:
             self.behind += 1
         self._proposed = 0
 
-    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
-        if self.behind and self.cache is not None and self.cache.batch_size:
-            start = lengths[:, None] - self.missing - self.behind
+    def _catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
+        """Feed every row the tokens plain steps left `behind` (pending rows get garbage, which their
+        prefill replaces: their start is clamped to the context)."""
+        if self.behind:
+            start = (lengths[:, None] - self.missing - self.behind).clamp(min=0)
             query = tokens.gather(1, start + torch.arange(self.behind, device=tokens.device))
             self.model.forward(query, self.cache, logits_indices=torch.zeros_like(lengths)[:, None])
         self.behind = 0
@@ -94,3 +124,6 @@ class DraftModelProposer:
     def select_rows(self, rows: Tensor) -> None:
         if self.cache is not None:
             self.cache.select_rows(rows)
+        if self.pending:
+            pending = set(self.pending)
+            self.pending = [i for i, row in enumerate(rows.tolist()) if row in pending]

@@ -93,9 +93,6 @@ class DraftTreeProposer(DraftModelProposer):
         if self._proposed:  # rows that finished in the step being committed leave first
             self._roots = self._roots[rows]
 
-    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
-        """Nothing to do: each proposal feeds every row what its cache lacks."""
-
 
 def grow_tree(
     logits: Tensor,

@@ -100,9 +100,6 @@ class EagleProposer:
             self.features = features.scatter(1, index, observed)
         self._proposed = 0
 
-    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
-        """Nothing to do: plain steps hand their features over (`observe`)."""
-
     def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
         pass
 

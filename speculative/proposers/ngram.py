@@ -116,9 +116,6 @@ class NgramProposer:
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         pass
 
-    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
-        pass
-
     def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
         pass
 

@@ -325,9 +325,6 @@ class SuffixProposer:
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         pass  # `propose` reads what was committed from the tokens
 
-    def catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
-        pass
-
     def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
         for r, n in zip(rows.tolist(), lengths[rows].tolist()):
             start = self.rows[r].response_start
