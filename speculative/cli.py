@@ -154,7 +154,8 @@ def _tensor_parallel_flag(parser: argparse.ArgumentParser, default: int | None =
         type=int,
         default=default,
         help="split the target over N ranks (processes this command starts; under torchrun, its own); "
-        "N must divide its attention heads, key/value heads and MLP columns (1)",
+        "N must divide its attention heads, key/value heads and MLP columns; a model on transformers' "
+        "forward is split by transformers' own tensor parallelism, where it has a plan for it (1)",
     )
 
 

@@ -157,7 +157,8 @@ class ParallelConfig:
     tensor_parallel_size: the ranks the target's attention heads, key/value heads and MLP columns are
         split over (Megatron-LM's split, models/tensor_parallel.py); 1: one process, nothing split.
         It must divide the target's heads, key/value heads and MLP columns (LLM names the values that
-        do), and the target must run on the native forward. >= 1.
+        do); a target on transformers' forward is split by transformers' own tensor parallelism
+        (models/hf_tensor_parallel.py), where it has a plan for the model type. >= 1.
     draft_tensor_parallel_size: 1 (the whole draft model on every rank, the default: a small draft
         gains less from the split than its collectives cost) or tensor_parallel_size (split as the
         target).

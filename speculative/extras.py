@@ -1,8 +1,9 @@
 """The optional features' modules: a missing one is an error that names the extra installing it.
 
 The core install is the engine alone; `pip install 'speculative[EXTRA]'` adds a feature's modules:
-server (`speculative serve`), bench (`speculative bench`), guided (guided decoding), replicas
-(`speculative serve --replicas N`, Ray Serve); `all` is the four.
+server (`speculative serve`), bench (`speculative bench`), guided (guided decoding), transformers-tp
+(tensor parallelism of models on transformers' forward, which transformers splits only with
+accelerate installed), replicas (`speculative serve --replicas N`, Ray Serve); `all` is all but replicas.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ EXTRAS = {
     "server": ("fastapi", "starlette", "pydantic", "pydantic_core", "uvicorn", "prometheus_client"),
     "bench": ("matplotlib", "rich"),
     "guided": ("llguidance",),
+    "transformers-tp": ("accelerate",),
     "replicas": ("ray",),
 }
 """Each extra's top-level modules (the packages pyproject.toml's extra installs, by import name)."""

@@ -77,8 +77,11 @@ class LLM:
     tensor_parallel_size: split the target over this many ranks (ParallelConfig; speculative/distributed/
         says how the ranks start and agree): its attention heads, key/value heads and MLP columns,
         each rank's KV cache holding its own heads. It must divide them (a ValueError names the
-        allowed values) and the target must run on the native forward, given as a hub id, a path or
-        a PreTrainedModel (each rank builds the LLM from these arguments); not with `compile`.
+        allowed values), and the target is given as a hub id, a path or a PreTrainedModel (each rank
+        builds the LLM from these arguments); not with `compile`. A target on the native forward is
+        split natively (models/tensor_parallel.py), one on transformers' forward by transformers'
+        own tensor parallelism where it has a plan for the model type, on the CPU or the machine's
+        accelerator (models/hf_tensor_parallel.py); a ValueError otherwise.
         Spawned here, the ranks make every engine call this LLM makes: drive it through `generate`,
         `stream`, `resume` or its engine, not its models by hand. An error on any rank stops them
         all, and every later call raises a RuntimeError saying what happened.
@@ -139,10 +142,11 @@ class LLM:
         if parallel.tensor_parallel_size > 1:
             if compile:
                 raise ValueError("compile=True does not run with tensor_parallel_size > 1 yet")
-            check_model(model, model_impl, parallel.tensor_parallel_size, "target", "tensor_parallel_size")
+            size = parallel.tensor_parallel_size
+            check_model(model, model_impl, size, "target", "tensor_parallel_size", self.device)
             if parallel.draft_tensor_parallel_size > 1:
-                size, name = parallel.draft_tensor_parallel_size, "draft_tensor_parallel_size"
-                check_model(draft_model, model_impl, size, "draft model", name)
+                name = "draft_tensor_parallel_size"
+                check_model(draft_model, model_impl, size, "draft model", name, self.device)
             self.tensor_parallel = connect(parallel.tensor_parallel_size, self.device)
             self.device = self.tensor_parallel.device(device)
         ranks = self.tensor_parallel.ranks if self.tensor_parallel is not None else None

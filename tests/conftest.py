@@ -18,6 +18,7 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", sliding_window=None),
     "qwen2": dict(model_type="qwen2"),
     "qwen3": dict(model_type="qwen3", head_dim=24),
+    "gemma": dict(model_type="gemma", head_dim=16),  # on transformers' forward (not a native family)
 }
 
 

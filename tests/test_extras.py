@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from speculative import cli
-from speculative.extras import needs_extra
+from speculative.extras import EXTRAS, needs_extra
 
 
 @pytest.mark.parametrize("missing", ["fastapi", "uvicorn", "prometheus_client"])
@@ -68,7 +68,7 @@ def test_other_missing_modules_pass_unchanged() -> None:
     ):
         import no_such_module  # noqa: F401
     with (
-        pytest.raises(ValueError, match="extra must be one of server, bench, guided, replicas; got 'gpu'"),
+        pytest.raises(ValueError, match=f"extra must be one of {', '.join(EXTRAS)}; got 'gpu'"),
         needs_extra("gpu", "x"),
     ):
         pass

@@ -1,8 +1,8 @@
 """Tensor parallelism on CPU (gloo): at tensor_parallel_size=2 the output is token-identical to one
 process's, greedy and seeded sampling alike, for each native family's particulars (GQA, attention
 biases, q/k norms), with a draft model and with n-gram lookup; a rank holds about half the weights; a
-bad size or a model off the native forward is a ValueError; a rank that dies ends the LLM with an
-error, not a hang; torchrun's ranks give the same output.
+bad size or `compile` is a ValueError; a rank that dies ends the LLM with an error, not a hang;
+torchrun's ranks give the same output. Models on transformers' forward: test_tensor_parallel_transformers.py.
 
 The spawned ranks of this module's LLMs are one child process, started once (about 7 s on 2 cores)
 and shared by every LLM here, then ended."""
@@ -130,10 +130,8 @@ def test_a_size_that_does_not_divide_the_heads_is_a_value_error_naming_the_allow
         LLM(target, tensor_parallel_size=0)
 
 
-def test_models_off_the_native_forward_are_refused() -> None:
+def test_compile_is_refused() -> None:
     target = tiny_model("llama", num_layers=1)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs the native forward"):
-        LLM(target, model_impl="transformers", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="compile=True does not run with tensor_parallel_size > 1"):
         LLM(target, compile=True, tensor_parallel_size=2)
 

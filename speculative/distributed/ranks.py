@@ -101,9 +101,9 @@ class _Child:
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         command = [sys.executable, "-m", "speculative.distributed.worker", str(theirs.fileno())]
         command += [str(rank), str(size), str(port), str(threads), device_type]
-        self.process = subprocess.Popen(
-            command, pass_fds=(theirs.fileno(),), env={**os.environ, "PYTHONPATH": path}
-        )
+        # LOCAL_RANK as torchrun sets it: transformers' tensor parallelism takes its GPU from it
+        environment = {**os.environ, "PYTHONPATH": path, "LOCAL_RANK": str(rank)}
+        self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=environment)
         theirs.close()
         self.connection = Connection(ours.detach())
         self.error: str | None = None  # what it said failed, before it exited

@@ -60,6 +60,12 @@ def supports(config: PretrainedConfig) -> bool:
     return config.model_type in SUPPORTED_MODEL_TYPES and _rope_type(config) not in _UNSUPPORTED_ROPE_TYPES
 
 
+def runs_natively(config: PretrainedConfig, model_impl: str) -> bool:
+    """Whether a model of this config runs on NativeCausalLM under `model_impl` ("auto", "native" or
+    "transformers"; "native" where it cannot is the loader's error)."""
+    return model_impl != "transformers" and supports(config)
+
+
 def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

@@ -14,7 +14,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from speculative.models import llama
+from speculative.models import hf_tensor_parallel, llama
 from speculative.models.base import LanguageModel
 from speculative.models.dtypes import DtypeChoice, check_dtype, resolve_dtype
 from speculative.models.hf import HFCausalLM
@@ -55,28 +55,25 @@ def load_model(
         not compute it natively, where it is float32 (models/dtypes.py); float32 if it names none.
     model_impl: "auto" uses the native forward for Llama, Mistral, Qwen2 and Qwen3 and transformers'
         forward otherwise; "native" requires the native one; "transformers" forces transformers'.
-    tensor_parallel: this rank's group: the model is loaded whole, then this rank's shard kept
-        (TensorParallelCausalLM; a ValueError naming `tensor_parallel_name` unless it runs natively
-        and the group's size divides its heads and MLP columns). None: the whole model.
+    tensor_parallel: this rank's group: on the native forward the model is loaded whole, then this
+        rank's shard kept (TensorParallelCausalLM); on transformers' forward transformers loads this
+        rank's shard (models/hf_tensor_parallel.py). A ValueError naming `tensor_parallel_name` unless
+        check_model's conditions hold. None: the whole model.
     """
     if model_impl not in ("auto", "native", "transformers"):
         raise ValueError(f'model_impl must be "auto", "native" or "transformers"; got {model_impl!r}')
     check_dtype(dtype, dtype_name)
-    if tensor_parallel is not None:
-        check_model(model, model_impl, tensor_parallel.size, "model", tensor_parallel_name)
     device = torch.device(device)
+    if tensor_parallel is not None:
+        check_model(model, model_impl, tensor_parallel.size, "model", tensor_parallel_name, device)
     if isinstance(model, str):
-        name = model
-        choice = resolve_dtype(
-            dtype, _checkpoint_dtype(AutoConfig.from_pretrained(model)), device, dtype_name
-        )
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=choice.dtype)
+        name, config = model, AutoConfig.from_pretrained(model)
+        choice = resolve_dtype(dtype, _checkpoint_dtype(config), device, dtype_name)
         if tokenizer is None:
             tokenizer = _try_tokenizer(model)
     elif isinstance(model, PreTrainedModel):
-        name, hf = getattr(model, "name_or_path", "") or type(model).__name__, model
-        choice = resolve_dtype(dtype, hf.dtype, device, dtype_name)
-        hf = hf.to(choice.dtype)
+        name, config = getattr(model, "name_or_path", "") or type(model).__name__, model.config
+        choice = resolve_dtype(dtype, model.dtype, device, dtype_name)
     elif isinstance(model, LanguageModel):  # no config of its own: EOS is the tokenizer's
         tokenizer = _tokenizer(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -87,18 +84,30 @@ def load_model(
             f"model must be a hub id or path, a transformers PreTrainedModel or a "
             f"LanguageModel; got {type(model).__name__}"
         )
-    hf = hf.to(device).eval()
-    native = model_impl != "transformers" and llama.supports(hf.config)
+    native = llama.runs_natively(config, model_impl)
     if model_impl == "native" and not native:
         raise ValueError(
             f"model_impl='native' supports model types {sorted(llama.SUPPORTED_MODEL_TYPES)}; "
-            f"{name} is {hf.config.model_type!r}"
+            f"{name} is {config.model_type!r}"
         )
-    if tensor_parallel is not None:
-        wrapped = TensorParallelCausalLM.from_hf(hf, tensor_parallel)
+    if tensor_parallel is not None and not native:  # split by transformers as it loads
+        hf = hf_tensor_parallel.from_pretrained(model, choice.dtype, tensor_parallel.size)
+        wrapped = HFCausalLM(hf)
     else:
-        wrapped = llama.NativeCausalLM.from_hf(hf) if native else HFCausalLM(hf)
+        hf = _whole(model, choice.dtype, device)
+        if tensor_parallel is not None:
+            wrapped = TensorParallelCausalLM.from_hf(hf, tensor_parallel)
+        else:
+            wrapped = llama.NativeCausalLM.from_hf(hf) if native else HFCausalLM(hf)
     return LoadedModel(wrapped, _tokenizer(tokenizer), _eos_token_ids(hf, wrapped.vocab_size), name, choice)
+
+
+def _whole(model: str | PreTrainedModel, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    """The whole transformers model (loaded from a hub id or path, or the model given), in `dtype` on
+    `device`, in eval mode."""
+    if isinstance(model, str):
+        model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    return model.to(dtype).to(device).eval()
 
 
 def _checkpoint_dtype(config) -> torch.dtype | None:

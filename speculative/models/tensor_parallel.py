@@ -1,4 +1,5 @@
-"""One rank's shard of a native Llama-family model (NativeCausalLM) under tensor parallelism.
+"""One rank's shard of a native Llama-family model (NativeCausalLM) under tensor parallelism (a model
+on transformers' forward is split by transformers itself: models/hf_tensor_parallel.py).
 
 Megatron-LM's split (Shoeybi et al. 2019) over N ranks; rank r holds:
 
@@ -37,7 +38,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from speculative.distributed.group import TensorParallelGroup
-from speculative.models import llama
+from speculative.models import hf_tensor_parallel, llama
 from speculative.models.packed import PackedLinear
 
 # The layers (their names within a decoder layer) split by output rows, by input columns, and the
@@ -53,17 +54,33 @@ _ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 _VOCABULARY = ("model.embed_tokens.weight", "lm_head.weight")
 
 
+def _split_counts(config: PretrainedConfig) -> dict[str, int]:
+    """What a split must divide, by name: the attention heads, the key/value heads (the attention heads
+    where the config names none) and the MLP columns (where it names them)."""
+    counts = {
+        "attention heads": config.num_attention_heads,
+        "key/value heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    }
+    if getattr(config, "intermediate_size", None):
+        counts["MLP columns (intermediate_size)"] = config.intermediate_size
+    return counts
+
+
 def allowed_sizes(config: PretrainedConfig) -> list[int]:
     """The tensor-parallel sizes a model of this config splits into: those dividing its attention heads,
     its key/value heads and its MLP columns (intermediate_size)."""
-    counts = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size)
+    counts = _split_counts(config).values()
     return [n for n in range(1, min(counts) + 1) if all(c % n == 0 for c in counts)]
 
 
-def check_model(model: object, model_impl: str, size: int, role: str, name: str) -> None:
+def check_model(
+    model: object, model_impl: str, size: int, role: str, name: str, device: str | torch.device
+) -> None:
     """A ValueError naming `name` (the LLM's keyword) unless `model` (a hub id, a path or a transformers
-    model; `role` "target" or "draft model") can be split over `size` ranks: it must run on the native
-    forward, and `size` must divide its heads, key/value heads and MLP columns. Reads only the config."""
+    model; `role` "target" or "draft model") can be split over `size` ranks on `device`: on the native
+    forward, or else by transformers' own tensor parallelism (models/hf_tensor_parallel.py: it needs a
+    plan for the model type, and the machine's accelerator or the CPU); `size` must divide its heads,
+    key/value heads and MLP columns either way. Reads only the config."""
     if isinstance(model, str):
         config = AutoConfig.from_pretrained(model)
     elif isinstance(model, PreTrainedModel):
@@ -73,18 +90,14 @@ def check_model(model: object, model_impl: str, size: int, role: str, name: str)
             f"{name}={size} builds the {role} on every rank: give it as a hub id, a path or a transformers "
             f"PreTrainedModel, not a {type(model).__name__}"
         )
-    if model_impl == "transformers" or not llama.supports(config):
-        raise ValueError(
-            f"{name}={size} needs the native forward (model types "
-            f"{', '.join(sorted(llama.SUPPORTED_MODEL_TYPES))} with model_impl 'auto' or 'native'); the "
-            f"{role} is {config.model_type!r} with model_impl={model_impl!r}, which runs on transformers' "
-            "forward"
-        )
+    if not llama.runs_natively(config, model_impl):
+        hf_tensor_parallel.check(config, device, size, role, name)
+    config = config.get_text_config()
     if size not in allowed_sizes(config):
+        counts = [f"{count} {what}" for what, count in _split_counts(config).items()]
         raise ValueError(
-            f"{name}={size} must divide the {role}'s {config.num_attention_heads} attention heads, "
-            f"{config.num_key_value_heads} key/value heads and {config.intermediate_size} MLP columns "
-            f"(intermediate_size); allowed: {', '.join(map(str, allowed_sizes(config)))}"
+            f"{name}={size} must divide the {role}'s {', '.join(counts[:-1])} and {counts[-1]}; "
+            f"allowed: {', '.join(map(str, allowed_sizes(config)))}"
         )
 
 
