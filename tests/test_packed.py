@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from conftest import tiny_model
 
 from speculative.models.llama import NativeCausalLM
-from speculative.models.packed import PackedLinear
+from speculative.models.packed import PackedLinear, onednn_rows, round_onednn_rows
 
 
 def _logits(model: NativeCausalLM, ids: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,7 @@ def test_packed_linear_kernels_agree() -> None:
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.05)):
         linears = [torch.nn.Linear(64, out, dtype=dtype) for out in (2048, 128)]
         packed = PackedLinear(linears)
-        for rows in (1, 2, 5):
+        for rows in (1, 2, 5, 135):
             x = torch.randn(rows, 64, dtype=dtype)
             residual = torch.randn(rows, 2176, dtype=dtype)
             want = torch.cat(
@@ -66,3 +67,36 @@ def test_packed_linear_kernels_agree() -> None:
             assert (
                 packed(x, residual).float() - want - residual.float()
             ).abs().max() < tolerance * want.abs().max()
+
+
+def test_a_server_has_onednn_meet_few_row_counts() -> None:
+    """oneDNN keeps a kernel per shape it is called with: with round_onednn_rows (a server's), calls
+    of ever new row counts reach it with few, zero-padded (at most 25% more rows up to 128, 12.5%
+    beyond), and their results are unchanged; without it, with the rows given."""
+    assert [onednn_rows(n) for n in (1, 8, 9, 11, 16, 17, 33, 64, 65, 129, 135, 2000, 2048)] == [
+        1, 8, 10, 12, 16, 20, 40, 64, 80, 144, 144, 2048, 2048
+    ]  # fmt: skip
+    assert len({onednn_rows(n) for n in range(1, 8193)}) == 8 + 4 * 4 + 8 * 6
+    assert all(n <= onednn_rows(n) <= 1.25 * n for n in range(1, 129))
+    assert all(n <= onednn_rows(n) <= 1.125 * n for n in range(129, 8193))
+    packed = PackedLinear([torch.nn.Linear(64, 96)])
+    if packed.prepacked is None:
+        pytest.skip("no oneDNN here")
+    onednn, counts = packed._onednn, list(range(1, 600, 7))
+
+    def seen_rows(rounding: bool) -> set[int]:
+        seen: set[int] = set()
+        packed._onednn = lambda x, residual: seen.add(x.shape[0]) or onednn(x, residual)
+        round_onednn_rows(rounding)
+        try:
+            with torch.inference_mode():
+                for rows in counts:
+                    x, residual = torch.randn(rows, 64), torch.randn(rows, 96) if rows % 2 else None
+                    got = packed(x, residual)
+                    assert got.shape == (rows, 96) and torch.allclose(got, onednn(x, residual), atol=1e-5)
+        finally:
+            round_onednn_rows(False)
+        return seen
+
+    assert seen_rows(True) == {onednn_rows(rows) for rows in counts}
+    assert seen_rows(False) == set(counts)

@@ -134,6 +134,8 @@ class CrossTokenizerProposer:
         pass
 
     def select_rows(self, rows: Tensor) -> None:
+        if not rows.numel():  # the batch emptied: the cache's buffers go with it, as the target's do
+            self.cache, self.cached = None, []
         if self.cache is not None:
             self.cache.select_rows(rows)
             self.cached = [self.cached[i] for i in rows.tolist()]

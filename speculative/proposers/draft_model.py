@@ -122,6 +122,9 @@ class DraftModelProposer:
         pass
 
     def select_rows(self, rows: Tensor) -> None:
+        if not rows.numel():  # the batch emptied: the cache's buffers go with it, as the target's do
+            self.cache, self.pending = None, []
+            return
         if self.cache is not None:
             self.cache.select_rows(rows)
         if self.pending:

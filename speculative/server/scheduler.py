@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from speculative.engine.outputs import Logprob, SpeculationMetrics
 from speculative.engine.sequence import Sequence
 from speculative.llm import LLM
+from speculative.models.packed import round_onednn_rows
 from speculative.sampling_params import SamplingParams
 from speculative.server.memory import release_free_memory
 from speculative.server.metrics import ServerMetrics
@@ -169,7 +170,10 @@ class Scheduler:
             return sum(len(j.sequences) for j in self._waiting)
 
     def start(self) -> None:
-        """Start the engine thread; call from inside the event loop that will read the streams."""
+        """Start the engine thread; call from inside the event loop that will read the streams. From
+        then on this process's oneDNN matmuls meet few row counts (packed.round_onednn_rows): a server
+        meets ever new batch and prefill sizes, each a kernel that oneDNN would keep."""
+        round_onednn_rows()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="speculative-engine", daemon=True)
         self._thread.start()
