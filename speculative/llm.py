@@ -271,7 +271,8 @@ class LLM:
             self.tokenizer, self.target.model.vocab_size, context, self.device, precompile
         )
         if precompile is not None:
-            warm_up_pair(self.target.model, self.draft.model if same_tokens else None, precompile, k)
+            draft = self.draft.model if same_tokens else None
+            warm_up_pair(self.target.model, draft, precompile, k, every_width=method in ("ngram", "suffix"))
 
     def generate(
         self,

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_model
 
 from speculative.models.llama import NativeCausalLM
-from speculative.models.packed import PackedLinear, onednn_rows, round_onednn_rows
+from speculative.models.packed import ONEDNN_CHUNK_ROWS, PackedLinear, onednn_rows, round_onednn_rows
 
 
 def _logits(model: NativeCausalLM, ids: torch.Tensor) -> torch.Tensor:
@@ -71,18 +71,19 @@ def test_packed_linear_kernels_agree() -> None:
 
 def test_a_server_has_onednn_meet_few_row_counts() -> None:
     """oneDNN keeps a kernel per shape it is called with: with round_onednn_rows (a server's), calls
-    of ever new row counts reach it with few, zero-padded (at most 25% more rows up to 128, 12.5%
-    beyond), and their results are unchanged; without it, with the rows given."""
+    of ever new row counts reach it with few, in chunks of at most ONEDNN_CHUNK_ROWS rows, zero-padded
+    (at most 25% more rows up to 128, 12.5% beyond), and their results are unchanged; without it,
+    with the rows given."""
     assert [onednn_rows(n) for n in (1, 8, 9, 11, 16, 17, 33, 64, 65, 129, 135, 2000, 2048)] == [
         1, 8, 10, 12, 16, 20, 40, 64, 80, 144, 144, 2048, 2048
     ]  # fmt: skip
-    assert len({onednn_rows(n) for n in range(1, 8193)}) == 8 + 4 * 4 + 8 * 6
+    assert len({onednn_rows(n) for n in range(1, ONEDNN_CHUNK_ROWS + 1)}) == 8 + 4 * 4 + 8 * 2
     assert all(n <= onednn_rows(n) <= 1.25 * n for n in range(1, 129))
     assert all(n <= onednn_rows(n) <= 1.125 * n for n in range(129, 8193))
     packed = PackedLinear([torch.nn.Linear(64, 96)])
     if packed.prepacked is None:
         pytest.skip("no oneDNN here")
-    onednn, counts = packed._onednn, list(range(1, 600, 7))
+    onednn, counts = packed._onednn, list(range(1, 1200, 7))
 
     def seen_rows(rounding: bool) -> set[int]:
         seen: set[int] = set()
@@ -98,5 +99,11 @@ def test_a_server_has_onednn_meet_few_row_counts() -> None:
             round_onednn_rows(False)
         return seen
 
-    assert seen_rows(True) == {onednn_rows(rows) for rows in counts}
+    chunks = {
+        n
+        for rows in counts
+        for n in (ONEDNN_CHUNK_ROWS,) * (rows // ONEDNN_CHUNK_ROWS) + (rows % ONEDNN_CHUNK_ROWS,)
+        if n
+    }
+    assert seen_rows(True) == {onednn_rows(n) for n in chunks}
     assert seen_rows(False) == set(counts)

@@ -201,6 +201,7 @@ class Pair:
                 self.compiled_draft,
                 PreCompileConfig(sorted({1, max(config.batch_sizes)})),
                 config.k,
+                every_width=True,  # n-gram lookup's and suffix decoding's verifications (shared target)
             )
 
     def ours(

@@ -264,12 +264,16 @@ def warm_up_pair(
     draft: LanguageModel | None,
     precompile: PreCompileConfig,
     num_speculative_tokens: int,
+    every_width: bool = False,
 ) -> None:
     """Warm up (compiling where compiled) every standalone shape of `precompile` on the calls the engine
-    makes: the target's prefill, plain step (q = 1) and verification (q = k + 1); the draft's prefill
-    and its drafting: k steps from a query of 1 token or of 2 (2 tokens, last logits, and one-token
-    steps; compiled, a greedy drafting is one greedy_decode)."""
+    makes: the target's prefill, plain step (q = 1) and verification (q = k + 1; with `every_width`,
+    every q in 2 .. k + 1, the widths of a proposer that may propose fewer than k, such as n-gram
+    lookup: a batch-1 verification has a graph per q on CPU); the draft's prefill and its drafting: k
+    steps from a query of 1 token or of 2 (2 tokens, last logits, and one-token steps; compiled, a
+    greedy drafting is one greedy_decode)."""
     k = num_speculative_tokens
-    warm_up(target, precompile, [(1, False)] + ([(k + 1, False)] if k else []))
+    widths = range(2, k + 2) if every_width else [k + 1] if k else []
+    warm_up(target, precompile, [(1, False)] + [(q, False) for q in widths])
     if draft is not None:
         warm_up(draft, precompile, [(2, True), (1, False)], greedy=[(1, k), (2, k)])

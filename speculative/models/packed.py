@@ -85,25 +85,27 @@ STATIC_ROWS_MAX = 6
 # server meets ever new numbers of rows: a step of B rows and q tokens each (B * q), a prefill of r
 # prompts of width w (r * w). So its memory grew for thousands of requests, until the cache was full,
 # and then churned as evicted kernels were made again. So a server has oneDNN see few row counts
-# (round_onednn_rows, onednn_rows): up to ONEDNN_EXACT_ROWS as they come; up to ONEDNN_COARSE_ROWS
-# (decoding steps, which mostly stream the weights) one of 4 counts per doubling; beyond (prefills)
-# one of 8 counts per doubling. Its kernels are then made in its first requests, and its memory stays
-# flat (a soak of 5,000 requests on the demo pair: 368 kernels after 2,500 and after 5,000, the heap
-# in use 571.4 MiB at both; 433 kernels and growing without). The zero rows cost throughput (the
-# demo pair, float32, 2 threads, LLM.generate of 9 / 20 code prompts x 64 tokens: plain decoding
-# 4% / 2% slower, with the draft model 7% / 7%), so offline runs, which meet a bounded set of
-# shapes, keep the exact rows.
+# (round_onednn_rows): a call of more than ONEDNN_CHUNK_ROWS rows (a prefill) runs a chunk of that
+# many at a time, and each call's rows are rounded up (onednn_rows, zero-padded): up to
+# ONEDNN_EXACT_ROWS as they come, up to ONEDNN_COARSE_ROWS (decoding steps, which mostly stream the
+# weights) one of 4 counts per doubling, beyond one of 8. That is 40 counts per weight, whose kernels
+# a server makes before its first request (Scheduler.start), so that its memory stays flat. The zero
+# rows cost throughput (the demo pair, float32, 2 threads, LLM.generate of 9 / 20 code prompts x 64
+# tokens: plain decoding 4% / 2% slower, with the draft model 7% / 7%), so offline runs, which meet a
+# bounded set of shapes, keep the exact rows.
 ONEDNN_EXACT_ROWS = 8
 ONEDNN_COARSE_ROWS = 128
+ONEDNN_CHUNK_ROWS = 512
 _row_rounding = False  # round_onednn_rows
 _REGISTRY: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _handles = itertools.count()
 
 
 def round_onednn_rows(enabled: bool = True) -> None:
-    """From now on, in this process, make every oneDNN call of PackedLinear with onednn_rows(rows) rows,
-    zero-padded (True), or with the rows given (False, the default). A server's scheduler turns it on
-    (the comment above ONEDNN_EXACT_ROWS says why)."""
+    """From now on, in this process, make PackedLinear's oneDNN calls with few row counts (True: at most
+    ONEDNN_CHUNK_ROWS rows a call, rounded up by onednn_rows and zero-padded) or with the rows given
+    (False, the default). A server's scheduler turns it on (the comment above ONEDNN_EXACT_ROWS says
+    why)."""
     global _row_rounding
     _row_rounding = enabled
 
@@ -111,11 +113,16 @@ def round_onednn_rows(enabled: bool = True) -> None:
 def onednn_rows(rows: int) -> int:
     """The row count a oneDNN call of `rows` rows is made with: `rows` up to ONEDNN_EXACT_ROWS; up to
     ONEDNN_COARSE_ROWS rounded up to a multiple of 1/4 of the power of two below it (at most 25% more
-    rows); beyond, of 1/8 of it (at most 12.5% more). 72 counts up to 8,192 rows."""
+    rows); beyond, of 1/8 of it (at most 12.5% more). 40 counts up to ONEDNN_CHUNK_ROWS."""
     if rows <= ONEDNN_EXACT_ROWS:
         return rows
     step = 1 << (rows.bit_length() - (3 if rows <= ONEDNN_COARSE_ROWS else 4))
     return -(-rows // step) * step
+
+
+def onednn_row_counts() -> list[int]:
+    """Every row count of a oneDNN call under round_onednn_rows, ascending."""
+    return sorted({onednn_rows(rows) for rows in range(1, ONEDNN_CHUNK_ROWS + 1)})
 
 
 def _should_prepack(weight: Tensor) -> bool:  # weight [out, in]
@@ -273,14 +280,25 @@ class PackedLinear:
                     return _linear(x, self.weight, self.bias, residual)
                 # an opaque op to the compiler, which calls it as it is
                 return torch.ops.speculative.prepacked_linear(x, residual, self.handle)
-            rows = x.shape[0]
-            padding = onednn_rows(rows) - rows if _row_rounding else 0
-            if padding:  # zero rows, cut from the result
-                x = F.pad(x, (0, 0, 0, padding))
-                residual = None if residual is None else F.pad(residual, (0, 0, 0, padding))
-                return self._onednn(x, residual)[:rows]
-            return self._onednn(x, residual)
+            if not _row_rounding:
+                return self._onednn(x, residual)
+            step = ONEDNN_CHUNK_ROWS
+            parts = [
+                self._onednn_rounded(x[i : i + step], None if residual is None else residual[i : i + step])
+                for i in range(0, x.shape[0], step)
+            ]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         return _linear(x, self.weight, self.bias, residual)
+
+    def _onednn_rounded(self, x: Tensor, residual: Tensor | None) -> Tensor:
+        """_onednn on x's rows zero-padded to onednn_rows(rows), the padding cut from the result."""
+        rows = x.shape[0]
+        padding = onednn_rows(rows) - rows
+        if padding:
+            x = F.pad(x, (0, 0, 0, padding))
+            residual = None if residual is None else F.pad(residual, (0, 0, 0, padding))
+            return self._onednn(x, residual)[:rows]
+        return self._onednn(x, residual)
 
     def _onednn(self, x: Tensor, residual: Tensor | None) -> Tensor:
         """The prepacked oneDNN kernel on x [rows, in] (+ residual [rows, out])."""

@@ -18,10 +18,13 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import torch
+
 from speculative.engine.outputs import Logprob, SpeculationMetrics
 from speculative.engine.sequence import Sequence
 from speculative.llm import LLM
-from speculative.models.packed import round_onednn_rows
+from speculative.models.llama import NativeCausalLM
+from speculative.models.packed import onednn_row_counts, round_onednn_rows
 from speculative.sampling_params import SamplingParams
 from speculative.server.memory import release_free_memory
 from speculative.server.metrics import ServerMetrics
@@ -171,9 +174,11 @@ class Scheduler:
 
     def start(self) -> None:
         """Start the engine thread; call from inside the event loop that will read the streams. From
-        then on this process's oneDNN matmuls meet few row counts (packed.round_onednn_rows): a server
-        meets ever new batch and prefill sizes, each a kernel that oneDNN would keep."""
+        then on this process's oneDNN matmuls meet few row counts (packed.round_onednn_rows), whose
+        kernels are made first (_make_kernels): a server meets ever new batch and prefill sizes, each a
+        kernel that oneDNN would make and keep, so its memory would grow for thousands of requests."""
         round_onednn_rows()
+        _make_kernels(self.llm)
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="speculative-engine", daemon=True)
         self._thread.start()
@@ -457,6 +462,25 @@ class Scheduler:
     def _set_gauges(self) -> None:
         self.metrics.running.set(self.num_running)
         self.metrics.waiting.set(self.num_waiting)
+
+
+def _make_kernels(llm: LLM) -> None:
+    """Run the eager forward of every natively run model of `llm` (target and draft; not split over
+    ranks, whose forwards every rank must make) once on each row count of onednn_row_counts (a
+    forward of that many tokens: its matmuls meet that many rows, the lm_head's too), so that oneDNN
+    makes the kernels of every count it will meet (the demo pair, float32, 2 threads: 1.3 s)."""
+    if llm.tensor_parallel is not None:
+        return
+    for loaded in (llm.target, llm.draft):
+        model = getattr(loaded, "model", None)
+        while model is not None and not isinstance(model, NativeCausalLM):  # compiled, bucketed
+            model = getattr(model, "model", None)
+        if model is None:
+            continue
+        for rows in onednn_row_counts():
+            if rows <= model.max_length:
+                ids = torch.zeros(1, rows, dtype=torch.long, device=model.device)
+                model.forward(ids, model.new_cache(1, rows))
 
 
 def _reason(request: Request) -> str:
