@@ -45,7 +45,7 @@ class DraftModelProposer:
         self.pending: list[int] = []  # rows whose prefill waits for the next proposal (empty in the cache)
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
-        empty = self.model.new_cache(tokens.shape[0], tokens.shape[1])
+        empty = self.model.new_cache(tokens.shape[0], 1)  # placeholders: _add_pending makes their room
         if self.cache is None or self.cache.batch_size == 0:
             self.cache, self.behind, self.missing, self.pending = empty, 0, 1, []
         else:
@@ -107,6 +107,8 @@ class DraftModelProposer:
             self.cache.rollback(lengths - self.missing, max_length - self.missing)
         else:  # a plain step: every row gained one token that the cache has not seen
             self.behind += 1
+            if self.cache is not None:  # the cache's host bound, tight again: rows that left do not count
+                self.cache.rollback(self.cache.lengths, max_length - self.missing - self.behind)
         self._proposed = 0
 
     def _catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
