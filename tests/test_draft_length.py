@@ -176,22 +176,34 @@ def test_rows_joining_while_speculation_is_off_cost_the_draft_nothing(model_impl
     assert [g[0].output_token_ids for g in sequences] == expected
 
 
+@pytest.mark.parametrize("tree", [None, "dynamic"])
 @pytest.mark.parametrize("model_impl", ["native", "transformers"])
-def test_plain_steps_after_the_longest_row_left_do_not_overflow_the_draft_cache(model_impl: str) -> None:
-    """The long row finishes in plain steps; the short one then takes many more plain steps before the
-    next proposal feeds the draft all it skipped. The draft cache's bound of its longest row must
-    follow the rows that are left (it once kept the long row's and overflowed the cache)."""
+@pytest.mark.parametrize("case", ["the long row leaves", "a long row joins"])
+def test_many_plain_steps_do_not_overflow_the_draft_cache(
+    case: str, model_impl: str, tree: str | None
+) -> None:
+    """Many plain steps before the next proposal feeds the draft all it skipped, while the longest row
+    leaves (its length must not stay in the draft cache's bound: it once overflowed the cache) or while
+    a row longer than the draft cache's buffers joins (its length must not enter that bound before its
+    prefill)."""
     target = tiny_model("llama", num_layers=2)
     config = SpeculativeConfig(num_speculative_tokens=3, adaptive=True)
     llm = LLM(target, draft_model=noisy_copy(target, 0.03), speculative_config=config, model_impl=model_impl)
     prompts = [list(range(3, 43)), [5, 6, 7, 8, 9]]  # 40 and 5 tokens
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 30)]
+    if case == "a long row joins":
+        params[0] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     expected = [LLM(target).generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
-    _forced(llm, [3] + [0] * 40)
     engine = llm.engine
     sequences = [llm.make_sequences(p, q, i) for i, (p, q) in enumerate(zip(prompts, params))]
-    engine.add(sequences[0] + sequences[1])
-    for _ in range(22):  # the long row finishes in the first plain steps
+    _forced(llm, [3] + [0] * 40)
+    if case == "the long row leaves":
+        engine.add(sequences[0] + sequences[1])
+    else:
+        engine.add(sequences[1])
+        engine.step()  # the draft proposes for the short row
+        engine.add(sequences[0])
+    for _ in range(22):
         engine.step()
     _forced(llm, [3])
     while engine.sequences:

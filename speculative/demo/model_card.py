@@ -103,11 +103,18 @@ def decode_step_ms(model, context: int, steps: int) -> float:
 
 
 def machine() -> dict:
-    """nproc, CPU model and library versions of this machine."""
+    """nproc, CPU model (its name, and its family and model numbers: a name such as "AMD EPYC" covers
+    several generations) and library versions of this machine."""
     cpu = "unknown"
     if Path("/proc/cpuinfo").exists():
-        lines = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
-        cpu = lines[0].split(":", 1)[1].strip() if lines else cpu
+        fields = {
+            key.strip(): value.strip()
+            for key, _, value in (ln.partition(":") for ln in Path("/proc/cpuinfo").read_text().splitlines())
+            if key.strip() in ("model name", "cpu family", "model")
+        }
+        cpu = fields.get("model name", cpu)
+        if "cpu family" in fields:
+            cpu += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
     return {
         "nproc": len(os.sched_getaffinity(0)),
         "cpu": cpu,

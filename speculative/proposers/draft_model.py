@@ -43,6 +43,7 @@ class DraftModelProposer:
         self.behind = 0  # ... and before them, tokens the cache lacks after plain steps
         self._proposed = 0  # the width of the proposal being committed (0: none, a plain step)
         self.pending: list[int] = []  # rows whose prefill waits for the next proposal (empty in the cache)
+        self._bound: int | None = None  # a host bound of the cache's lengths (None before a proposal)
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         empty = self.model.new_cache(tokens.shape[0], 1)  # placeholders: _add_pending makes their room
@@ -104,12 +105,21 @@ class DraftModelProposer:
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         if self._proposed:  # the cache holds the context before the step and the drafts but the last
             self.missing = 2 if most_kept > self._proposed else 1
-            self.cache.rollback(lengths - self.missing, max_length - self.missing)
+            self._bound = max_length - self.missing
+            self.cache.rollback(lengths - self.missing, self._bound)
         else:  # a plain step: every row gained one token that the cache has not seen
             self.behind += 1
-            if self.cache is not None:  # the cache's host bound, tight again: rows that left do not count
-                self.cache.rollback(self.cache.lengths, max_length - self.missing - self.behind)
+            self._tighten(max_length)
         self._proposed = 0
+
+    def _tighten(self, max_length: int) -> None:
+        """After a plain step (counted in `behind`), with `max_length` the host bound of the contexts:
+        the cache's host bound of its lengths, which rows that have left kept high since the last
+        proposal, becomes what the rows left can hold (their contexts less what plain steps added;
+        pending rows hold nothing), so that feeding what they lack never looks like an overflow."""
+        if self._bound is not None and self.cache is not None:
+            self._bound = min(self._bound, max_length - self.behind)
+            self.cache.rollback(self.cache.lengths, self._bound)
 
     def _catch_up(self, tokens: Tensor, lengths: Tensor) -> None:
         """Feed every row the tokens plain steps left `behind` (pending rows get garbage, which their
@@ -125,7 +135,7 @@ class DraftModelProposer:
 
     def select_rows(self, rows: Tensor) -> None:
         if not rows.numel():  # the batch emptied: the cache's buffers go with it, as the target's do
-            self.cache, self.pending = None, []
+            self.cache, self.pending, self._bound = None, [], None
             return
         if self.cache is not None:
             self.cache.select_rows(rows)

@@ -82,10 +82,11 @@ class DraftTreeProposer(DraftModelProposer):
 
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         if self._proposed:  # back to the context before the step, which was fed as a chain
-            self.missing = most_kept
-            self.cache.rollback(self._roots, max_length)  # max_length: a bound of the roots' lengths
+            self.missing, self._bound = most_kept, max_length  # max_length: a bound of the roots' lengths
+            self.cache.rollback(self._roots, max_length)
         else:  # a plain step: every row gained one token that the cache has not seen
             self.behind += 1
+            self._tighten(max_length)
         self._proposed = 0
 
     def select_rows(self, rows: Tensor) -> None:
