@@ -51,6 +51,26 @@ def test_compiled_greedy_equals_eager_without_recompiles(pair) -> None:
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_shrinking_batch_and_a_longer_cache_compile_nothing_new(pair) -> None:
+    """Without buckets, rows leave a compiled batch as they finish, and a later batch has more rows
+    and a longer cache: the cache's views of its buffers keep their batch and length dynamic, so the
+    graphs compiled by the first batch serve the second (once, each size compiled a graph of its own)."""
+    target, draft = pair
+    config = SpeculativeConfig(num_speculative_tokens=3)
+    eager = LLM(target, draft_model=draft, speculative_config=config)
+    compiled = LLM(target, draft_model=draft, speculative_config=config, compile=True)
+
+    def run(prompts: list[list[int]], lengths: list[int]) -> None:
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        assert [o.outputs[0].token_ids for o in compiled.generate(prompts, params)] == want
+
+    run([PROMPTS[0], PROMPTS[1], [7, 8, 9, 10]], [6, 14, 24])  # 3 rows, then 2, then 1
+    graphs = counters["stats"]["unique_graphs"]
+    run([PROMPTS[2], PROMPTS[1], [4, 5] * 30, [6, 7, 8]], [30, 9, 20, 16])  # 4 rows, a longer cache
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("batch", [2, 1])  # batch 1: verifications in graphs of their own query length
 def test_compiled_logits_match_eager_across_spans(pair, batch) -> None:
     target, _ = pair

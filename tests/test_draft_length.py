@@ -78,6 +78,18 @@ def test_a_new_batch_size_starts_from_the_nearest_measured_one() -> None:
     assert chooser.counts[3].get(6, 0) + chooser.counts[3].get(0, 0) <= 2  # at most exploration steps
 
 
+def test_a_first_step_that_prefills_the_drafter_does_not_switch_speculation_off() -> None:
+    """The first drafting step also pays for the drafter's prefill of the prompt (a hundred times a
+    step): the warm-up keeps the least of its measurements, and drafting, which pays, goes on."""
+    chooser = DraftLength(4, adaptive=True)
+    prefill = 1000.0
+    for _ in range(50):
+        k = chooser.choose(1)
+        chooser.observe(1, k, 10.0 + 0.5 * k + (prefill if k else 0.0), [k], [k])
+        prefill = 0.0 if k else prefill
+    assert chooser.history.count(4) >= 45  # all but the warm-up's plain steps and an exploration
+
+
 def test_fixed_k_is_still_available() -> None:
     chooser = DraftLength(3, adaptive=False)
     assert [chooser.choose(b) for b in (1, 8, 64)] == [3, 3, 3]

@@ -210,9 +210,11 @@ def sweep_batch(
     """Throughput (generated tokens / wall time) of each method at each batch size over every prompt,
     cycled to fill a whole number of the largest batch (12 prompts, batch 8: 16, two batches of 8), so
     that each batch size gets more than one timed call; interleaved per batch, with exactness against
-    `reference`. Batch size 1 reuses `batch1`, the side-by-side runs of the same prompts. Every call
-    starts from reset methods (Method.reset): the cycled prompts come back, and would otherwise be
-    drafted from their own earlier responses."""
+    `reference`, after one discarded call of each method at each size (a compiled method's first call
+    of a batch size compiles its shapes: it made batch 4 slower than batch 1). Batch size 1 reuses
+    `batch1`, the side-by-side runs of the same prompts. Every call starts from reset methods
+    (Method.reset): the cycled prompts come back, and would otherwise be drafted from their own earlier
+    responses."""
     config = pair.config
     largest = max(config.batch_sizes)
     count = -(-len(prompts) // largest) * largest
@@ -228,6 +230,9 @@ def sweep_batch(
             ]
     for b in sizes:
         usable = [m for m in methods if m.max_batch is None or b <= m.max_batch]
+        for method in usable:  # a discarded call: the first of a batch size compiles its shapes
+            method.reset()
+            method.generate([prompts[i] for i in indices[:b]], config.max_tokens)
         for start in range(0, count, b):
             chunk = [prompts[i] for i in indices[start : start + b]]
             for method in usable:

@@ -8,14 +8,17 @@ exponential moving average for each k tried (a step slower than _OUTLIER times t
 that much: at 32 rows one slow last step of a batch, 44 ms against 26, raised a plain step's average by
 a quarter, enough to switch speculation on where it lost), the line through them for k not tried. The
 step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculation switched
-off for batch sizes where it does not pay. The first batch size starts by measuring max_k and 0; a batch
-size met later starts from the step times of the nearest one measured, rescaled at its own first step
-and replaced k by k as it measures them: batches shrink a row at a time as rows finish, and probing
-max_k and 0 at each size costs more than it teaches. Now and then a neighbour of the best k is measured
-again so that the estimates follow the workload: after _EXPLORE steps at a batch size, then at intervals
-that double (up to _EXPLORE_MAX) while the best k stays the same, back to _EXPLORE when it changes. An
-exploration step is not free: where plain steps are best, its drafter first catches up on every token it
-skipped (a draft model also prefills the rows that joined since it last proposed).
+off for batch sizes where it does not pay. The first batch size starts by measuring max_k and 0, twice
+each, and keeps the least of the two (a first step also pays for first calls and, since rows join the
+drafter lazily, for its prefill of the prompts: counted in the average, it switched speculation off for
+good at batch 1, where it doubles the speed); a batch size met later starts from the step times of the
+nearest one measured, rescaled at its own first step and replaced k by k as it measures them: batches
+shrink a row at a time as rows finish, and probing max_k and 0 at each size costs more than it teaches.
+Now and then a neighbour of the best k is measured again so that the estimates follow the workload:
+after _EXPLORE steps at a batch size, then at intervals that double (up to _EXPLORE_MAX) while the best
+k stays the same, back to _EXPLORE when it changes. An exploration step is not free: where plain steps
+are best, its drafter first catches up on every token it skipped (a draft model also prefills the rows
+that joined since it last proposed).
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class DraftLength:
         if k in borrowed or k not in times:
             borrowed.discard(k)
             times[k] = seconds
+        elif batch_size not in self.borrowed and counts.get(k, 0) < _WARMUP:  # the warm-up's least
+            times[k] = min(times[k], seconds)
         else:  # one slow step (rows joining or finishing in it, another process) moves the mean a little
             times[k] = (1 - _SMOOTHING) * times[k] + _SMOOTHING * min(seconds, _OUTLIER * times[k])
         counts[k] = counts.get(k, 0) + 1

@@ -103,9 +103,8 @@ class CompiledCausalLM:
         """The model's cache, one position longer than a multiple of SPAN_MULTIPLE: a span then never
         covers the whole buffer (a case dynamo would compile apart)."""
         cache = self.model.new_cache(batch_size, -(-max_length // SPAN_MULTIPLE) * SPAN_MULTIPLE + 1)
-        for tensor in (*cache.keys, *cache.values):  # [batch, kv_heads, max_length, head_dim]
-            torch._dynamo.maybe_mark_dynamic(tensor, (0, 2))
-            if self.mode == "reduce-overhead":  # CUDA graphs replay on the same buffers
+        if self.mode == "reduce-overhead":  # CUDA graphs replay on the same buffers
+            for tensor in (*cache.keys, *cache.values):
                 torch._dynamo.mark_static_address(tensor)
         return cache
 
@@ -122,7 +121,12 @@ class CompiledCausalLM:
         if verification:  # one graph for both: all positions' logits are a gather of all
             logits_indices = self._every_position(*input_ids.shape)
         input_ids, positions, logits_indices = self._dynamic(
-            input_ids, positions, logits_indices, key_positions=key_positions, few_static=verification
+            input_ids,
+            positions,
+            logits_indices,
+            cache=keys + values,
+            key_positions=key_positions,
+            few_static=verification,
         )
         return self._owned(self._compiled(input_ids, positions, keys, values, key_positions, logits_indices))
 
@@ -136,12 +140,21 @@ class CompiledCausalLM:
             return out
         return out.clone() if isinstance(out, Tensor) else tuple(t.clone() for t in out)
 
-    def _dynamic(self, *tensors: Tensor, key_positions: Tensor, few_static: bool) -> list[Tensor]:
+    def _dynamic(
+        self,
+        *tensors: Tensor,
+        cache: list[Tensor],
+        key_positions: Tensor,
+        few_static: bool,
+    ) -> list[Tensor]:
         """`tensors` ([batch, q] each) with standard strides, their sizes and those of key_positions and
-        the RoPE tables marked dynamic. With `few_static` (a verification, a draft's query), on CPU, a
-        batch of one row of 2 to packed.STATIC_ROWS_MAX tokens is static instead: a graph for each such
-        q, whose matmuls and attention unroll over the rows. (Not every call's: a short prompt's
-        prefill would need a graph of its own for each length.)"""
+        the RoPE tables marked dynamic, and the batch and length of the cache's keys and values
+        (`cache`, [batch, kv_heads, max_length, head_dim] each), which are views of the cache's buffers
+        made anew as rows join and leave (marked once, when the buffers were made, the views were not:
+        a graph for each batch size and cache length, compiled as a batch shrank). With `few_static` (a
+        verification, a draft's query), on CPU, a batch of one row of 2 to packed.STATIC_ROWS_MAX tokens
+        is static instead: a graph for each such q, whose matmuls and attention unroll over the rows.
+        (Not every call's: a short prompt's prefill would need a graph of its own for each length.)"""
         tensors = [_standard_strides(tensor) for tensor in tensors]
         batch, q = tensors[0].shape
         static = few_static and self.model.device.type == "cpu" and batch == 1 and 1 < q <= STATIC_ROWS_MAX
@@ -150,6 +163,8 @@ class CompiledCausalLM:
                 torch._dynamo.mark_static(tensor)
             else:
                 torch._dynamo.maybe_mark_dynamic(tensor, (0, 1))
+        for tensor in cache:
+            torch._dynamo.maybe_mark_dynamic(tensor, (0, 2))
         torch._dynamo.maybe_mark_dynamic(key_positions, 0)
         for table in (self.model._rope_cos, self.model._rope_sin):  # they grow with the longest span
             torch._dynamo.maybe_mark_dynamic(table, 0)
@@ -214,7 +229,7 @@ class CompiledCausalLM:
             logits_indices: None,
         ) -> tuple[Tensor, Tensor]:
             input_ids, positions = self._dynamic(
-                input_ids, positions, key_positions=key_positions, few_static=True
+                input_ids, positions, cache=keys + values, key_positions=key_positions, few_static=True
             )
             return self._owned(compiled(input_ids, positions, keys, values, key_positions))
 
