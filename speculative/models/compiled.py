@@ -29,6 +29,7 @@ off (two sizes that happen to be equal in the first call are not assumed equal f
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -87,6 +88,7 @@ class CompiledCausalLM:
         fx_config.use_duck_shape = False
         self._compiled = torch.compile(model.run, **self._compile_options())
         self._positions: dict[tuple[int, int], Tensor] = {}  # (batch, q) -> _every_position
+        self._marked = lambda: None  # a weak reference to the first cache view marked dynamic (_dynamic)
         self._greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # steps -> compiled greedy_decode
 
     def _compile_options(self) -> dict:
@@ -151,10 +153,12 @@ class CompiledCausalLM:
         the RoPE tables marked dynamic, and the batch and length of the cache's keys and values
         (`cache`, [batch, kv_heads, max_length, head_dim] each), which are views of the cache's buffers
         made anew as rows join and leave (marked once, when the buffers were made, the views were not:
-        a graph for each batch size and cache length, compiled as a batch shrank). With `few_static` (a
-        verification, a draft's query), on CPU, a batch of one row of 2 to packed.STATIC_ROWS_MAX tokens
-        is static instead: a graph for each such q, whose matmuls and attention unroll over the rows.
-        (Not every call's: a short prompt's prefill would need a graph of its own for each length.)"""
+        a graph for each batch size and cache length, compiled as a batch shrank). Views are marked when
+        they are new, as their first one tells (marking all 2 x layers costs about 14 us a call). With
+        `few_static` (a verification, a draft's query), on CPU, a batch of one row of 2 to
+        packed.STATIC_ROWS_MAX tokens is static instead: a graph for each such q, whose matmuls and
+        attention unroll over the rows. (Not every call's: a short prompt's prefill would need a graph
+        of its own for each length.)"""
         tensors = [_standard_strides(tensor) for tensor in tensors]
         batch, q = tensors[0].shape
         static = few_static and self.model.device.type == "cpu" and batch == 1 and 1 < q <= STATIC_ROWS_MAX
@@ -163,8 +167,10 @@ class CompiledCausalLM:
                 torch._dynamo.mark_static(tensor)
             else:
                 torch._dynamo.maybe_mark_dynamic(tensor, (0, 1))
-        for tensor in cache:
-            torch._dynamo.maybe_mark_dynamic(tensor, (0, 2))
+        if self._marked() is not cache[0]:  # the views are new: the cache's rows changed
+            for tensor in cache:
+                torch._dynamo.maybe_mark_dynamic(tensor, (0, 2))
+            self._marked = weakref.ref(cache[0])
         torch._dynamo.maybe_mark_dynamic(key_positions, 0)
         for table in (self.model._rope_cos, self.model._rope_sin):  # they grow with the longest span
             torch._dynamo.maybe_mark_dynamic(table, 0)

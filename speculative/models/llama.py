@@ -316,6 +316,7 @@ class NativeCausalLM(nn.Module):
         packed = [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         # only a prepacked copy can go stale: every other layout is the parameters' own storage
         self._prepacked = [p for p in (*packed, self._lm_head) if p.prepacked is not None]
+        self._note_versions()
         self._rope_cos = self._rope_sin = self._arange = torch.empty(0)
 
     def _row_linear(self, linear: nn.Linear) -> PackedLinear:
@@ -359,6 +360,7 @@ class NativeCausalLM(nn.Module):
             if packed is not self._lm_head or lm_head:
                 packed.quantize(quantization)
         self._prepacked = [p for p in self._prepacked if p.quantization is None]
+        self._note_versions()
         self.quantization = quantization
 
     def packed_linears(self) -> list[PackedLinear]:
@@ -412,14 +414,20 @@ class NativeCausalLM(nn.Module):
             length = max(span, 2 * self._rope_cos.shape[0])
             self._rope_cos, self._rope_sin = self._rope_tables(length)
             self._arange = torch.arange(length, device=self.inv_freq.device)
-        if any(p.stale() for p in self._prepacked):
+        if sum(t._version for t in self._versioned) != self._version:  # one sum: this runs every call
             if self.quantization is None:
                 self.pack_weights()
             else:  # only float layers have a prepacked copy: lay those out again, one by one
                 for p in self._prepacked:
                     if p.stale():
                         p.pack()
+                self._note_versions()
             self.prepare(span)
+
+    def _note_versions(self) -> None:
+        """Remember the version counters of the weights behind the prepacked copies (prepare)."""
+        self._versioned = [t for p in self._prepacked for t in p.versioned]
+        self._version = sum(t._version for t in self._versioned)
 
     def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
         """cos, sin [length, head_dim] in the model's dtype, computed in float32 as HF does; sin's first

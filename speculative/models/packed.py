@@ -197,6 +197,8 @@ class PackedLinear:
             else None
         )
         self.out_features = self.weight.shape[0]
+        # the tensors whose in-place changes make the prepacked copy stale (inference tensors have none)
+        self.versioned = tuple(t for t in (self.weight, self.bias) if t is not None and not t.is_inference())
         self._version = self._weights_version()
         self.handle = next(_handles)
         _REGISTRY[self.handle] = self
@@ -226,6 +228,7 @@ class PackedLinear:
         # bfloat16 / float16: torch's vectorized int8 kernel reads 16 (AVX-512) columns at a time
         self._int8_kernel = self.quantization == "int8" and in_features % 16 == 0
         self.weight = self.prepacked = None
+        self.versioned = ()
         for linear in self.linears:
             linear.register_parameter("weight", None)
 
@@ -235,7 +238,7 @@ class PackedLinear:
         return [t for t in (getattr(self, name, None) for name in names) if t is not None]
 
     def _weights_version(self) -> int:
-        return sum(t._version for t in (self.weight, self.bias) if t is not None and not t.is_inference())
+        return sum(t._version for t in self.versioned)
 
     def stale(self) -> bool:
         """Whether a weight changed in place since `pack()`: the prepacked copy, if any, is out of date
