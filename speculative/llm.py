@@ -23,7 +23,7 @@ from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.engine.sequence import Sequence
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.models.base import LanguageModel
-from speculative.models.compiled import prepare_model, warm_up_pair
+from speculative.models.compiled import CompiledCausalLM, prepare_model, warm_up_pair
 from speculative.models.dtypes import check_dtype
 from speculative.models.eagle_checkpoint import load_eagle_head
 from speculative.models.llama import NativeCausalLM
@@ -115,10 +115,10 @@ class LLM:
         method = speculative_config.method if speculative_config else None
         if method in ("draft_model", "eagle", "eagle3") and draft_model is None:
             raise ValueError(f'SpeculativeConfig(method="{method}") needs LLM(draft_model=...)')
-        if method in ("eagle", "eagle3") and (not isinstance(draft_model, str) or compile or quantization):
+        if method in ("eagle", "eagle3") and (not isinstance(draft_model, str) or precompile or quantization):
             raise ValueError(
                 f'SpeculativeConfig(method="{method}") needs LLM(draft_model=<the EAGLE head\'s directory>) '
-                "and a target that is neither compiled nor quantized"
+                "and a target that is neither precompiled nor quantized"
             )
         if method in ("ngram", "suffix") and draft_model is not None:
             raise ValueError(f'SpeculativeConfig(method="{method}") uses no draft model; drop draft_model')
@@ -218,12 +218,14 @@ class LLM:
                 proposer = _cross_tokenizer_proposer(self.target, self.draft, speculative_config)
                 _check_cross_tokenizer(compile, precompile, group)
         elif method in ("eagle", "eagle3"):
-            if not isinstance(self.target.model, NativeCausalLM):
+            native = self.target.model
+            native = native.model if isinstance(native, CompiledCausalLM) else native  # the head shares it
+            if not isinstance(native, NativeCausalLM):
                 raise ValueError(
                     f'SpeculativeConfig(method="{method}") needs the native forward for the target '
-                    f"(model types llama, mistral, qwen2, qwen3); got {type(self.target.model).__name__}"
+                    f"(model types llama, mistral, qwen2, qwen3); got {type(native).__name__}"
                 )
-            head = load_eagle_head(draft_model, method, self.target.model)
+            head = load_eagle_head(draft_model, method, native)  # eager, also under a compiled target
             proposer = EagleProposer(head)
             if speculative_config.tree:
                 c = speculative_config

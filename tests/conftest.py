@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from speculative.demo.train import eagle_head
+from speculative.demo.train_eagle import eagle_head
 from speculative.models.eagle_checkpoint import save_eagle_head
 
 FAMILIES = {
@@ -110,7 +110,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 def save_eagle_head_for(target: torch.nn.Module, path) -> str:
     """An untrained EAGLE-1 head for `target` (the demo recipe's, 4 heads) saved at `path`; its path."""
     sizes = {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
-    save_eagle_head(eagle_head(target, sizes), path)
+    save_eagle_head(eagle_head(target, sizes, "eagle"), path)
     return str(path)
 
 

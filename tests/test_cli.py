@@ -206,12 +206,11 @@ def test_eagle_head_flags(model_dirs, capsys) -> None:
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--compile"], "a target that is neither compiled nor quantized"),
-        (["--quantization", "int8"], "a target that is neither compiled nor quantized"),
+        (["--quantization", "int8"], "a target that is neither precompiled nor quantized"),
         (["--tensor-parallel-size", "2"], 'method="eagle3") does not run with tensor_parallel_size > 1'),
         (["--draft-dtype", "bfloat16"], "draft_dtype is the draft model's dtype"),
     ],
-    ids=["compile", "quantization", "tensor-parallel", "draft-dtype"],
+    ids=["quantization", "tensor-parallel", "draft-dtype"],
 )
 def test_eagle_head_refusals_are_cli_errors(model_dirs, capsys, flags, message) -> None:
     argv = ["generate", "--model", model_dirs["target"], "--eagle3", model_dirs["eagle"], *flags]

@@ -11,8 +11,10 @@ from conftest import noisy_copy, tiny_model
 from torch._dynamo.utils import counters
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.demo.train_eagle import eagle_head
 from speculative.models.base import decode
 from speculative.models.compiled import SPAN_MULTIPLE, CompiledCausalLM
+from speculative.models.eagle_checkpoint import save_eagle_head
 from speculative.models.llama import NativeCausalLM
 from speculative.models.packed import STATIC_ROWS_MAX
 from speculative.precompile import PreCompileConfig
@@ -162,3 +164,25 @@ def test_cli_compile_flags() -> None:
     assert parser.parse_args(["generate"]).compile is False
     assert parser.parse_args(["bench", "--compile"]).compile is True
     assert parser.parse_args(["bench"]).compile is None  # None: BenchConfig's default (False)
+
+
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, tree) -> None:
+    """With an EAGLE head, the compiled target's chain calls also return the hidden states the head
+    reads (a graph of their own); trees are verified eagerly. Greedy output is the eager engine's."""
+    target, _ = pair
+    sizes = {"intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+    save_eagle_head(eagle_head(target, sizes, "eagle3"), tmp_path / "head")
+    config = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, tree=tree, tree_nodes=6)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    eager, compiled = (
+        LLM(target, draft_model=str(tmp_path / "head"), speculative_config=config, compile=c)
+        for c in (False, True)
+    )
+    assert isinstance(compiled.target.model, CompiledCausalLM)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in compiled.generate(PROMPTS, params)] == want
+    assert (
+        compiled.generate(PROMPTS, params)[0].metrics.num_steps
+        == eager.generate(PROMPTS, params)[0].metrics.num_steps
+    )

@@ -20,6 +20,7 @@ from speculative.demo import DEMO_DIR
 from speculative.engine.state import SampleState
 from speculative.models.eagle_checkpoint import load_eagle_head, save_eagle_head
 from speculative.models.llama import NativeCausalLM
+from speculative.precompile import PreCompileConfig
 
 HIDDEN, HEADS, KV_HEADS, VOCAB = 64, 4, 2, 96
 
@@ -168,11 +169,16 @@ def test_published_layouts_load(tmp_path, target, layout, bin) -> None:
 
 @pytest.mark.parametrize(
     ("fields", "layers"),
-    [({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, (1, 2, 3)), ({}, (2, 2, 1))],
-    ids=["in-eagle_config", "default"],
+    [
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, (1, 2, 3)),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}}, (0, 2, 4)),
+        ({}, (2, 2, 1)),
+    ],
+    ids=["in-eagle_config", "final-norm", "default"],
 )
 def test_eagle3_target_layers(tmp_path, target, fields, layers) -> None:
-    """The aux layer ids nested in `eagle_config`, or vLLM's default (2, L // 2, L - 3)."""
+    """The aux layer ids nested in `eagle_config` (L, the target's layer count: its final norm's
+    output), or vLLM's default (2, L // 2, L - 3)."""
     config = head_config("eagle3", **fields)
     del config["eagle_aux_hidden_state_layer_ids"]
     head = load_eagle_head(
@@ -210,7 +216,7 @@ def test_draft_vocabulary_maps_into_the_target_vocabulary(tmp_path, target) -> N
             lambda c, w: w.update({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 64)}),
             "q_proj",
         ),
-        ("eagle3", lambda c, w: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 9]), "aux_hidden_state"),
+        ("eagle3", lambda c, w: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 5]), r"in \[0, 4\]"),
         ("eagle3", lambda c, w: c.update(draft_vocab_size=40), "'lm_head.weight' has shape"),
     ],
 )
@@ -302,12 +308,12 @@ def test_sampled_output_follows_the_target(tmp_path) -> None:
 def test_eagle_settings_that_cannot_work_are_refused(tmp_path, target) -> None:
     with pytest.raises(ValueError, match="needs LLM\\(draft_model"):
         LLM(target, speculative_config=SpeculativeConfig(method="eagle"))
-    with pytest.raises(ValueError, match="neither compiled nor quantized"):
+    with pytest.raises(ValueError, match="neither precompiled nor quantized"):
         LLM(
             target,
             draft_model=write_head(tmp_path, "eagle"),
             speculative_config=SpeculativeConfig(method="eagle"),
-            compile=True,
+            precompile=PreCompileConfig([1]),
         )
 
 
@@ -352,8 +358,9 @@ def test_saved_heads_load_back(tmp_path, target, layout) -> None:
 
 
 def test_the_demo_head_drafts_for_the_demo_target() -> None:
-    """The committed head (models/demo/eagle, `python -m speculative.demo.train_eagle`) loads for the
-    demo target, drafts tokens the target accepts, and the greedy output is the target's alone."""
+    """The committed head (models/demo/eagle, `python -m speculative.demo.train_eagle --layout eagle`)
+    loads for the demo target, drafts tokens the target accepts, and the greedy output is the
+    target's alone."""
     target, head = (str(DEMO_DIR / name) for name in ("target", "eagle"))
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompts = ["def fibonacci(n):", "class Stack:\n    def __init__(self):"]
@@ -362,4 +369,4 @@ def test_the_demo_head_drafts_for_the_demo_target() -> None:
     llm = LLM(target, draft_model=head, speculative_config=config, dtype="float32")
     eagle = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in eagle] == [o.outputs[0].token_ids for o in plain]
-    assert sum(o.metrics.num_accepted for o in eagle) > 0.2 * sum(o.metrics.num_drafted for o in eagle)
+    assert sum(o.metrics.num_accepted for o in eagle) > 0.3 * sum(o.metrics.num_drafted for o in eagle)

@@ -339,7 +339,8 @@ NOTES = [
     "included, so a step costs k * T_d + T_v as a draft model's does and the bound holds unchanged. A "
     "run's first proposal also feeds the head the whole prompt's features, its prefill (a draft model's "
     "is made before the first step): T_d leaves that proposal out, as the bound leaves out every "
-    "prefill. The head runs eagerly (no compiled EAGLE methods) and on one rank; HF has no counterpart.",
+    "prefill. The head runs eagerly and on one rank (compiled methods: the target's chain calls compiled, "
+    "trees verified eagerly); HF has no counterpart.",
 ]
 
 HF_STATIC_NOTE = (
@@ -406,10 +407,9 @@ def build_methods(
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
     methods += [pair.ours(d, config.k, tree=TREES[d]) for d in drafters]
     if config.compile:
-        compiled = [d for d in drafters if d not in HEADS]
         methods += [pair.ours(None, 0, compiled=True)]
-        methods += [pair.ours(d, config.k, compiled=True) for d in compiled]
-        methods += [pair.ours(d, config.k, compiled=True, tree=TREES[d]) for d in compiled]
+        methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
+        methods += [pair.ours(d, config.k, compiled=True, tree=TREES[d]) for d in drafters]
     skipped = skipped_heads(config)
     if pair.draft is None:
         for name, label in (

@@ -63,11 +63,11 @@ def greedy_acceptance(target, draft, prompts: torch.Tensor, new_tokens: int, eos
 
 @torch.no_grad()
 def engine_acceptance(
-    pair: Path, drafters: dict[str, str], prompts: list[list[int]], new_tokens: int, k: int = 4
+    pair: Path, drafters: dict[str, str], prompts: list[list[int]], new_tokens: int, **speculative
 ) -> dict:
-    """Greedy acceptance through the engine, k-token chains on `prompts` (the target's token ids), of
-    each drafter `pair/<name>` run as SpeculativeConfig method `drafters[name]`: per name, the
-    acceptance rate and the mean tokens per step."""
+    """Greedy acceptance through the engine on `prompts` (the target's token ids) of each drafter
+    `pair/<name>` run as SpeculativeConfig method `drafters[name]` with the fields `speculative` (say
+    num_speculative_tokens, tree): per name, the acceptance rate and the mean tokens per step."""
     from speculative import LLM, SamplingParams, SpeculativeConfig
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
@@ -76,7 +76,7 @@ def engine_acceptance(
         llm = LLM(
             str(pair / "target"),
             draft_model=str(pair / name),
-            speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=k),
+            speculative_config=SpeculativeConfig(method=method, **speculative),
             dtype="float32",
         )
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -6,10 +6,8 @@ KL to the target's distribution at every position; its embeddings start as the t
 their top principal directions). Both are written as Hugging Face directories (`target/`, `draft/`:
 config, generation config, tokenizer, bf16 safetensors), with `README.md` and `training.json` beside
 them. Everything is seeded and runs fixed step counts; `--max-minutes` is a safety cap that, if it stops
-training early, is recorded. `--smoke` runs tiny sizes on a few files in seconds. `--eagle-steps N`
-also trains an EAGLE-1 head for the target (`eagle/`, the published layout: `LLM(target,
-draft_model="eagle", speculative_config=SpeculativeConfig(method="eagle"))`), with EAGLE-1's losses
-on the corpus (smooth L1 to the target's next feature, 0.1 x cross-entropy of the token after).
+training early, is recorded. `--smoke` runs tiny sizes on a few files in seconds. The target's EAGLE
+head is trained afterwards by `speculative.demo.train_eagle`.
 
 On a CPU shared with other processes, launch with `OMP_WAIT_POLICY=PASSIVE` in the environment (it must be
 set before torch is imported): with spinning OpenMP threads, element-wise ops ran ~10x slower there. It
@@ -31,8 +29,6 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from speculative.demo import corpus
 from speculative.demo.model_card import measure_and_write_card
-from speculative.models.eagle import EagleHead
-from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_head
 
 FULL = {
     "vocab_size": 8192,
@@ -151,75 +147,6 @@ def kl_loss(draft: LlamaForCausalLM, target: LlamaForCausalLM, windows: torch.Te
     return kl
 
 
-def eagle_head(target: LlamaForCausalLM, sizes: dict) -> EagleHead:
-    """A fresh EAGLE-1 head for `target` (its embedding and lm_head shared, frozen): one decoder layer
-    of the target's width with `sizes`' intermediate_size, attention heads and KV heads."""
-    t = target.config
-    config = LlamaConfig(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        max_position_embeddings=t.max_position_embeddings,
-        num_hidden_layers=1,
-        rms_norm_eps=t.rms_norm_eps,
-        **{k: sizes[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")},
-    )
-    head = EagleHead(config, "eagle", t.hidden_size, (t.num_hidden_layers,), fc_bias=True)
-    for module, weight in (
-        (head.model.embed_tokens, target.get_input_embeddings().weight),
-        (head.lm_head, target.get_output_embeddings().weight),
-    ):
-        module.weight = torch.nn.Parameter(weight.detach().float(), requires_grad=False)  # saved as bf16
-    head.pack_weights()
-    return head
-
-
-def eagle_losses(head: EagleHead, target: LlamaForCausalLM, windows: torch.Tensor) -> tuple:
-    """EAGLE-1's two losses on [batch, seq_len + 1] windows: head position p reads token x_{p+1} and the
-    target's feature f_p (its last hidden state); smooth L1 of its hidden state to f_{p+1}, and the
-    cross-entropy of its logits for x_{p+2}. The head runs in float32 (its cache is)."""
-    with torch.no_grad():
-        features = target(input_ids=windows[:, :-1], output_hidden_states=True).hidden_states[-1].float()
-    with torch.autocast("cpu", enabled=False):
-        logits, hidden = head.score(windows[:, 1:-1], features[:, :-1])
-    regression = F.smooth_l1_loss(hidden, features[:, 1:])
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 2:].reshape(-1))
-    return regression, ce
-
-
-def eagle_loss(head: EagleHead, target: LlamaForCausalLM, windows: torch.Tensor) -> torch.Tensor:
-    """EAGLE-1's training loss: the regression plus 0.1 times the cross-entropy (eagle_losses)."""
-    regression, ce = eagle_losses(head, target, windows)
-    return regression + 0.1 * ce
-
-
-def train_eagle_head(
-    target, stream, heldout, cfg, steps, seed, deadline, out: Path, resume: bool = False
-) -> dict:
-    """Train an EAGLE-1 head for `target` `steps` steps on `stream` at the draft's learning rate
-    (train_loop's other arguments): a fresh one (eagle_head, with the draft's sizes) or, with `resume`,
-    the one saved in `out`/eagle (its sizes and weights; a fresh optimizer and schedule). Write it to
-    `out`/eagle in the published layout and return train_loop's record."""
-    path = out / "eagle"
-    head = eagle_head(target, json.loads((path / "config.json").read_text()) if resume else cfg["draft"])
-    if resume:
-        load_head_weights(head, path)
-    record = train_loop(
-        "eagle",
-        head,
-        lambda m, w: eagle_loss(m, target, w),
-        stream,
-        heldout,
-        cfg,
-        steps,
-        cfg["draft_lr"],
-        seed + 2,
-        deadline,
-        ce=lambda m, w: eagle_losses(m, target, w)[1],
-    )
-    save_eagle_head(head, path)
-    return record
-
-
 @torch.no_grad()
 def heldout_loss(model, windows: torch.Tensor, batch: int, ce=ce_loss) -> float:
     """Mean cross-entropy `ce(model, windows)` (default next-token) over the fixed held-out windows."""
@@ -308,12 +235,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, few steps, few files")
     parser.add_argument("--target-steps", type=int, help="override the target's step count")
     parser.add_argument("--draft-steps", type=int, help="override the draft's step count")
-    parser.add_argument(
-        "--eagle-steps",
-        type=int,
-        default=0,
-        help="also train an EAGLE-1 head for the target this many steps, into eagle/ (default: none)",
-    )
     parser.add_argument("--max-minutes", type=float, help="safety cap on training time (recorded if hit)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -375,11 +296,6 @@ def main(argv: list[str] | None = None) -> dict:
         cap,
     )
     save(draft, tokenizer, args.out / "draft")
-    eagle_rec = None
-    if args.eagle_steps:
-        eagle_rec = train_eagle_head(
-            target, train_stream, heldout, cfg, args.eagle_steps, args.seed, cap, args.out
-        )
     train_seconds = time.monotonic() - wall_start
 
     info = {
@@ -409,13 +325,6 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "train_wall_seconds": round(train_seconds, 1),
     }
-    if eagle_rec is not None:
-        info["eagle"] = {
-            "layout": "eagle (EAGLE-1)",
-            "intermediate_size": cfg["draft"]["intermediate_size"],
-            "loss": "smooth L1 to the target's next feature + 0.1 x cross-entropy of the token after",
-            **eagle_rec,
-        }
     measure_and_write_card(args.out, info, heldout_encoded, cfg, args.seed)
     return info
 

@@ -129,7 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
             "new_tokens": cfg["new_tokens"],
             "k": 4,
             **engine_acceptance(
-                args.pair, {"cross-draft": "draft_model", "draft": "draft_model"}, prompts, cfg["new_tokens"]
+                args.pair,
+                {"cross-draft": "draft_model", "draft": "draft_model"},
+                prompts,
+                cfg["new_tokens"],
+                num_speculative_tokens=4,
             ),
         },
         "machine": machine(),

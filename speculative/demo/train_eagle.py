@@ -1,15 +1,21 @@
-"""An EAGLE-1 head for an already trained demo target: `python -m speculative.demo.train_eagle --pair
-models/demo --steps 300`; `--resume --steps N` trains the saved head N steps more.
+"""An EAGLE head for an already trained demo target: `python -m speculative.demo.train_eagle --pair
+models/demo --steps 600` (EAGLE-1 layout by default, `--layout eagle3` for EAGLE-3); `--resume --steps N`
+trains the saved head N steps more.
 
-The demo recipe (`speculative.demo.train --eagle-steps N`) trains the head after the target and the
-draft; this trains it alone for the target the pair directory already holds, on the same corpus split
-(train files for training, held-out files for the measurements) encoded with the pair's own
-tokenizer, with the recipe's head shape, losses and schedule. The head is written to `<pair>/eagle/`
-in the published EAGLE-1 layout, with `training.json` beside it (the training record and the
-measured acceptance, greedy, of the head and of the pair's draft model: k=4 chains on held-out prompts
-through the engine, the acceptance rate and the mean tokens per step) and `README.md`, its card.
+The recipe trains the head on the demo corpus's training files (the pair's held-out files for the
+measurements), encoded with the pair's own tokenizer, at the draft's learning rate and schedule, to
+the target's own next-token distributions: the loss is KL(target || head) at every position, the
+target's distributions computed on the same windows (distillation: the head learns what the target
+would say, not the corpus's next token). It is trained as it drafts (EAGLE-3's "training-time
+test"): `--depth` D passes over each window, pass d feeding the head its own hidden states from pass
+d - 1 as the features, so that the drafts after the first are learned from the head's own guesses,
+as they are made; pass d's loss is weighted 0.8^(d-1). The head is written to `<pair>/<layout>/` in
+the published layout, with `training.json` beside it (the training record and the measured
+acceptance, greedy, of the head and of the pair's draft model: k=4 chains and dynamic trees on
+held-out prompts through the engine, the acceptance rate and the mean tokens per step) and
+`README.md`, its card.
 
-A head can be trained in pieces: `--resume` loads `<pair>/eagle/` and trains it `--steps` steps more
+A head can be trained in pieces: `--resume` loads `<pair>/<layout>/` and trains it `--steps` steps more
 (a fresh optimizer, warmup and decay: a warm restart; its windows drawn with the seed offset by the
 steps so far, so that they are not the earlier pieces' again), then measures it again. training.json
 keeps every piece's record (`pieces`) and their sums: steps, tokens, seconds.
@@ -23,24 +29,150 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from speculative.demo import corpus
 from speculative.demo.model_card import engine_acceptance, heldout_prompts
-from speculative.demo.train import FULL, SMOKE, train_eagle_head
+from speculative.demo.train import FULL, SMOKE, train_loop
+from speculative.models.eagle import EagleHead, EagleLayout
+from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_head
+
+LAYOUT_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
+DEPTH_DECAY = 0.8  # pass d's loss weight is DEPTH_DECAY ** (d - 1)
+
+
+def eagle_head(target: LlamaForCausalLM, sizes: dict, layout: EagleLayout = "eagle") -> EagleHead:
+    """A fresh head for `target`: one decoder layer of the target's width with `sizes`'
+    intermediate_size, attention heads and KV heads, and the target's embedding and lm_head, frozen.
+    "eagle": fc over [embedding ; the target's last hidden state] (bias), the lm_head shared, not
+    saved; "eagle3": fc over the streams entering the target's layers 2 and L // 2 and its final
+    norm's output (what its lm_head reads; vLLM's default third layer is L - 3, which trained no
+    better on the demo target), its own norm (starting as the target's final norm) and a copy of the
+    target's lm_head over the whole vocabulary, both saved as the layout has them."""
+    t = target.config
+    config = LlamaConfig(
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        max_position_embeddings=t.max_position_embeddings,
+        num_hidden_layers=1,
+        rms_norm_eps=t.rms_norm_eps,
+        **{k: sizes[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")},
+    )
+    layers, width = t.num_hidden_layers, t.hidden_size
+    if layout == "eagle":
+        head = EagleHead(config, "eagle", width, (layers,), fc_bias=True)
+    else:
+        head = EagleHead(config, "eagle3", 3 * width, (min(2, layers - 1), layers // 2, layers))
+        with torch.no_grad():
+            head.model.norm.weight.copy_(target.model.norm.weight.float())
+    frozen = ((head.model.embed_tokens, target.get_input_embeddings()), (head.lm_head, target.lm_head))
+    for module, source in frozen:
+        module.weight = torch.nn.Parameter(source.weight.detach().float(), requires_grad=False)
+    head.pack_weights()
+    return head
+
+
+def ttt_visible(length: int, depth: int) -> Tensor:
+    """[length, depth * length] bool: which keys pass `depth`'s query p sees in training-time test.
+    Keys [0, length) are pass 1's (fed the target's features): those at positions <= p, as the head's
+    cache holds them when drafting after position p. Key (e - 1) * length + p is pass e's at the same
+    p: the head's own earlier drafts of that chain."""
+    index = torch.arange(length)
+    visible = torch.zeros(length, depth * length, dtype=torch.bool)
+    visible[:, :length] = index[None, :] <= index[:, None]
+    for e in range(1, depth):
+        visible[index, e * length + index] = True
+    return visible
+
+
+def ttt_losses(head: EagleHead, target: LlamaForCausalLM, windows: Tensor, depth: int) -> tuple:
+    """The head's losses on [batch, n + 1] token windows, drafting `depth` tokens deep.
+
+    Pass d (1 .. depth) at index p (0 .. n - depth - 1) is head position p + d - 1: it reads token
+    x_{p+d} and, as its feature, the target's at position p (d = 1: the target's layers that the head
+    reads) or the head's own hidden state from pass d - 1 at p; it sees pass 1's keys up to p and the
+    earlier passes' at p (ttt_visible), and its logits are the draft of x_{p+d+1}. Returns the list
+    of per-pass KL(target || head) (mean over positions; the target's distribution of x_{p+d+1} is
+    its logits at position p + d) and pass 1's cross-entropy of the corpus's x_{p+2}. The head runs in
+    float32 (its cache is); the target under the caller's autocast."""
+    with torch.no_grad():
+        out = target(input_ids=windows[:, :-1], output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in head.target_layers], dim=-1).float()
+        teacher = F.log_softmax(out.logits.float(), dim=-1)  # [batch, n, vocab]
+    batch, n = windows.shape[0], windows.shape[1] - 1
+    length = n - depth
+    head.prepare(depth * length)
+    visible = ttt_visible(length, depth)[None, None]
+    index = torch.arange(length).expand(batch, length)
+    hidden, kls, keys, values = features[:, :length], [], [], []
+    with torch.autocast("cpu", enabled=False):
+        for d in range(1, depth + 1):
+            span = d * length
+            cache = head.new_cache(batch, length)  # this pass's K/V, after the earlier passes'
+            keys = [torch.cat(pair, dim=2) for pair in zip(keys, cache.keys)] or cache.keys
+            values = [torch.cat(pair, dim=2) for pair in zip(values, cache.values)] or cache.values
+            logits, hidden = head.run_head(
+                windows[:, d : d + length],
+                hidden,
+                index + d - 1,
+                keys,
+                values,
+                head._arange[:span],
+                None,
+                slots=index + (d - 1) * length,
+                tree_mask=lambda window, span=span: visible[..., :span],
+            )
+            logits = logits.reshape(-1, logits.shape[-1])
+            if d == 1:
+                ce = F.cross_entropy(logits, windows[:, 2 : 2 + length].reshape(-1))
+            teacher_d = teacher[:, d : d + length].reshape(-1, teacher.shape[-1])
+            kls.append(F.kl_div(F.log_softmax(logits, -1), teacher_d, log_target=True, reduction="batchmean"))
+    return kls, ce
+
+
+def ttt_loss(head: EagleHead, target: LlamaForCausalLM, windows: Tensor, depth: int) -> Tensor:
+    """The training loss: ttt_losses' per-pass KLs, pass d weighted DEPTH_DECAY ** (d - 1)."""
+    kls, _ = ttt_losses(head, target, windows, depth)
+    return sum(DEPTH_DECAY**d * kl for d, kl in enumerate(kls))
+
+
+def train_eagle_head(target, stream, heldout, cfg, steps, seed, deadline, path: Path, head: dict) -> dict:
+    """Train a head for `target` `steps` steps of ttt_loss on `stream` at the draft's learning rate
+    (train_loop's other arguments). `head`: its "layout", the training-time test's "depth", and
+    "resume": a fresh head (eagle_head, with the draft's sizes) or the one saved in `path` (its sizes
+    and weights; a fresh optimizer and schedule). Write it to `path` in the published layout and return
+    train_loop's record (its held-out figure: pass 1's cross-entropy of the corpus's next token)."""
+    resume, layout = head["resume"], head["layout"]
+    sizes = json.loads((path / "config.json").read_text()) if resume else cfg["draft"]
+    model = eagle_head(target, sizes, layout)
+    if resume:
+        load_head_weights(model, path)
+    record = train_loop(
+        layout,
+        model,
+        lambda m, w: ttt_loss(m, target, w, head["depth"]),
+        stream,
+        heldout,
+        cfg,
+        steps,
+        cfg["draft_lr"],
+        seed + 2,
+        deadline,
+        ce=lambda m, w: ttt_losses(m, target, w, 1)[1],
+    )
+    save_eagle_head(model, path)
+    return record
+
 
 PIECE_TOTALS = ("steps", "planned_steps", "tokens", "seconds", "wall_seconds")
-PIECE_FIELDS = (*PIECE_TOTALS, "stopped_early", "tokens_per_second", "final_train_loss", "final_heldout_ce")
-PIECE_FIELDS += ("peak_lr", "batch", "seq_len")
-
-
-def pieces_of(info: dict) -> list[dict]:
-    """The pieces of a head's training record (training.json): its `pieces`, or the whole record as one
-    piece where it was written before pieces were (tokens from its steps, batch and window length)."""
-    if "pieces" in info:
-        return info["pieces"]
-    info = {**info, "tokens": info["steps"] * info["batch"] * info["seq_len"]}
-    return [{name: info[name] for name in PIECE_FIELDS}]
+# The drafting shapes whose greedy acceptance the card reports: k=4 chains (what the draft model runs
+# best) and a dynamic tree (EAGLE-2's: the most confident of the top-4 candidates, 24 nodes, 6 deep).
+SHAPES = {
+    "chain": {"num_speculative_tokens": 4},
+    "tree": {"num_speculative_tokens": 6, "tree": "dynamic", "tree_width": 4, "tree_nodes": 24},
+}
 
 
 def combined(pieces: list[dict]) -> dict:
@@ -58,30 +190,44 @@ def combined(pieces: list[dict]) -> dict:
 
 def write_card(info: dict, path: Path) -> None:
     """The head's card (`README.md` in `path`) from its training record `info`."""
-    acceptance = info["acceptance"]
+    acceptance, layout = info["acceptance"], info["layout"]
     rows = "\n".join(
-        f"| {name} | {figures['acceptance_rate']:.3f} | {figures['mean_accepted_length']:.2f} |"
-        for name, figures in ((name, acceptance[name]) for name in ("eagle", "draft"))
+        f"| {name} | {shape} | {figures['acceptance_rate']:.3f} | {figures['mean_accepted_length']:.2f} |"
+        for shape in SHAPES
+        for name, figures in acceptance[shape].items()
     )
-    first, *more = pieces_of(info)
-    resumed = "".join(f", then `--resume --steps {p['planned_steps']}`" for p in more)
+    pieces = "\n".join(
+        f"- {p['steps']} steps of {p['batch']} windows of {p['seq_len']} tokens, peak learning rate "
+        f"{p['peak_lr']}, loss {p['loss']}"
+        for p in info["pieces"]
+    )
+    reads = {
+        "eagle": "an `fc` over [token embedding ; the target's last hidden state], sharing the target's "
+        "embedding and LM head",
+        "eagle3": "an `fc` over the residual streams entering the target's layers "
+        f"{info['target_layers']} (low, middle, high), its own norm and LM head over the whole vocabulary, "
+        "sharing the target's embedding",
+    }[layout]
     path.joinpath("README.md").write_text(
-        f"""# EAGLE-1 head for the demo target
+        f"""# {LAYOUT_NAMES[layout]} head for the demo target
 
-One Llama decoder layer (intermediate size {info["intermediate_size"]}) with an `fc` over [token
-embedding ; the target's last hidden state], sharing the target's embedding and LM head: load it with
-`LLM("models/demo/target", draft_model="models/demo/eagle",
-speculative_config=SpeculativeConfig(method="eagle"))`. Trained by
-`python -m speculative.demo.train_eagle --pair models/demo --steps {first["planned_steps"]}`{resumed} on the
-demo corpus's training files: {info["steps"]} steps of {info["batch"]} windows of {info["seq_len"]}
-tokens ({info["tokens"]} tokens), loss {info["loss"]}; final train loss {info["final_train_loss"]}, held-out
-cross-entropy {info["final_heldout_ce"]}; {info["seconds"]} s of training.
+One Llama decoder layer (intermediate size {info["intermediate_size"]}) with {reads}: load it with
+`LLM("models/demo/target", draft_model="models/demo/{layout}",
+speculative_config=SpeculativeConfig(method="{layout}"))`. Trained by `python -m
+speculative.demo.train_eagle --pair models/demo --layout {layout}` on the demo corpus's training files, in
+pieces (the first with `--steps N`, each later one with `--resume --steps N`):
 
-Greedy acceptance, k = {acceptance["k"]} chains, {acceptance["prompts"]} held-out prompts of
-{acceptance["prompt_len"]} tokens, {acceptance["new_tokens"]} new tokens each (training.json):
+{pieces}
 
-| drafter | acceptance rate | mean tokens per step |
-|---|---|---|
+In all {info["steps"]} steps, {info["tokens"]} tokens, {info["seconds"]} s of training; final train loss
+{info["final_train_loss"]}, held-out cross-entropy of the corpus's next token {info["final_heldout_ce"]}.
+
+Greedy acceptance through the engine, {acceptance["prompts"]} held-out prompts of {acceptance["prompt_len"]}
+tokens, {acceptance["new_tokens"]} new tokens each (training.json): chains of k = 4, and dynamic trees
+(EAGLE-2's) of 24 nodes, 6 deep, from the top 4 candidates of each node expanded.
+
+| drafter | shape | acceptance rate | mean tokens per step |
+|---|---|---|---|
 {rows}
 """
     )
@@ -90,16 +236,24 @@ Greedy acceptance, k = {acceptance["k"]} chains, {acceptance["prompts"]} held-ou
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", type=Path, required=True, help="the pair's directory (target/, draft/)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--layout", choices=tuple(LAYOUT_NAMES), default="eagle")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--depth", type=int, default=3, help="training-time test passes (drafts deep)")
+    parser.add_argument("--seq-len", type=int, help="tokens a training window (default: the recipe's / 2)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: the recipe's draft's)")
     parser.add_argument(
-        "--resume", action="store_true", help="train the saved head (<pair>/eagle) --steps steps more"
+        "--resume", action="store_true", help="train the saved head (<pair>/<layout>) --steps steps more"
     )
     parser.add_argument("--smoke", action="store_true", help="the recipe's tiny windows and few files")
     parser.add_argument("--max-minutes", type=float, help="safety cap on training time (recorded if hit)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.depth < 1:
+        parser.error(f"--depth must be at least 1; got {args.depth}")
     cfg = dict(SMOKE if args.smoke else FULL)
+    cfg["seq_len"] = args.seq_len or cfg["seq_len"] // 2
+    cfg["draft_lr"] = args.lr or cfg["draft_lr"]
     start = time.monotonic()
     deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
 
@@ -115,41 +269,46 @@ def main(argv: list[str] | None = None) -> dict:
     heldout_stream = corpus.token_stream(heldout_encoded, eos)
     heldout = corpus.even_windows(heldout_stream, cfg["eval_windows"], cfg["seq_len"])
 
-    record_path = args.pair / "eagle" / "training.json"
-    before = pieces_of(json.loads(record_path.read_text())) if args.resume else []
+    path = args.pair / args.layout
+    before = []
+    if args.resume:  # earlier pieces keep the loss they were trained with
+        earlier = json.loads((path / "training.json").read_text())
+        before = [{"loss": earlier["loss"], **p} for p in earlier["pieces"]]
     seed = args.seed + sum(p["steps"] for p in before)  # new windows for a resumed head
     torch.manual_seed(seed)
-    record = train_eagle_head(
-        target, train_stream, heldout, cfg, args.steps, seed, deadline, args.pair, args.resume
-    )
+    head = {"layout": args.layout, "depth": args.depth, "resume": args.resume}
+    record = train_eagle_head(target, train_stream, heldout, cfg, args.steps, seed, deadline, path, head)
     prompts = heldout_prompts(heldout_encoded, args.prompts, cfg["prompt_len"], args.seed).tolist()
+    drafters = {args.layout: args.layout, "draft": "draft_model"}
     acceptance = {
         "prompts": args.prompts,
         "prompt_len": cfg["prompt_len"],
         "new_tokens": cfg["new_tokens"],
-        "k": 4,
-        **engine_acceptance(
-            args.pair, {"eagle": "eagle", "draft": "draft_model"}, prompts, cfg["new_tokens"]
-        ),
+        **{
+            shape: engine_acceptance(args.pair, drafters, prompts, cfg["new_tokens"], **speculative)
+            for shape, speculative in SHAPES.items()
+        },
     }
     piece = {
         **record,
+        "loss": f"KL(target || head) at every position, training-time test {args.depth} drafts deep, "
+        f"draft d weighted {DEPTH_DECAY}^(d-1)",
         "tokens": record["steps"] * cfg["batch"] * cfg["seq_len"],
         "batch": cfg["batch"],
         "seq_len": cfg["seq_len"],
         "wall_seconds": round(time.monotonic() - start, 1),
     }
-    head_config = json.loads((args.pair / "eagle" / "config.json").read_text())
+    head_config = json.loads((path / "config.json").read_text())
     info = {
-        "layout": "eagle (EAGLE-1)",
+        "layout": args.layout,
         "target": str(args.pair / "target"),
+        "target_layers": head_config.get("eagle_aux_hidden_state_layer_ids", [len(target.model.layers)]),
         "intermediate_size": head_config["intermediate_size"],
-        "loss": "smooth L1 to the target's next feature + 0.1 x cross-entropy of the token after",
         **combined([*before, piece]),
         "acceptance": acceptance,
     }
-    record_path.write_text(json.dumps(info, indent=2) + "\n")
-    write_card(info, args.pair / "eagle")
+    (path / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_card(info, path)
     print(json.dumps(info["acceptance"], indent=2))
     return info
 

@@ -29,6 +29,7 @@ off (two sizes that happen to be equal in the first call are not assumed equal f
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -118,7 +119,8 @@ class CompiledCausalLM:
         values: list[Tensor],
         key_positions: Tensor,
         logits_indices: Tensor | None,
-    ) -> Tensor:
+        hidden_layers: tuple[int, ...] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         verification = logits_indices is None
         if verification:  # one graph for both: all positions' logits are a gather of all
             logits_indices = self._every_position(*input_ids.shape)
@@ -130,7 +132,10 @@ class CompiledCausalLM:
             key_positions=key_positions,
             few_static=verification,
         )
-        return self._owned(self._compiled(input_ids, positions, keys, values, key_positions, logits_indices))
+        extra = {} if hidden_layers is None else {"hidden_layers": hidden_layers}  # a graph of its own
+        return self._owned(
+            self._compiled(input_ids, positions, keys, values, key_positions, logits_indices, **extra)
+        )
 
     def _owned(self, out: Tensor | tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
         """A compiled call's outputs as the caller's own tensors. Under CUDA graphs ("reduce-overhead")
@@ -192,19 +197,31 @@ class CompiledCausalLM:
         cache: StaticKVCache,
         num_tokens: Tensor | None = None,
         logits_indices: Tensor | None = None,
-    ) -> Tensor:
-        """NativeCausalLM.forward, compiled; on CPU, eager for more than SMALL_CALL_ROWS tokens."""
+        hidden_layers: tuple[int, ...] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """NativeCausalLM.forward, compiled (with `hidden_layers`, a graph that also returns them);
+        on CPU, eager for more than SMALL_CALL_ROWS tokens."""
         if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
-            return self.model.forward(input_ids, cache, num_tokens, logits_indices)
-        return self.model.forward_with(self._run, input_ids, cache, num_tokens, logits_indices, SPAN_MULTIPLE)
+            return self.model.forward(input_ids, cache, num_tokens, logits_indices, hidden_layers)
+        run = self._run
+        if hidden_layers is not None:
+            self.model.check_hidden_layers(hidden_layers)
+            run = functools.partial(self._run, hidden_layers=tuple(hidden_layers))
+        return self.model.forward_with(run, input_ids, cache, num_tokens, logits_indices, SPAN_MULTIPLE)
 
     __call__ = forward
 
-    def forward_tree(self, input_ids: Tensor, cache: StaticKVCache, parents: Tensor) -> Tensor:
+    def forward_tree(
+        self,
+        input_ids: Tensor,
+        cache: StaticKVCache,
+        parents: Tensor,
+        hidden_layers: tuple[int, ...] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """NativeCausalLM.forward_tree, eager: no graph is compiled for trees (the compiled graphs
         and their shapes stay those of chains); the weights are the model's, so the result is the
         same."""
-        return self.model.forward_tree(input_ids, cache, parents)
+        return self.model.forward_tree(input_ids, cache, parents, hidden_layers=hidden_layers)
 
     def greedy_decode(self, input_ids: Tensor, cache: StaticKVCache, steps: int) -> tuple[Tensor, Tensor]:
         """`steps` greedy decoding steps in one compiled call: input_ids [batch, q >= 1] fed first, then

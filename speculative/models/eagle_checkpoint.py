@@ -147,10 +147,11 @@ def _head_config(
         "eagle_aux_hidden_state_layer_ids"
     )
     ids = tuple(ids) if ids else (2, layers // 2, layers - 3)
-    if len(ids) != 3 or any(not 0 <= i < layers for i in ids):
+    if len(ids) != 3 or any(not 0 <= i <= layers for i in ids):  # layers: the final norm's output
         raise ValueError(
-            f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be 3 layer indices in [0, {layers}) "
-            f"(the default (2, L // 2, L - 3) needs a target of at least 3 layers)"
+            f"{where}: eagle_aux_hidden_state_layer_ids {ids} must be 3 layer indices in [0, {layers}] "
+            f"({layers}: the final norm's output; the default (2, L // 2, L - 3) needs a target of at "
+            "least 3 layers)"
         )
     return config, 3 * target_hidden, ids
 
