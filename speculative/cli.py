@@ -247,6 +247,12 @@ def _add_bench_serve_parser(commands) -> None:
     load.add_argument("--num-prompts", type=int, default=32, help="prompts sent in turn, the first ones (32)")
     load.add_argument("--max-tokens", type=int, default=64, help="tokens per request, EOS ignored (64)")
     load.add_argument(
+        "--max-tokens-range",
+        type=float,
+        default=0.5,
+        help="each request's tokens drawn from max-tokens * (1 -+ this) (0.5); 0: all max-tokens",
+    )
+    load.add_argument(
         "-k", "--num-speculative-tokens", dest="k", type=int, default=4, help="draft tokens (4)"
     )
     load.add_argument(
@@ -513,7 +519,8 @@ def bench_serve(args: argparse.Namespace) -> int:
         from speculative.bench.load import LoadConfig, run_load
         from speculative.bench.load_report import soak_lines
 
-    names = ("prompts", "num_prompts", "max_tokens", "k", "servers", "concurrency", "rates", "requests")
+    names = ("prompts", "num_prompts", "max_tokens", "max_tokens_range", "k", "servers", "concurrency")
+    names += ("rates", "requests")
     names += ("soak_requests", "soak_max_tokens", "dtype", "compile", "temperature", "seed")
     config = LoadConfig(
         **{name: getattr(args, name) for name in names}, serve_flags=shlex.split(args.serve_args)

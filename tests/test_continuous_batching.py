@@ -125,3 +125,21 @@ def test_generate_starts_clean_after_an_abandoned_stream() -> None:
         break  # left mid-generation: its rows must not leak into the next batch
     assert llm.engine.batch is None
     assert _alone(llm, 0) == expected
+
+
+def test_a_row_that_finishes_gives_its_place_to_the_last_row() -> None:
+    """Rows that finish leave holes that rows from the batch's end fill: the K/V cache then copies one
+    row per row that left, not every row after it. Every row still gives its solo tokens."""
+    llm = _llm("native", None)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 9, 9, 9, 9)]
+    prompts = [*PROMPTS, [30, 31]]
+    expected = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    engine, orders = llm.engine, []
+    sequences = [llm.make_sequences(p, q, i) for i, (p, q) in enumerate(zip(prompts, params))]
+    engine.add([s for group in sequences for s in group])
+    select = engine.cache.select_rows
+    engine.cache.select_rows = lambda rows: orders.append(rows.tolist()) or select(rows)
+    while engine.sequences:
+        engine.step()
+    assert orders[0] == [4, 1, 2, 3]  # row 0 left after its second token; the last row took its place
+    assert [g[0].output_token_ids for g in sequences] == expected

@@ -3,9 +3,14 @@
 Each server variant runs as its own `speculative serve` process (ServerProcess) on the same pair:
 "plain" (the target alone: no speculation), "draft" (the draft model, k drafts per step) and
 "adaptive" (the draft model, k chosen per step by the server). Every request streams
-/v1/completions with httpx, a prompt of the set as text, exactly `max_tokens` tokens (ignore_eos),
-greedy unless `temperature`; the client records when it sent the request and when each chunk with text
-arrived. Then, per server:
+/v1/completions with httpx, a prompt of the set as text, greedy unless `temperature`, and exactly its
+max_tokens tokens (ignore_eos): a level's request i asks for a length drawn (seeded by i) uniformly
+from max_tokens * (1 -+ max_tokens_range), vLLM's --random-range-ratio. Lengths that vary are what
+real traffic has; with one length for all (max_tokens_range 0) a closed loop's clients stay in step,
+their requests ending in the same step and their prompts prefilled together, waves that plain
+decoding keeps and speculation breaks up (at 32 clients on the demo pair, 2 CPUs, plain decoding was
+then 5-8% faster than adaptive speculation; with lengths of 64 -+ 50%, 6-8% slower). The client records
+when it sent the request and when each chunk with text arrived. Then, per server:
 
 - closed loop, for each concurrency c: c clients, each sending its next request as soon as its last
   one ended, until `requests` requests (at least 2 per client) have been sent;
@@ -35,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speculative.bench.load_report import write_load_outputs
+from speculative.bench.load_report import token_range, write_load_outputs
 from speculative.bench.prompts import BUNDLED_DIR, load_jsonl
 from speculative.bench.server_process import ServerProcess, free_port
 from speculative.demo.model_card import machine
@@ -67,6 +72,7 @@ class LoadConfig:
     prompts: str | None = None
     num_prompts: int = 32
     max_tokens: int = 64
+    max_tokens_range: float = 0.5
     k: int = 4
     servers: list[str] = field(default_factory=lambda: list(SERVERS))
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
@@ -84,6 +90,8 @@ class LoadConfig:
         for name in ("num_prompts", "max_tokens", "k", "requests", "soak_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if not 0 <= self.max_tokens_range < 1:
+            raise ValueError(f"max_tokens_range must be in [0, 1); got {self.max_tokens_range}")
         if self.soak_requests < 0:
             raise ValueError(f"soak_requests must be >= 0; got {self.soak_requests}")
         if unknown := [s for s in self.servers if s not in SERVERS]:
@@ -134,8 +142,11 @@ class Driver:
     def clock(self) -> float:
         return time.perf_counter() - self.start
 
-    def _body(self, max_tokens: int) -> dict:
+    def _body(self, max_tokens: int, spread: float) -> dict:
         prompt = self.prompts[self.sent % len(self.prompts)]
+        if spread:
+            rng = random.Random(f"{self.config.seed}-{self.sent}")
+            max_tokens = rng.randint(*token_range(max_tokens, spread))
         self.sent += 1
         return {
             "prompt": prompt,
@@ -146,12 +157,14 @@ class Driver:
             "stream_options": {"include_usage": True},
         }
 
-    async def request(self, max_tokens: int) -> RequestRecord:
-        """One streamed completion; never raises (a failure is the record's error)."""
+    async def request(self, max_tokens: int, spread: float = 0.0) -> RequestRecord:
+        """One streamed completion of max_tokens tokens (spread > 0: drawn from max_tokens * (1 -+
+        spread), module docstring); never raises (a failure is the record's error)."""
         record = RequestRecord(sent=self.clock())
         done = False
         try:
-            async with self.client.stream("POST", "/v1/completions", json=self._body(max_tokens)) as response:
+            body = self._body(max_tokens, spread)
+            async with self.client.stream("POST", "/v1/completions", json=body) as response:
                 if response.status_code != 200:
                     record.error = f"status {response.status_code}: {(await response.aread())[:200]!r}"
                     return record
@@ -177,27 +190,29 @@ class Driver:
             record.end = self.clock()
         return record
 
-    async def closed_loop(self, concurrency: int, requests: int, max_tokens: int) -> list[RequestRecord]:
+    async def closed_loop(
+        self, concurrency: int, requests: int, max_tokens: int, spread: float = 0.0
+    ) -> list[RequestRecord]:
         """`concurrency` clients sending `requests` requests (at least 2 each) back to back."""
         remaining = iter(range(max(requests, 2 * concurrency)))
         records: list[RequestRecord] = []
 
         async def client() -> None:
             for _ in remaining:  # shared: each request is claimed by one client
-                records.append(await self.request(max_tokens))
+                records.append(await self.request(max_tokens, spread))
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return records
 
     async def open_loop(
-        self, rate: float, requests: int, max_tokens: int, rng: random.Random
+        self, rate: float, requests: int, max_tokens: int, rng: random.Random, spread: float = 0.0
     ) -> list[RequestRecord]:
         """`requests` requests at Poisson arrival times of `rate` per second."""
         tasks, due = [], self.clock()
         for _ in range(requests):
             due += rng.expovariate(rate)
             await asyncio.sleep(max(0.0, due - self.clock()))
-            tasks.append(asyncio.create_task(self.request(max_tokens)))
+            tasks.append(asyncio.create_task(self.request(max_tokens, spread)))
         return list(await asyncio.gather(*tasks))
 
 
@@ -257,13 +272,17 @@ async def drive_server(
         result: dict = {"closed": [], "open": [], "soak": None, "rss": rss}
         for concurrency in config.concurrency:
             start = driver.clock()
-            records = await driver.closed_loop(concurrency, config.requests, config.max_tokens)
+            records = await driver.closed_loop(
+                concurrency, config.requests, config.max_tokens, config.max_tokens_range
+            )
             level = summarize(records, driver.clock() - start)
             result["closed"].append({"concurrency": concurrency, "start": start, **level})
         rng = random.Random(config.seed)
         for rate in config.rates:
             start = driver.clock()
-            records = await driver.open_loop(rate, config.requests, config.max_tokens, rng)
+            records = await driver.open_loop(
+                rate, config.requests, config.max_tokens, rng, config.max_tokens_range
+            )
             result["open"].append(
                 {"rate": rate, "start": start, **summarize(records, driver.clock() - start)}
             )

@@ -77,6 +77,20 @@ def soak_lines(results: dict) -> list[str]:
     return lines
 
 
+def token_range(max_tokens: int, spread: float) -> tuple[int, int]:
+    """The least and the most tokens a request asks for: max_tokens * (1 -+ spread), at least 1."""
+    return max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
+
+
+def _lengths(config: dict) -> str:
+    """What the requests asked for: "64 tokens each", or the range their lengths were drawn from."""
+    n, spread = config["max_tokens"], config.get("max_tokens_range", 0.0)
+    if not spread:
+        return f"{n} tokens each"
+    low, high = token_range(n, spread)
+    return f"{low} to {high} tokens each, drawn uniformly"
+
+
 def markdown(results: dict, plot: str) -> str:
     """report.md: what ran on what, the closed- and open-loop tables, the soak and the plot."""
     config, m = results["config"], results["machine"]
@@ -85,7 +99,7 @@ def markdown(results: dict, plot: str) -> str:
         f"`speculative serve` per server ({', '.join(results['servers'])}; draft: k={config['k']}, "
         f"adaptive: k up to {config['k']}), {config['dtype']}{', compiled' if config['compile'] else ''}; "
         f"prompts from `{Path(results['prompts']).name}` ({config['num_prompts']} in turn), "
-        f"{config['max_tokens']} tokens each (EOS ignored), temperature {config['temperature']}, streamed "
+        f"{_lengths(config)} (EOS ignored), temperature {config['temperature']}, streamed "
         f"over HTTP; {config['requests']} requests per level (at least 2 per client).",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}; {m['cpu_features']}), torch {m['torch']}, "
         f"Python {m['python']}.",

@@ -3,22 +3,29 @@
 With c_i the chance that draft i is accepted once drafts 1..i-1 were (measured per position), a step
 that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (Leviathan et
 al. 2023's expected tokens per step, with a per-position acceptance). It costs t_B(k), measured for the
-batch size B: the whole step's wall time (drafting, verification, acceptance, the host sync), an
-exponential moving average for each k tried (a step slower than _OUTLIER times the average counts as
-that much: at 32 rows one slow last step of a batch, 44 ms against 26, raised a plain step's average by
-a quarter, enough to switch speculation on where it lost), the line through them for k not tried. The
-step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step: speculation switched
-off for batch sizes where it does not pay. The first batch size starts by measuring max_k and 0, twice
-each, and keeps the least of the two (a first step also pays for first calls and, since rows join the
-drafter lazily, for its prefill of the prompts: counted in the average, it switched speculation off for
-good at batch 1, where it doubles the speed); a batch size met later starts from the step times of the
+batch size B: the time from the step's start to the next step's start (drafting, verification,
+acceptance, the host sync, and what the host did before the next step: in a server, publishing the
+tokens and admitting new rows, whose prompts a drafter must also take in), a moving mean for each k
+tried (decay _TIME_DECAY per sample; a mean, not a median, so that rare long periods, such as the
+prefill of a whole batch of new rows, count for what they cost), the line through them for k not
+tried. The step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step:
+speculation switched off for batch sizes where it does not pay. The first batch size starts by
+measuring max_k and 0, twice each, and keeps the least of the two (a first step also pays for first
+calls and, since rows join the drafter lazily, for its prefill of the prompts: counted in the mean, it
+switched speculation off for good at batch 1, where it doubles the speed) until the first
+measurement after the warm-up replaces it; a batch size met later starts from the step times of the
 nearest one measured, rescaled at its own first step and replaced k by k as it measures them: batches
-shrink a row at a time as rows finish, and probing max_k and 0 at each size costs more than it teaches.
-Now and then a neighbour of the best k is measured again so that the estimates follow the workload:
-after _EXPLORE steps at a batch size, then at intervals that double (up to _EXPLORE_MAX) while the best
-k stays the same, back to _EXPLORE when it changes. An exploration step is not free: where plain steps
-are best, its drafter first catches up on every token it skipped (a draft model also prefills the rows
-that joined since it last proposed).
+shrink a row at a time as rows finish, and probing max_k and 0 at each size costs more than it
+teaches.
+
+Now and then a neighbour of the best k, or plain decoding, whichever was measured least recently, is
+measured again so that the estimates follow the workload (without plain decoding among them, a plain
+step's time from long ago kept speculation on at 32 rows, where it lost): after _EXPLORE steps at a
+batch size, then at intervals that double (up to _EXPLORE_MAX) while the best k stays the same, back
+to _EXPLORE when it changes. A drafting step right after plain steps is not a sample of its k's time:
+its drafter first takes in every token it skipped (a draft model also prefills the rows that joined
+meanwhile), a cost of switching, not of drafting; an exploration from plain decoding is therefore
+measured twice, the second time clean.
 """
 
 from __future__ import annotations
@@ -29,8 +36,7 @@ _WARMUP = 2  # measurements of max_k and of 0 at each batch size before choosing
 _EXPLORE = 16  # steps at a batch size before a neighbour of the best k is measured again ...
 _EXPLORE_MAX = 256  # ... an interval that doubles up to this while the best k stays the same
 _DECAY = 0.98  # per step, for the acceptance counts
-_SMOOTHING = 0.3  # weight of a new step time in its moving average
-_OUTLIER = 1.5  # a step time beyond this times its k's mean counts as this much (see observe)
+_TIME_DECAY = 0.9  # per sample of a k at a batch size, for its moving mean
 
 
 class DraftLength:
@@ -44,13 +50,22 @@ class DraftLength:
         self.times: dict[int, dict[int, float]] = {}  # batch size -> k -> mean step seconds
         self.borrowed: dict[int, set[int]] = {}  # batch size -> the k whose times are another size's
         self.counts: dict[int, dict[int, int]] = {}
+        self.seen: dict[int, dict[int, int]] = {}  # batch size -> k -> its steps there when k was last run
         self.explore: dict[int, tuple[int, int, int]] = {}  # batch size -> (best k, interval, next step)
         self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
+        self._sums: dict[tuple[int, int], tuple[float, float]] = {}  # (B, k) -> decayed (seconds, samples)
+        self._provisional: set[tuple[int, int]] = set()  # (B, k) whose time is still the warm-up's
+        self._last_k: int | None = None  # the k of the step observed last
+        self._explored: int | None = None  # the k of the step being an exploration
+        self._again: int | None = None  # an exploration to measure once more (it came after plain steps)
 
     def choose(self, batch_size: int) -> int:
         """The k for the next step of a batch of `batch_size` rows."""
         if not self.adaptive:
             return self.max_k
+        if self._again is not None:
+            k, self._again = self._again, None
+            return k
         counts = self.counts.setdefault(batch_size, {})
         if not counts and batch_size not in self.times:
             self._borrow(batch_size)
@@ -70,8 +85,10 @@ class DraftLength:
             return best
         interval = min(2 * interval, _EXPLORE_MAX)
         self.explore[batch_size] = (best, interval, steps + interval)
-        neighbours = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
-        return min(neighbours, key=lambda k: counts.get(k, 0))
+        others = {k for k in (best - 1, best + 1, 0) if 0 <= k <= self.max_k} - {best}
+        seen = self.seen[batch_size]
+        self._explored = min(sorted(others), key=lambda k: seen.get(k, -1))  # the least recently measured
+        return self._explored
 
     def _borrow(self, batch_size: int) -> None:
         """Start a new batch size from the step times of the nearest batch size that has measured at
@@ -85,25 +102,21 @@ class DraftLength:
     def observe(
         self, batch_size: int, k: int, seconds: float, accepted: list[int], drafted: list[int]
     ) -> None:
-        """One step's figures: its k and wall time, and per row the drafts accepted and proposed."""
+        """One step's figures: its k and time (module docstring), and per row the drafts accepted and
+        proposed."""
         self.history.append(k)
         if not self.adaptive:
             return
-        times = self.times.setdefault(batch_size, {})
+        switched, self._last_k = k > 0 and self._last_k == 0, k
+        explored, self._explored = self._explored, None
+        if switched and explored == k:
+            self._again = k
+        self.times.setdefault(batch_size, {})
         counts = self.counts.setdefault(batch_size, {})
-        borrowed = self.borrowed.get(batch_size, set())
-        if borrowed and not counts:  # the first step of a borrowed curve: scale it to this size
-            scale = seconds / self.step_time(batch_size, k)
-            for j in borrowed:
-                times[j] *= scale
-        if k in borrowed or k not in times:
-            borrowed.discard(k)
-            times[k] = seconds
-        elif batch_size not in self.borrowed and counts.get(k, 0) < _WARMUP:  # the warm-up's least
-            times[k] = min(times[k], seconds)
-        else:  # one slow step (rows joining or finishing in it, another process) moves the mean a little
-            times[k] = (1 - _SMOOTHING) * times[k] + _SMOOTHING * min(seconds, _OUTLIER * times[k])
+        if not switched:
+            self._time(batch_size, k, seconds)
         counts[k] = counts.get(k, 0) + 1
+        self.seen.setdefault(batch_size, {})[k] = sum(counts.values())
         if k == 0:
             return
         self.reached = [r * _DECAY for r in self.reached]
@@ -112,6 +125,29 @@ class DraftLength:
             for i in range(min(n_drafted, n_accepted + 1)):  # positions reached: up to the first rejection
                 self.reached[i] += 1
                 self.accepted[i] += i < n_accepted
+
+    def _time(self, batch_size: int, k: int, seconds: float) -> None:
+        """Take `seconds` as a sample of t_B(k) (B = batch_size)."""
+        times, counts = self.times[batch_size], self.counts[batch_size]
+        borrowed = self.borrowed.get(batch_size, set())
+        if borrowed and not counts:  # the first step of a borrowed curve: scale it to this size
+            scale = seconds / self.step_time(batch_size, k)
+            for j in borrowed:
+                times[j] *= scale
+        borrowed.discard(k)
+        key = (batch_size, k)
+        total, weight = self._sums.get(key, (0.0, 0.0))
+        if batch_size not in self.borrowed and counts.get(k, 0) < _WARMUP:  # the warm-up's least
+            seconds = min(seconds, total / weight) if weight else seconds
+            self._sums[key], times[k] = (seconds, 1.0), seconds
+            self._provisional.add(key)
+            return
+        if key in self._provisional:  # the warm-up's figure gives way to the first measured after it
+            self._provisional.discard(key)
+            total, weight = 0.0, 0.0
+        total, weight = _TIME_DECAY * total + seconds, _TIME_DECAY * weight + 1.0
+        self._sums[key] = (total, weight)
+        times[k] = total / weight
 
     def expected_tokens(self, k: int) -> float:
         """E(k): tokens per row per step when drafting k."""
@@ -122,7 +158,7 @@ class DraftLength:
         return total
 
     def step_time(self, batch_size: int, k: int) -> float:
-        """t_B(k): the measured mean, or the line through the two measured k nearest to k."""
+        """t_B(k): the measured time, or the line through the two measured k nearest to k."""
         times = self.times[batch_size]
         if k in times:
             return times[k]

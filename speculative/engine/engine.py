@@ -112,6 +112,7 @@ class Engine:
         self.stop_strings: dict[int, StopStrings] = {}
         self.num_top, self.want_logprobs = 0, False
         self.step_stats: list[StepStats] | None = None  # collected while `recording_steps` is open
+        self._unobserved: tuple | None = None  # the last step's figures for draft_length (_close_period)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -150,6 +151,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the running batch and its caches."""
+        self._close_period(None)
         self.batch, self.cache = None, None
         self.stop_strings = {}
         if self.proposer is not None:
@@ -218,6 +220,7 @@ class Engine:
         if batch is None:
             return []
         start, rows, clock = time.perf_counter(), len(batch.sequences), StepClock(self.target.device)
+        self._close_period(start)
         k = self.draft_length.choose(rows) if self.proposer is not None else 0
         draft_ids, draft_probs, parents = self._propose(batch, k)  # [B, j] (-1: none), [B, j, V], tree
         clock.mark()
@@ -247,7 +250,7 @@ class Engine:
         self._settle(batch, self.cache, self.proposer, commit)
         seconds = time.perf_counter() - start
         if self.proposer is not None:
-            self.draft_length.observe(rows, draft_ids.shape[1], seconds, commit.accepted, commit.drafted)
+            self._unobserved = (rows, draft_ids.shape[1], start, seconds, commit.accepted, commit.drafted)
         if self.step_stats is not None:
             propose_s, verify_s = clock.intervals()
             self.step_stats.append(
@@ -265,6 +268,15 @@ class Engine:
         if not batch.sequences:
             self.reset()
         return commit.finished
+
+    def _close_period(self, now: float | None) -> None:
+        """Hand draft_length the last step's figures, its time taken from its start to `now`, the next
+        step's start (what the host did in between, such as admitting rows, is part of its cost), or
+        with None (no next step: the batch ended) its own duration."""
+        if self._unobserved is not None:
+            rows, k, start, seconds, accepted, drafted = self._unobserved
+            self._unobserved = None
+            self.draft_length.observe(rows, k, seconds if now is None else now - start, accepted, drafted)
 
     def _score(self, query: Tensor, parents: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The target's forward over the step's query [B, q] (a chain, or the tree `parents`): its
@@ -388,10 +400,12 @@ class Engine:
         return Commit(finished, accepted, drafted, max(n for n, _ in cuts))
 
     @staticmethod
-    def _settle(batch: Batch, cache: KVCache, proposer: Proposer | None, commit: Commit) -> None:
+    def _settle(batch: Batch, cache: KVCache, proposer: Proposer | None, commit: Commit) -> list[int] | None:
         """After a commit: finished rows leave the batch, the cache and the proposer (told their final
         contexts first, on_finish); the cache is rolled back to the invariant (module docstring) and the
-        proposer told what was kept."""
+        proposer told what was kept. Returns the rows that stay, in their new order (_fill_holes), or
+        None when none left."""
+        kept = None
         if commit.finished:
             gone = {id(s) for s in commit.finished}
             if proposer is not None:
@@ -399,12 +413,14 @@ class Engine:
                 proposer.on_finish(
                     batch.tokens, batch.lengths, torch.tensor(rows, device=batch.tokens.device)
                 )
-            batch.select([i for i, s in enumerate(batch.sequences) if id(s) not in gone], [cache], proposer)
+            kept = _fill_holes([id(s) not in gone for s in batch.sequences])
+            batch.select(kept, [cache], proposer)
         if batch.sequences:
             max_length = max(batch.host_lengths)
             cache.rollback(batch.lengths - 1, max_length - 1)
             if proposer is not None:
                 proposer.on_commit(batch.lengths, max_length, commit.most_kept)
+        return kept
 
     @staticmethod
     def _cut(batch: Batch, row: int, block: list[int]) -> tuple[int, bool]:
@@ -526,10 +542,9 @@ class Engine:
             features = None if features is None else features[index]
         first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
         commit = self._commit(batch, first, logits, None, first_token=True)
-        self._settle(batch, cache, None, commit)
-        if features is not None and commit.finished:
-            gone = {id(s) for s in commit.finished}
-            features = features[[row for row, s in enumerate(sequences) if id(s) not in gone]]
+        kept = self._settle(batch, cache, None, commit)
+        if features is not None and kept is not None:
+            features = features[kept]
         return cache, features, commit.finished
 
     def _prefill_prompts(
@@ -599,3 +614,14 @@ class Engine:
 
     def _decode_token(self, token: int) -> str | None:
         return self.decode([token], None) if self.decode is not None else None
+
+
+def _fill_holes(kept: list[bool]) -> list[int]:
+    """The rows that stay (kept[i]: row i does), in their new order: the place of each row that left
+    goes to a row that stays from past the new end, the others keep theirs. A cache then copies one
+    row's K/V (every layer's, its whole capacity) for each row that left, where keeping the order
+    moved every row after the first that left (demo target, float32, 32 rows of 300 positions, the
+    4th leaving: 0.65 against 7.7 ms, where a plain step takes about 13)."""
+    stay = [i for i, k in enumerate(kept) if k]
+    tail = [i for i in stay if i >= len(stay)][::-1]  # the rows past the new end fill the holes
+    return [i if kept[i] else tail.pop() for i in range(len(stay))]

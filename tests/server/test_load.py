@@ -10,9 +10,10 @@ import os
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
-from speculative.bench.load import LoadConfig, RequestRecord, drive_server, serve_command, summarize
+from speculative.bench.load import Driver, LoadConfig, RequestRecord, drive_server, serve_command, summarize
 from speculative.bench.load_report import markdown, soak_lines
 from speculative.cli import main
 
@@ -49,6 +50,7 @@ def test_server_variants_and_bad_configs() -> None:
         ("concurrency", [0], "concurrency must be"),
         ("rates", [0.0], "rates must be > 0"),
         ("max_tokens", 0, "max_tokens must be >= 1"),
+        ("max_tokens_range", 1.0, r"max_tokens_range must be in \[0, 1\)"),
         ("soak_requests", -1, "soak_requests must be >= 0"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -57,7 +59,13 @@ def test_server_variants_and_bad_configs() -> None:
 
 def test_the_driver_counts_every_request_of_every_level(served) -> None:
     config = LoadConfig(
-        concurrency=[1, 3], rates=[40.0], requests=4, max_tokens=5, soak_requests=8, soak_max_tokens=2
+        concurrency=[1, 3],
+        rates=[40.0],
+        requests=4,
+        max_tokens=5,
+        max_tokens_range=0.0,
+        soak_requests=8,
+        soak_max_tokens=2,
     )
     result = asyncio.run(drive_server(served.url, os.getpid(), ["def f(", "x = 1\n"], config, API_KEY))
     assert [level["requests"] for level in result["closed"]] == [4, 6]  # at least 2 per client
@@ -77,6 +85,23 @@ def test_the_driver_counts_every_request_of_every_level(served) -> None:
     report = markdown(results, "load.png")
     assert "| draft | 3 clients |" in report and "| draft | 40 req/s |" in report
     assert soak_lines(results)[0].startswith(f"draft: {soak['requests']} requests")
+
+
+def test_request_lengths_vary_over_their_range_the_same_for_every_server(served) -> None:
+    """Lengths drawn from max_tokens * (1 -+ range), seeded by the request's number: every server of a
+    run gets the same requests."""
+
+    async def lengths() -> list[int]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=served.url, headers=headers, timeout=60) as client:
+            driver = Driver(client, ["def f("], LoadConfig(seed=3))
+            records = await driver.closed_loop(1, 12, max_tokens=8, spread=0.5)
+        assert all(r.error is None for r in records)
+        return [r.tokens for r in records]
+
+    first = asyncio.run(lengths())
+    assert all(4 <= n <= 12 for n in first) and len(set(first)) > 2
+    assert asyncio.run(lengths()) == first
 
 
 def test_requests_the_server_refuses_are_errors(served) -> None:
