@@ -169,7 +169,7 @@ def test_cli_compile_flags() -> None:
 @pytest.mark.parametrize("tree", [None, "dynamic"])
 def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, tree) -> None:
     """With an EAGLE head, the compiled target's chain calls also return the hidden states the head
-    reads (a graph of their own); trees are verified eagerly. Greedy output is the eager engine's."""
+    reads (a graph of their own), in trees too. Greedy output is the eager engine's."""
     target, _ = pair
     sizes = {"intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
     save_eagle_head(eagle_head(target, sizes, "eagle3"), tmp_path / "head")
@@ -186,3 +186,31 @@ def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, 
         compiled.generate(PROMPTS, params)[0].metrics.num_steps
         == eager.generate(PROMPTS, params)[0].metrics.num_steps
     )
+
+
+@pytest.mark.parametrize(
+    "method, tree", [("draft_model", "dynamic"), ("draft_model", "static"), ("ngram", "static")]
+)
+def test_compiled_trees_keep_greedy_output_and_compile_only_their_own_graphs(pair, method, tree) -> None:
+    """Tree calls (the draft's levels, the target's verification) run compiled, with graphs of their
+    own: greedy output is the eager engine's, step for step, batches of one and of three; once their
+    shapes were met, later runs compile nothing new."""
+    target, draft = pair
+    config = SpeculativeConfig(method=method, num_speculative_tokens=3, tree=tree, tree_nodes=6)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    draft = draft if method == "draft_model" else None
+    eager, compiled = (
+        LLM(target, draft_model=draft, speculative_config=config, compile=c) for c in (False, True)
+    )
+    for batch in ([PROMPTS[1]], PROMPTS):
+        want = eager.generate(batch, params)
+        got = compiled.generate(batch, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [o.metrics.num_steps for o in got] == [o.metrics.num_steps for o in want]
+    graphs, model, trees = counters["stats"]["unique_graphs"], compiled.target.model, []
+    assert isinstance(model, CompiledCausalLM)
+    run = model._compiled
+    model._compiled = lambda *args, **kwargs: trees.append("tree_masks" in kwargs) or run(*args, **kwargs)
+    compiled.generate(PROMPTS, params)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert any(trees)  # the verifications went through the compiled run

@@ -129,14 +129,16 @@ def test_keep_path_leaves_the_cache_of_a_chain(name: str) -> None:
             torch.testing.assert_close(mine[b, :, :length], theirs[0, :, :length], rtol=TOL, atol=TOL)
 
 
+@pytest.mark.slow  # compiles (inductor): seconds
 def test_compiled_tree_is_the_eager_one_and_hf_has_none() -> None:
+    """A compiled tree call (a graph of its own) gives the eager logits, to rounding."""
     model = native("llama")
     context, nodes = ids(2, 9), ids(2, 7, seed=5)
     expected = model.forward_tree(nodes, prefilled(model, context, CONTEXT), PARENTS)
     compiled = CompiledCausalLM(model)
     cache = compiled.new_cache(2, 40)
     compiled.model(context, cache, num_tokens=torch.tensor(CONTEXT))
-    assert torch.equal(compiled.forward_tree(nodes, cache, PARENTS), expected)
+    torch.testing.assert_close(compiled.forward_tree(nodes, cache, PARENTS), expected, atol=1e-4, rtol=1e-4)
     assert getattr(HFCausalLM(tiny_model("llama", vocab_size=96)), "forward_tree", None) is None
 
 

@@ -122,7 +122,7 @@ def ttt_losses(head: EagleHead, target: LlamaForCausalLM, windows: Tensor, depth
                 head._arange[:span],
                 None,
                 slots=index + (d - 1) * length,
-                tree_mask=lambda window, span=span: visible[..., :span],
+                tree_masks={None: visible[..., :span]},
             )
             logits = logits.reshape(-1, logits.shape[-1])
             if d == 1:

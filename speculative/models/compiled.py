@@ -11,7 +11,8 @@ attention unroll over the few rows.
 The span is rounded up to a multiple of SPAN_MULTIPLE (the causal mask hides the positions past
 each row's length): free on CPU, and it bounds the shapes a CUDA graph is recorded for.
 `greedy_decode` runs several greedy decoding steps (a draft model's k) as one compiled graph, one
-graph per number of steps and kind of query.
+graph per number of steps and kind of query. Token-tree calls (`forward_tree`: a verification, a
+draft's level) have graphs of their own, the trees' attention masks built eagerly and passed in.
 
 CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM may run on
 one thread: llama.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
@@ -218,10 +219,36 @@ class CompiledCausalLM:
         parents: Tensor,
         hidden_layers: tuple[int, ...] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """NativeCausalLM.forward_tree, eager: no graph is compiled for trees (the compiled graphs
-        and their shapes stay those of chains); the weights are the model's, so the result is the
-        same."""
-        return self.model.forward_tree(input_ids, cache, parents, hidden_layers=hidden_layers)
+        """NativeCausalLM.forward_tree, compiled: graphs of their own for tree calls, the masks computed
+        eagerly and passed in, their sizes dynamic as the chains' are; on CPU, eager for more than
+        SMALL_CALL_ROWS tokens."""
+        if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
+            return self.model.forward_tree(input_ids, cache, parents, hidden_layers=hidden_layers)
+        extra = {} if hidden_layers is None else {"hidden_layers": tuple(hidden_layers)}
+
+        def body(
+            input_ids: Tensor,
+            positions: Tensor,
+            keys: list[Tensor],
+            values: list[Tensor],
+            key_positions: Tensor,
+            logits_indices: None,
+            slots: Tensor,
+            masks: dict[int | None, Tensor],
+        ) -> Tensor | tuple[Tensor, Tensor]:
+            cache_views = keys + values
+            input_ids, positions, slots = self._dynamic(
+                input_ids, positions, slots, cache=cache_views, key_positions=key_positions, few_static=False
+            )
+            masks = {window: _standard_strides(mask) for window, mask in masks.items()}
+            for mask in masks.values():  # [batch, 1, q, span]
+                torch._dynamo.maybe_mark_dynamic(mask, (0, 2, 3))
+            run = functools.partial(self._compiled, slots=slots, tree_masks=masks, **extra)
+            return self._owned(run(input_ids, positions, keys, values, key_positions, None))
+
+        return self.model.forward_tree(
+            input_ids, cache, parents, hidden_layers=hidden_layers, body=body, span_multiple=SPAN_MULTIPLE
+        )
 
     def greedy_decode(self, input_ids: Tensor, cache: StaticKVCache, steps: int) -> tuple[Tensor, Tensor]:
         """`steps` greedy decoding steps in one compiled call: input_ids [batch, q >= 1] fed first, then

@@ -23,7 +23,6 @@ loads one).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -106,9 +105,9 @@ class EagleHead(NativeCausalLM):
     ) -> tuple[Tensor, Tensor]:  # logits [batch, q, vocab_size], hidden [batch, q, hidden_size]
         """`forward` over the nodes of trees grown a level at a time (NativeCausalLM.forward_tree)."""
 
-        def run(ids, positions, keys, values, key_positions, indices, slots, tree_mask) -> tuple:
+        def run(ids, positions, keys, values, key_positions, indices, slots, tree_masks) -> tuple:
             return self.run_head(
-                ids, features, positions, keys, values, key_positions, indices, slots, tree_mask
+                ids, features, positions, keys, values, key_positions, indices, slots, tree_masks
             )
 
         return super().forward_tree(input_ids, cache, parents, body=run)
@@ -123,7 +122,7 @@ class EagleHead(NativeCausalLM):
         key_positions: Tensor,
         logits_indices: Tensor | None,
         slots: Tensor | None = None,
-        tree_mask: Callable[[int | None], Tensor] | None = None,
+        tree_masks: dict[int | None, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """`forward` as a function of tensors (NativeCausalLM.run's arguments, and the features)."""
         batch, q = input_ids.shape
@@ -143,7 +142,7 @@ class EagleHead(NativeCausalLM):
                 dim=-1,
             )
         hidden, _ = self.run_layers(
-            hidden, first, batch, positions, keys, values, key_positions, slots, tree_mask
+            hidden, first, batch, positions, keys, values, key_positions, slots, tree_masks
         )
         hidden = hidden.view(batch, q, -1)
         if logits_indices is not None:

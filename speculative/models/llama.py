@@ -462,7 +462,7 @@ class NativeCausalLM(nn.Module):
         """
         if hidden_layers is not None:
             self.check_hidden_layers(hidden_layers)
-            run = functools.partial(self.run, slots=None, tree_mask=None, hidden_layers=hidden_layers)
+            run = functools.partial(self.run, slots=None, tree_masks=None, hidden_layers=hidden_layers)
             return self.forward_with(run, input_ids, cache, num_tokens, logits_indices)
         return self.forward_with(self.run, input_ids, cache, num_tokens, logits_indices)
 
@@ -480,6 +480,7 @@ class NativeCausalLM(nn.Module):
         parents: Tensor,  # [batch, M] int64, the whole tree (speculative/tree.py's convention), M >= q
         hidden_layers: tuple[int, ...] | None = None,
         body: Callable[..., Any] | None = None,
+        span_multiple: int = 1,
     ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, q, vocab] float32
         """Score the nodes of token trees: each query node's logits predict the token after the path
         from the root (node 0, the row's last context token) to that node.
@@ -492,10 +493,11 @@ class NativeCausalLM(nn.Module):
         lengths advance by q, as after a chain; `cache.keep_path(start, path)`, with start = S, keeps
         one root-to-node path as if it had been fed as a chain. A chain tree (parents [-1, 0, ...,
         M - 2]) gives forward's logits and cache. Raises ValueError if the cache has no room for q
-        more tokens. Runs eagerly (also under CompiledCausalLM): compiled graphs stay those of chains.
+        more tokens.
         hidden_layers: as forward's (then (logits, hidden [batch, q, ...]) at the query nodes).
         body: the function of tensors to run over the nodes, with `run`'s arguments (default `run`;
-        an EAGLE head's binds its features); what it returns is returned.
+        an EAGLE head's binds its features, a compiled model's is compiled); what it returns is
+        returned. span_multiple: forward_with's.
         """
         batch, m = parents.shape
         q = input_ids.shape[1]
@@ -518,20 +520,24 @@ class NativeCausalLM(nn.Module):
         ) -> Tensor:
             start = slots[:, :1] - (m - q)  # [batch, 1]: the root's slot
             node_positions = start + depths  # [batch, M]
-
-            def mask(window: int | None) -> Tensor:
-                return tree_attention_mask(
-                    ancestors[:, m - q :], node_positions, start, key_positions, window
-                )
-
+            query_ancestors = ancestors[:, m - q :]
+            masks = {
+                window: tree_attention_mask(query_ancestors, node_positions, start, key_positions, window)
+                for window in self.attention_windows
+            }
             positions = node_positions[:, m - q :]
             if body is not None:
-                return body(input_ids, positions, keys, values, key_positions, None, slots, mask)
+                return body(input_ids, positions, keys, values, key_positions, None, slots, masks)
             return self.run(
-                input_ids, positions, keys, values, key_positions, None, slots, mask, hidden_layers
+                input_ids, positions, keys, values, key_positions, None, slots, masks, hidden_layers
             )
 
-        return self.forward_with(run, input_ids.clamp(min=0), cache)
+        return self.forward_with(run, input_ids.clamp(min=0), cache, span_multiple=span_multiple)
+
+    @property
+    def attention_windows(self) -> set[int | None]:
+        """The sliding windows of the layers' attention (None: a layer without one)."""
+        return {layer.attn.sliding_window for layer in self._layers}
 
     def forward_with(
         self,
@@ -585,7 +591,7 @@ class NativeCausalLM(nn.Module):
         key_positions: Tensor,  # [span] = arange(span): attention reads cache positions [0, span)
         logits_indices: Tensor | None = None,  # [batch, n] int64
         slots: Tensor | None = None,  # [batch, q] int64, where the K/V are written; default positions
-        tree_mask: Callable[[int | None], Tensor] | None = None,  # window -> [batch, 1, q, span] bool
+        tree_masks: dict[int | None, Tensor] | None = None,  # window -> [batch, 1, q, span] bool
         hidden_layers: tuple[int, ...] | None = None,  # see forward
     ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, n, vocab] float32 (and [batch, q, h * hidden])
         """The forward as a function of tensors: what torch.compile compiles.
@@ -595,14 +601,14 @@ class NativeCausalLM(nn.Module):
         span must exceed every row's last position; `prepare(span)` must have run.
 
         A tree (forward_tree): `positions` are the nodes' RoPE positions (root slot + depth), their K/V
-        go to `slots`, and `tree_mask(window)` says which keys each node sees. Without them (every
-        compiled call), the ops are those of a chain alone.
+        go to `slots`, and `tree_masks[window]` says which keys each node sees (for each window of
+        attention_windows). Without them, the ops are those of a chain alone.
         """
         batch, q = input_ids.shape
         hidden = self.embed(input_ids.reshape(batch * q))  # [rows, hidden]
         wanted = hidden_layers or ()
         hidden, taps = self.run_layers(
-            hidden, None, batch, positions, keys, values, key_positions, slots, tree_mask, wanted
+            hidden, None, batch, positions, keys, values, key_positions, slots, tree_masks, wanted
         )
         hidden = hidden.view(batch, q, -1)
         logits = self.logits(hidden, logits_indices, self.model.norm.weight)
@@ -632,7 +638,7 @@ class NativeCausalLM(nn.Module):
         values: list[Tensor],
         key_positions: Tensor,
         slots: Tensor | None,
-        tree_mask: Callable[[int | None], Tensor] | None,
+        tree_masks: dict[int | None, Tensor] | None,
         wanted: tuple[int, ...] = (),  # layers whose input streams are kept
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """The decoder layers of `run` (its other arguments) over the residual stream `hidden`. Returns
@@ -666,10 +672,10 @@ class NativeCausalLM(nn.Module):
             value_cache[batch_index, :, write] = qkv[:, :, heads + kv_heads :]
             mask = masks.get(attn.sliding_window)
             if mask is None:
-                if tree_mask is None:
+                if tree_masks is None:
                     allowed = attention_mask(positions, key_positions, attn.sliding_window)
                 else:
-                    allowed = tree_mask(attn.sliding_window)
+                    allowed = tree_masks[attn.sliding_window]
                 mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
                 mask = masks[attn.sliding_window] = mask.masked_fill_(~allowed, -torch.inf)
             out = attention(
