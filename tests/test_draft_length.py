@@ -190,12 +190,14 @@ def test_a_step_costs_what_the_host_did_before_the_next() -> None:
     )
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add(llm.make_sequences([5, 6, 7], params, 0))
-    engine.step()
-    assert seen == []  # its time runs on
-    time.sleep(0.2)
-    while engine.sequences:
+    with engine.recording_steps() as steps:
         engine.step()
-    assert seen[0] >= 0.2 and len(seen) == 2 and seen[1] < 0.2
+        assert seen == []  # its time runs on
+        time.sleep(0.2)
+        while engine.sequences:
+            engine.step()
+    assert len(seen) == len(steps) == 2
+    assert seen[0] >= 0.2 + steps[0].step_s and seen[1] == steps[1].step_s
 
 
 def test_one_slow_step_does_not_switch_speculation_on() -> None:

@@ -9,8 +9,8 @@ from max_tokens * (1 -+ max_tokens_range), vLLM's --random-range-ratio. Lengths 
 real traffic has; with one length for all (max_tokens_range 0) a closed loop's clients stay in step,
 their requests ending in the same step and their prompts prefilled together, waves that plain
 decoding keeps and speculation breaks up (at 32 clients on the demo pair, 2 CPUs, plain decoding was
-then 5-8% faster than adaptive speculation; with lengths of 64 -+ 50%, 6-8% slower). The client records
-when it sent the request and when each chunk with text arrived. Then, per server:
+then about 10% faster than adaptive speculation; with lengths of 64 -+ 50%, 3-6% slower). The client
+records when it sent the request and when each chunk with text arrived. Then, per server:
 
 - closed loop, for each concurrency c: c clients, each sending its next request as soon as its last
   one ended, until `requests` requests (at least 2 per client) have been sent;
