@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from exactness import hf_greedy
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
-from speculative.demo import train_eagle
+from speculative.demo import corpus, train_eagle
 from speculative.demo.train import SMOKE, heldout_loss, train_loop
 from speculative.demo.train_eagle import eagle_head, ttt_loss, ttt_losses
 from speculative.models.eagle_checkpoint import save_eagle_head
@@ -93,9 +94,23 @@ def test_a_trained_head_learns_saves_loads_and_stays_exact(tmp_path, layout) -> 
     assert output[0].outputs[0].token_ids == hf_greedy(target, prompt, 20, None)
 
 
+def test_generated_text_is_the_targets_own_and_half_of_every_batch(model_dirs, tmp_path) -> None:
+    """`--generated`'s text is each prompt followed by the target's greedy continuation (what HF
+    generate gives), and a mixture of streams gives each an equal share of a batch's windows."""
+    target = AutoModelForCausalLM.from_pretrained(model_dirs["target"])
+    (tmp_path / "target").symlink_to(model_dirs["target"])
+    prompts = [[5, 9, 13, 17], [40, 2]]
+    texts = train_eagle.target_continuations(tmp_path, prompts, 6)
+    assert texts == [p + hf_greedy(target, p, 6, None) for p in prompts]
+    streams = (torch.zeros(50, dtype=torch.long), torch.ones(50, dtype=torch.long))
+    windows = corpus.random_windows(streams, 5, 8, torch.Generator().manual_seed(0))
+    assert windows.shape == (5, 9) and windows[:, 0].tolist() == [0, 0, 0, 1, 1]
+
+
 def test_train_eagle_resumes_the_saved_head_and_adds_up_its_record(model_dirs, tmp_path) -> None:
     """`train_eagle --resume` trains the saved head further (starting from its weights) and appends
-    to its training.json: steps, tokens and seconds summed over the pieces."""
+    to its training.json: steps, tokens and seconds summed over the pieces; each piece's card line
+    names its data (the resumed one's half the target's own continuations, `--generated`)."""
     pair = tmp_path / "pair"
     pair.mkdir()
     for name in ("target", "draft"):
@@ -103,7 +118,7 @@ def test_train_eagle_resumes_the_saved_head_and_adds_up_its_record(model_dirs, t
     argv = ["--pair", str(pair), "--layout", "eagle3", "--smoke", "--prompts", "2"]
     first = train_eagle.main([*argv, "--steps", "2"])
     saved = load_file(pair / "eagle3" / "model.safetensors")
-    record = train_eagle.main([*argv, "--steps", "3", "--resume"])
+    record = train_eagle.main([*argv, "--steps", "3", "--resume", "--generated", "3"])
     resumed = load_file(pair / "eagle3" / "model.safetensors")
     assert set(resumed) == set(saved)
     changes = [(resumed[name] - saved[name]).abs().max().item() for name in saved]
@@ -117,3 +132,4 @@ def test_train_eagle_resumes_the_saved_head_and_adds_up_its_record(model_dirs, t
     assert record["final_heldout_ce"] == record["pieces"][1]["final_heldout_ce"]
     card = (pair / "eagle3" / "README.md").read_text()
     assert "\n- 2 steps of 4 windows" in card and "\n- 3 steps of 4 windows" in card
+    assert "on corpus windows\n" in card and "half windows of 3 training prompts of 32 tokens" in card

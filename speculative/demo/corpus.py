@@ -105,10 +105,19 @@ def token_stream(encoded: list[list[int]], eos_id: int) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.int64)
 
 
-def random_windows(stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
-    """[batch, seq_len + 1] windows of `stream` at offsets drawn from `gen` (inputs and shifted labels)."""
-    starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=gen)
-    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
+def random_windows(
+    stream: torch.Tensor | tuple[torch.Tensor, ...], batch: int, seq_len: int, gen: torch.Generator
+) -> torch.Tensor:
+    """[batch, seq_len + 1] windows of `stream` at offsets drawn from `gen` (inputs and shifted labels).
+    A tuple of streams (a mixture) gives each stream an equal share of the batch, the first ones one
+    window more where `batch` does not divide."""
+    streams = stream if isinstance(stream, tuple) else (stream,)
+    windows = []
+    for i, part in enumerate(streams):
+        count = batch // len(streams) + (i < batch % len(streams))
+        starts = torch.randint(0, len(part) - seq_len - 1, (count,), generator=gen)
+        windows += [part[s : s + seq_len + 1] for s in starts.tolist()]
+    return torch.stack(windows)
 
 
 def even_windows(stream: torch.Tensor, count: int, seq_len: int) -> torch.Tensor:

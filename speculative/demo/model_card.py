@@ -23,8 +23,9 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
 
-def heldout_prompts(encoded: list[list[int]], count: int, length: int, seed: int) -> torch.Tensor:
-    """[count, length] token windows at seeded offsets in distinct held-out files (cycling if too few)."""
+def file_prompts(encoded: list[list[int]], count: int, length: int, seed: int) -> torch.Tensor:
+    """[count, length] token windows at seeded offsets in distinct files of `encoded` (cycling if too
+    few): held-out prompts for the acceptance, or training prompts for the target to continue."""
     eligible = [ids for ids in encoded if len(ids) > length]
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(eligible), generator=gen).tolist()
@@ -135,7 +136,7 @@ def measure_and_write_card(
     `README.md`."""
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(out / "draft", dtype=torch.float32).eval()
-    prompts = heldout_prompts(heldout_encoded, cfg["prompts"], cfg["prompt_len"], seed)
+    prompts = file_prompts(heldout_encoded, cfg["prompts"], cfg["prompt_len"], seed)
     info["acceptance"] = greedy_acceptance(
         target, draft, prompts, cfg["new_tokens"], target.config.eos_token_id
     )

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from speculative.demo import corpus
-from speculative.demo.model_card import engine_acceptance, heldout_prompts, machine
+from speculative.demo.model_card import engine_acceptance, file_prompts, machine
 from speculative.demo.train import FULL, SMOKE, ce_loss, count_params, llama, save, train_loop
 
 VOCAB_SIZE = 4096
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     target_tokenizer = corpus.PreTrainedTokenizerFast.from_pretrained(args.pair / "target")
     heldout_target = corpus.encode_files(target_tokenizer, heldout_texts)
-    prompts = heldout_prompts(heldout_target, args.prompts, cfg["prompt_len"], args.seed).tolist()
+    prompts = file_prompts(heldout_target, args.prompts, cfg["prompt_len"], args.seed).tolist()
     info = {
         "target": str(args.pair / "target"),
         **cfg["draft"],

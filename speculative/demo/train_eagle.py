@@ -15,6 +15,12 @@ acceptance, greedy, of the head and of the pair's draft model: k=4 chains and dy
 held-out prompts through the engine, the acceptance rate and the mean tokens per step) and
 `README.md`, its card.
 
+`--generated N` mixes in the target's own text (self-distillation data, as EAGLE and Medusa-2
+recommend): N prompts of the training files, each continued greedily by the target through the engine,
+half of every batch's windows drawn from those, half from the corpus. A head trained on the corpus
+alone agrees with the target less on the target's own continuations (what a drafter drafts after)
+than a draft model does, though it agrees more on the corpus.
+
 A head can be trained in pieces: `--resume` loads `<pair>/<layout>/` and trains it `--steps` steps more
 (a fresh optimizer, warmup and decay: a warm restart; its windows drawn with the seed offset by the
 steps so far, so that they are not the earlier pieces' again), then measures it again. training.json
@@ -34,7 +40,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from speculative.demo import corpus
-from speculative.demo.model_card import engine_acceptance, heldout_prompts
+from speculative.demo.model_card import engine_acceptance, file_prompts
 from speculative.demo.train import FULL, SMOKE, train_loop
 from speculative.models.eagle import EagleHead, EagleLayout
 from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_head
@@ -175,6 +181,24 @@ SHAPES = {
 }
 
 
+GENERATION_BATCH = 64  # prompts the target continues at once
+
+
+def target_continuations(pair: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt (the target's token ids) followed by the target's greedy continuation of
+    `new_tokens` tokens, through the engine (float32), GENERATION_BATCH prompts at a time."""
+    from speculative import LLM, SamplingParams
+
+    llm = LLM(str(pair / "target"), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    texts = []
+    for start in range(0, len(prompts), GENERATION_BATCH):
+        part = prompts[start : start + GENERATION_BATCH]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in part], params)
+        texts += [p + list(o.outputs[0].token_ids) for p, o in zip(part, outputs)]
+    return texts
+
+
 def combined(pieces: list[dict]) -> dict:
     """The record of pieces trained one after the other: the last one's, with PIECE_TOTALS summed,
     tokens per second over all of them and `pieces`."""
@@ -198,7 +222,7 @@ def write_card(info: dict, path: Path) -> None:
     )
     pieces = "\n".join(
         f"- {p['steps']} steps of {p['batch']} windows of {p['seq_len']} tokens, peak learning rate "
-        f"{p['peak_lr']}, loss {p['loss']}"
+        f"{p['peak_lr']}, loss {p['loss']}, on {p.get('data', 'corpus windows')}"
         for p in info["pieces"]
     )
     reads = {
@@ -244,6 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--resume", action="store_true", help="train the saved head (<pair>/<layout>) --steps steps more"
     )
+    parser.add_argument(
+        "--generated", type=int, default=0, help="training prompts the target continues: half the windows"
+    )
     parser.add_argument("--smoke", action="store_true", help="the recipe's tiny windows and few files")
     parser.add_argument("--max-minutes", type=float, help="safety cap on training time (recorded if hit)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance")
@@ -251,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.depth < 1:
         parser.error(f"--depth must be at least 1; got {args.depth}")
+    if args.generated < 0:
+        parser.error(f"--generated must be at least 0; got {args.generated}")
     cfg = dict(SMOKE if args.smoke else FULL)
     cfg["seq_len"] = args.seq_len or cfg["seq_len"] // 2
     cfg["draft_lr"] = args.lr or cfg["draft_lr"]
@@ -264,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg["files"] is not None:
         train_files, heldout_files = train_files[: cfg["files"][0]], heldout_files[: cfg["files"][1]]
     eos = tokenizer.eos_token_id
-    train_stream = corpus.token_stream(corpus.encode_files(tokenizer, corpus.read_texts(train_files)), eos)
+    train_encoded = corpus.encode_files(tokenizer, corpus.read_texts(train_files))
+    train_stream = corpus.token_stream(train_encoded, eos)
     heldout_encoded = corpus.encode_files(tokenizer, corpus.read_texts(heldout_files))
     heldout_stream = corpus.token_stream(heldout_encoded, eos)
     heldout = corpus.even_windows(heldout_stream, cfg["eval_windows"], cfg["seq_len"])
@@ -277,8 +307,18 @@ def main(argv: list[str] | None = None) -> dict:
     seed = args.seed + sum(p["steps"] for p in before)  # new windows for a resumed head
     torch.manual_seed(seed)
     head = {"layout": args.layout, "depth": args.depth, "resume": args.resume}
+    data = "corpus windows"
+    if args.generated:
+        prompts = file_prompts(train_encoded, args.generated, cfg["prompt_len"], seed).tolist()
+        new_tokens = cfg["seq_len"] // 2
+        texts = target_continuations(args.pair, prompts, new_tokens)
+        train_stream = (train_stream, corpus.token_stream(texts, eos))
+        data = (
+            f"half corpus windows, half windows of {args.generated} training prompts of "
+            f"{cfg['prompt_len']} tokens, each continued greedily by the target for {new_tokens} tokens"
+        )
     record = train_eagle_head(target, train_stream, heldout, cfg, args.steps, seed, deadline, path, head)
-    prompts = heldout_prompts(heldout_encoded, args.prompts, cfg["prompt_len"], args.seed).tolist()
+    prompts = file_prompts(heldout_encoded, args.prompts, cfg["prompt_len"], args.seed).tolist()
     drafters = {args.layout: args.layout, "draft": "draft_model"}
     acceptance = {
         "prompts": args.prompts,
@@ -293,6 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
         **record,
         "loss": f"KL(target || head) at every position, training-time test {args.depth} drafts deep, "
         f"draft d weighted {DEPTH_DECAY}^(d-1)",
+        "data": data,
         "tokens": record["steps"] * cfg["batch"] * cfg["seq_len"],
         "batch": cfg["batch"],
         "seq_len": cfg["seq_len"],
