@@ -225,8 +225,9 @@ class LLM:
                     f'SpeculativeConfig(method="{method}") needs the native forward for the target '
                     f"(model types llama, mistral, qwen2, qwen3); got {type(native).__name__}"
                 )
-            head = load_eagle_head(draft_model, method, native)  # eager, also under a compiled target
-            proposer = EagleProposer(head)
+            head = load_eagle_head(draft_model, method, native)
+            # compiled: its greedy chains' drafting steps after the first (the first feeds a varying width)
+            proposer = EagleProposer(head, CompiledCausalLM(head) if compile else None)
             if speculative_config.tree:
                 c = speculative_config
                 proposer = EagleTreeProposer(head, c.tree, c.tree_width, c.tree_nodes)

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.demo.train_eagle import eagle_head
-from speculative.models.base import decode
+from speculative.models.base import decode, decode_steps
 from speculative.models.compiled import SPAN_MULTIPLE, CompiledCausalLM
 from speculative.models.eagle_checkpoint import save_eagle_head
 from speculative.models.llama import NativeCausalLM
@@ -149,6 +149,41 @@ def test_greedy_decode_is_one_call_and_equals_stepping(pair, query_tokens) -> No
     assert compiled_cache.lengths.tolist() == (lengths + 5).tolist()
 
 
+@pytest.mark.parametrize("layout", ["eagle", "eagle3"])
+def test_head_greedy_decode_is_one_call_and_equals_stepping(pair, layout) -> None:
+    """An EAGLE head's drafting steps after its first: one compiled call, the tokens and logits of the
+    eager head fed one token at a time with its own hidden state of the step before."""
+    target, _ = pair
+    sizes = {"intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+    head = eagle_head(target, sizes, layout)
+    compiled = CompiledCausalLM(head)
+    generator = torch.Generator().manual_seed(2)
+    hidden_size = head.config.hidden_size
+    width = head.fc.in_features - (hidden_size if layout == "eagle" else 0)  # the target's feature
+    ids = torch.randint(0, head.vocab_size, (2, SPAN_MULTIPLE - 2), generator=generator)
+    features = torch.randn(2, ids.shape[1], width, generator=generator)
+    lengths = torch.tensor([ids.shape[1], ids.shape[1] - 7])
+    first = torch.randint(0, head.vocab_size, (2, 1), generator=generator)
+    caches = head.new_cache(2, 2 * SPAN_MULTIPLE), compiled.new_cache(2, 2 * SPAN_MULTIPLE)
+    for cache in caches:  # the context, fed with the target's features
+        _, hidden = head.forward(
+            ids, features, cache, num_tokens=lengths, logits_indices=(lengths - 1)[:, None]
+        )
+    eager_cache, compiled_cache = caches
+    last = [hidden]
+
+    def step(tokens: torch.Tensor, i: int) -> torch.Tensor:
+        logits, state = head.forward(tokens, last.pop(), eager_cache)
+        last.append(state)
+        return logits
+
+    want_ids, want_logits = decode_steps(step, 5, first)  # crosses a multiple
+    got_ids, got_logits = compiled.head_greedy_decode(first, hidden, compiled_cache, 5)
+    assert torch.equal(got_ids, want_ids)
+    assert (got_logits - want_logits).abs().max() < 1e-4
+    assert compiled_cache.lengths.tolist() == eager_cache.lengths.tolist() == (lengths + 5).tolist()
+
+
 def test_compile_needs_the_native_forward() -> None:
     with pytest.raises(ValueError, match="compile=True needs the native forward"):
         LLM(tiny_model("llama"), model_impl="transformers", compile=True)
@@ -169,7 +204,9 @@ def test_cli_compile_flags() -> None:
 @pytest.mark.parametrize("tree", [None, "dynamic"])
 def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, tree) -> None:
     """With an EAGLE head, the compiled target's chain calls also return the hidden states the head
-    reads (a graph of their own), in trees too. Greedy output is the eager engine's."""
+    reads (a graph of their own), in trees too; a chain's drafts after the first are one compiled
+    call of the head (k - 1 = 2 steps: one graph), compiled once. Greedy output and steps are the
+    eager engine's."""
     target, _ = pair
     sizes = {"intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
     save_eagle_head(eagle_head(target, sizes, "eagle3"), tmp_path / "head")
@@ -182,10 +219,14 @@ def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, 
     assert isinstance(compiled.target.model, CompiledCausalLM)
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
     assert [o.outputs[0].token_ids for o in compiled.generate(PROMPTS, params)] == want
+    graphs = counters["stats"]["unique_graphs"]
     assert (
         compiled.generate(PROMPTS, params)[0].metrics.num_steps
         == eager.generate(PROMPTS, params)[0].metrics.num_steps
     )
+    assert counters["stats"]["unique_graphs"] == graphs
+    head = compiled.engine.proposer.compiled  # trees grow through the eager head
+    assert list(head._head_greedy) == [2] if tree is None else head is None
 
 
 @pytest.mark.parametrize(

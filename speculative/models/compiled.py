@@ -11,8 +11,9 @@ attention unroll over the few rows.
 The span is rounded up to a multiple of SPAN_MULTIPLE (the causal mask hides the positions past
 each row's length): free on CPU, and it bounds the shapes a CUDA graph is recorded for.
 `greedy_decode` runs several greedy decoding steps (a draft model's k) as one compiled graph, one
-graph per number of steps and kind of query. Token-tree calls (`forward_tree`: a verification, a
-draft's level) have graphs of their own, the trees' attention masks built eagerly and passed in.
+graph per number of steps and kind of query; `head_greedy_decode` an EAGLE head's drafting steps
+after its first. Token-tree calls (`forward_tree`: a verification, a draft's level) have graphs of
+their own, the trees' attention masks built eagerly and passed in.
 
 CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM may run on
 one thread: llama.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
@@ -92,6 +93,7 @@ class CompiledCausalLM:
         self._positions: dict[tuple[int, int], Tensor] = {}  # (batch, q) -> _every_position
         self._marked = lambda: None  # a weak reference to the first cache view marked dynamic (_dynamic)
         self._greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # steps -> compiled greedy_decode
+        self._head_greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # head_greedy_decode's
 
     def _compile_options(self) -> dict:
         if self.model.device.type != "cpu" or self.mode is not None:
@@ -286,6 +288,42 @@ class CompiledCausalLM:
         written = input_ids.shape[1] + steps - 1
         return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=written)
 
+    def head_greedy_decode(
+        self, input_ids: Tensor, features: Tensor, cache: StaticKVCache, steps: int
+    ) -> tuple[Tensor, Tensor]:
+        """An EAGLE head's (the model is an EagleHead) `steps` greedy drafting steps in one compiled
+        call: input_ids [batch, 1] fed with features [batch, 1, hidden] (the head's hidden state at the
+        position before), then each step's argmax with the head's hidden state of the step before.
+        Returns the tokens [batch, steps] and float32 logits [batch, steps, vocab] as greedy_decode
+        does; the cache gains input_ids and every token but the last. One graph per `steps`; on CPU,
+        more than SMALL_CALL_ROWS rows run the same steps eagerly."""
+        greedy = _head_greedy_run(self.model, steps)
+        if self.max_compiled_rows is None or input_ids.numel() <= self.max_compiled_rows:
+            compiled = self._head_greedy.get(steps)
+            if compiled is None:
+                compiled = self._head_greedy[steps] = torch.compile(greedy, **self._compile_options())
+            greedy = compiled
+
+        def run(
+            input_ids: Tensor,
+            positions: Tensor,
+            keys: list[Tensor],
+            values: list[Tensor],
+            key_positions: Tensor,
+            logits_indices: None,
+        ) -> tuple[Tensor, Tensor]:
+            ids, hidden, positions = self._dynamic(
+                input_ids,
+                features,
+                positions,
+                cache=keys + values,
+                key_positions=key_positions,
+                few_static=False,
+            )
+            return self._owned(greedy(ids, hidden, positions, keys, values, key_positions))
+
+        return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=steps)
+
 
 def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[Tensor, Tensor]]:
     """`steps` greedy steps of NativeCausalLM.run as one function of tensors (what is compiled): step 0
@@ -303,6 +341,31 @@ def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[T
                     ids, positions, keys, values, key_positions, torch.full_like(last, positions.shape[1] - 1)
                 )
             return run(ids, last + i, keys, values, key_positions, None)
+
+        return decode_steps(step, steps, input_ids)
+
+    return greedy
+
+
+def _head_greedy_run(head: NativeCausalLM, steps: int) -> Callable[..., tuple[Tensor, Tensor]]:
+    """`steps` greedy steps of an EagleHead's run_head as one function of tensors (what is compiled):
+    step i feeds one token at positions + i [batch, 1] with the head's hidden state of step i - 1 (of
+    the caller's `features` at i = 0)."""
+
+    def greedy(
+        input_ids: Tensor,
+        features: Tensor,
+        positions: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+        key_positions: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        hidden = [features]
+
+        def step(ids: Tensor, i: int) -> Tensor:
+            logits, state = head.run_head(ids, hidden.pop(), positions + i, keys, values, key_positions, None)
+            hidden.append(state)
+            return logits
 
         return decode_steps(step, steps, input_ids)
 

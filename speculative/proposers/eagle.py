@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speculative.models.base import decode_steps
+from speculative.models.base import decode_steps, first_argmax
+from speculative.models.compiled import CompiledCausalLM
 from speculative.models.eagle import EagleHead
 from speculative.proposers.base import Proposal
 from speculative.sampling import SampleStrategy
@@ -33,10 +34,14 @@ from speculative.sampling import SampleStrategy
 
 class EagleProposer:
     """Proposes a chain of k tokens sampled from an EAGLE head with each row's own sampling parameters
-    (module docstring). hidden_layers: what the target's forward must return for `observe`."""
+    (module docstring). hidden_layers: what the target's forward must return for `observe`.
 
-    def __init__(self, head: EagleHead) -> None:
-        self.head = head
+    compiled: the head wrapped in a CompiledCausalLM (or None): a greedy batch without grammars then
+    drafts its tokens after the first in one compiled call (head_greedy_decode), and the head's cache
+    is the wrapper's."""
+
+    def __init__(self, head: EagleHead, compiled: CompiledCausalLM | None = None) -> None:
+        self.head, self.compiled = head, compiled
         self.hidden_layers = head.target_layers
         self.cache = None
         self.features: Tensor | None = None  # [B, W, F], module docstring
@@ -52,7 +57,7 @@ class EagleProposer:
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         features, self._observed = self._observed, None
-        cache = self.head.new_cache(tokens.shape[0], tokens.shape[1])
+        cache = (self.compiled or self.head).new_cache(tokens.shape[0], tokens.shape[1])
         if self.cache is None or self.cache.batch_size == 0:
             self.cache, self.features = cache, features
         else:
@@ -62,6 +67,11 @@ class EagleProposer:
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         logits, hidden = self._feed_features(tokens, lengths)
+        self._proposed = num_tokens
+        if self.compiled is not None and strategy.all_greedy and not strategy.any_guided and num_tokens > 1:
+            first = first_argmax(logits[:, -1])[:, None]  # [B, 1]
+            token_ids, _ = self.compiled.head_greedy_decode(first, hidden, self.cache, num_tokens - 1)
+            return Proposal(torch.cat([first, token_ids], dim=1), None)
         last = [hidden]  # the head's hidden state at the position fed last
 
         def step(ids: Tensor, i: int) -> Tensor:
@@ -72,7 +82,6 @@ class EagleProposer:
             return out
 
         token_ids, all_logits = decode_steps(step, num_tokens, tokens[:, :1], strategy.next_tokens)
-        self._proposed = num_tokens
         return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(all_logits))
 
     def _feed_features(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
