@@ -18,8 +18,9 @@ class SpeculativeConfig:
     method: "draft_model" (a small model, `LLM(draft_model=...)`), "ngram" (prompt lookup), "suffix"
         (suffix decoding over the request and past responses, speculative/proposers/suffix.py), or
         "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head (`LLM(draft_model=<its directory>)`) drafting a
-        chain or a tree from the target's hidden states (models/eagle.py; the native forward; the head
-        runs eagerly, the target compiled or not).
+        chain or a tree from the target's hidden states (models/eagle.py; the native forward; with
+        `compile`, a greedy chain's drafting steps after the first run compiled, the head's other
+        calls eagerly).
     num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32.
     acceptance: "rejection" (lossless: the output follows the target's distribution exactly) or
         "typical" (Medusa's typical acceptance: faster at temperature > 0, NOT lossless).

@@ -339,8 +339,9 @@ NOTES = [
     "included, so a step costs k * T_d + T_v as a draft model's does and the bound holds unchanged. A "
     "run's first proposal also feeds the head the whole prompt's features, its prefill (a draft model's "
     "is made before the first step): T_d leaves that proposal out, as the bound leaves out every "
-    "prefill. The head runs eagerly and on one rank (compiled methods: the target's calls compiled, tree "
-    "verifications too); HF has no counterpart.",
+    "prefill. The head runs on one rank (compiled methods: the target's calls compiled, tree "
+    "verifications too, and a greedy chain's drafting steps after the first; the head's other calls "
+    "eager); HF has no counterpart.",
 ]
 
 HF_STATIC_NOTE = (
