@@ -225,8 +225,11 @@ def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, 
         == eager.generate(PROMPTS, params)[0].metrics.num_steps
     )
     assert counters["stats"]["unique_graphs"] == graphs
-    head = compiled.engine.proposer.compiled  # trees grow through the eager head
-    assert list(head._head_greedy) == [2] if tree is None else head is None
+    head = compiled.engine.proposer.compiled
+    if tree is None:
+        assert list(head._head_greedy) == [2]
+    else:  # trees grow through the eager head
+        assert head is None
 
 
 @pytest.mark.parametrize(
