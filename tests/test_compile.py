@@ -151,8 +151,9 @@ def test_greedy_decode_is_one_call_and_equals_stepping(pair, query_tokens) -> No
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3"])
 def test_head_greedy_decode_is_one_call_and_equals_stepping(pair, layout) -> None:
-    """An EAGLE head's drafting steps after its first: one compiled call, the tokens and logits of the
-    eager head fed one token at a time with its own hidden state of the step before."""
+    """An EAGLE head's drafting in one compiled call: the target's features it lacks (rows needing
+    different numbers, right padded), then its steps; the tokens and logits of the eager head fed
+    those features, then one token at a time with its own hidden state of the step before."""
     target, _ = pair
     sizes = {"intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
     head = eagle_head(target, sizes, layout)
@@ -163,25 +164,31 @@ def test_head_greedy_decode_is_one_call_and_equals_stepping(pair, layout) -> Non
     ids = torch.randint(0, head.vocab_size, (2, SPAN_MULTIPLE - 2), generator=generator)
     features = torch.randn(2, ids.shape[1], width, generator=generator)
     lengths = torch.tensor([ids.shape[1], ids.shape[1] - 7])
-    first = torch.randint(0, head.vocab_size, (2, 1), generator=generator)
+    need = torch.tensor([3, 1])  # positions not fed yet, per row
+    index = (lengths - need)[:, None] + torch.arange(3)
+    query = ids.gather(1, index.clamp(max=ids.shape[1] - 1))
+    query_features = features.gather(1, index.clamp(max=ids.shape[1] - 1)[..., None].expand(-1, -1, width))
     caches = head.new_cache(2, 2 * SPAN_MULTIPLE), compiled.new_cache(2, 2 * SPAN_MULTIPLE)
-    for cache in caches:  # the context, fed with the target's features
-        _, hidden = head.forward(
-            ids, features, cache, num_tokens=lengths, logits_indices=(lengths - 1)[:, None]
-        )
+    for cache in caches:  # the context but the positions the query feeds
+        head.forward(ids, features, cache, num_tokens=lengths - need)
     eager_cache, compiled_cache = caches
+    logits, hidden = head.forward(
+        query, query_features, eager_cache, num_tokens=need, logits_indices=(need - 1)[:, None]
+    )
     last = [hidden]
 
     def step(tokens: torch.Tensor, i: int) -> torch.Tensor:
-        logits, state = head.forward(tokens, last.pop(), eager_cache)
+        if i == 0:
+            return logits
+        out, state = head.forward(tokens, last.pop(), eager_cache)
         last.append(state)
-        return logits
+        return out
 
-    want_ids, want_logits = decode_steps(step, 5, first)  # crosses a multiple
-    got_ids, got_logits = compiled.head_greedy_decode(first, hidden, compiled_cache, 5)
+    want_ids, want_logits = decode_steps(step, 5, query)  # crosses a multiple
+    got_ids, got_logits = compiled.head_greedy_decode(query, query_features, compiled_cache, 5, need)
     assert torch.equal(got_ids, want_ids)
     assert (got_logits - want_logits).abs().max() < 1e-4
-    assert compiled_cache.lengths.tolist() == eager_cache.lengths.tolist() == (lengths + 5).tolist()
+    assert compiled_cache.lengths.tolist() == eager_cache.lengths.tolist() == (lengths + 4).tolist()
 
 
 def test_compile_needs_the_native_forward() -> None:
@@ -204,8 +211,8 @@ def test_cli_compile_flags() -> None:
 @pytest.mark.parametrize("tree", [None, "dynamic"])
 def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, tree) -> None:
     """With an EAGLE head, the compiled target's chain calls also return the hidden states the head
-    reads (a graph of their own), in trees too; a chain's drafts after the first are one compiled
-    call of the head (k - 1 = 2 steps: one graph), compiled once. Greedy output and steps are the
+    reads (a graph of their own), in trees too; a chain's drafting is one compiled call of the head
+    (k = 3 steps), compiled once. Greedy output and steps are the
     eager engine's."""
     target, _ = pair
     sizes = {"intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -227,7 +234,7 @@ def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, 
     assert counters["stats"]["unique_graphs"] == graphs
     head = compiled.engine.proposer.compiled
     if tree is None:
-        assert list(head._head_greedy) == [2]
+        assert list(head._head_greedy) == [3]
     else:  # trees grow through the eager head
         assert head is None
 

@@ -340,7 +340,7 @@ NOTES = [
     "run's first proposal also feeds the head the whole prompt's features, its prefill (a draft model's "
     "is made before the first step): T_d leaves that proposal out, as the bound leaves out every "
     "prefill. The head runs on one rank (compiled methods: the target's calls compiled, tree "
-    "verifications too, and a greedy chain's drafting steps after the first; the head's other calls "
+    "verifications too, and a greedy chain's whole drafting, one call of the head; the head's trees "
     "eager); HF has no counterpart.",
 ]
 

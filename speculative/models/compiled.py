@@ -11,9 +11,10 @@ attention unroll over the few rows.
 The span is rounded up to a multiple of SPAN_MULTIPLE (the causal mask hides the positions past
 each row's length): free on CPU, and it bounds the shapes a CUDA graph is recorded for.
 `greedy_decode` runs several greedy decoding steps (a draft model's k) as one compiled graph, one
-graph per number of steps and kind of query; `head_greedy_decode` an EAGLE head's drafting steps
-after its first. Token-tree calls (`forward_tree`: a verification, a draft's level) have graphs of
-their own, the trees' attention masks built eagerly and passed in.
+graph per number of steps and kind of query; `head_greedy_decode` an EAGLE head's whole drafting
+(the target's features it has not read, then its k steps). Token-tree calls (`forward_tree`: a
+verification, a draft's level) have graphs of their own, the trees' attention masks built eagerly
+and passed in.
 
 CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM may run on
 one thread: llama.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
@@ -289,14 +290,21 @@ class CompiledCausalLM:
         return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=written)
 
     def head_greedy_decode(
-        self, input_ids: Tensor, features: Tensor, cache: StaticKVCache, steps: int
+        self,
+        input_ids: Tensor,
+        features: Tensor,
+        cache: StaticKVCache,
+        steps: int,
+        num_tokens: Tensor,
     ) -> tuple[Tensor, Tensor]:
-        """An EAGLE head's (the model is an EagleHead) `steps` greedy drafting steps in one compiled
-        call: input_ids [batch, 1] fed with features [batch, 1, hidden] (the head's hidden state at the
-        position before), then each step's argmax with the head's hidden state of the step before.
-        Returns the tokens [batch, steps] and float32 logits [batch, steps, vocab] as greedy_decode
-        does; the cache gains input_ids and every token but the last. One graph per `steps`; on CPU,
-        more than SMALL_CALL_ROWS rows run the same steps eagerly."""
+        """An EAGLE head's (the model is an EagleHead) whole greedy drafting of `steps` tokens in one
+        compiled call: input_ids [batch, q] fed first with their features [batch, q, feature] (the
+        target's, or the head's hidden state), num_tokens [batch] of them real (right padding after),
+        the first token drafted from each row's last real one; then each step's argmax fed
+        with the head's hidden state of the step before. Returns the tokens [batch, steps] and float32
+        logits [batch, steps, vocab] as greedy_decode does; the cache gains num_tokens and every token
+        but the last. One graph per `steps` and kind of query (dynamo specializes a batch or q of 1);
+        on CPU, more than SMALL_CALL_ROWS query tokens run the same function eagerly."""
         greedy = _head_greedy_run(self.model, steps)
         if self.max_compiled_rows is None or input_ids.numel() <= self.max_compiled_rows:
             compiled = self._head_greedy.get(steps)
@@ -312,17 +320,21 @@ class CompiledCausalLM:
             key_positions: Tensor,
             logits_indices: None,
         ) -> tuple[Tensor, Tensor]:
-            ids, hidden, positions = self._dynamic(
+            ids, fed, positions, last = self._dynamic(
                 input_ids,
                 features,
                 positions,
+                (num_tokens - 1)[:, None],
                 cache=keys + values,
                 key_positions=key_positions,
                 few_static=False,
             )
-            return self._owned(greedy(ids, hidden, positions, keys, values, key_positions))
+            return self._owned(greedy(ids, fed, positions, last, keys, values, key_positions))
 
-        return self.model.forward_with(run, input_ids, cache, span_multiple=SPAN_MULTIPLE, written=steps)
+        written = input_ids.shape[1] + steps - 1
+        return self.model.forward_with(
+            run, input_ids, cache, num_tokens + steps - 1, span_multiple=SPAN_MULTIPLE, written=written
+        )
 
 
 def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -349,21 +361,25 @@ def _greedy_run(run: Callable[..., Tensor], steps: int) -> Callable[..., tuple[T
 
 def _head_greedy_run(head: NativeCausalLM, steps: int) -> Callable[..., tuple[Tensor, Tensor]]:
     """`steps` greedy steps of an EagleHead's run_head as one function of tensors (what is compiled):
-    step i feeds one token at positions + i [batch, 1] with the head's hidden state of step i - 1 (of
-    the caller's `features` at i = 0)."""
+    step 0 feeds the query at `positions` [batch, q] with `features` (logits and hidden state at
+    `last` [batch, 1], each row's last real query token), step i > 0 one token at that position + i
+    with the head's hidden state of step i - 1."""
 
     def greedy(
         input_ids: Tensor,
         features: Tensor,
         positions: Tensor,
+        last: Tensor,
         keys: list[Tensor],
         values: list[Tensor],
         key_positions: Tensor,
     ) -> tuple[Tensor, Tensor]:
+        root = positions.gather(1, last)  # [batch, 1]
         hidden = [features]
 
         def step(ids: Tensor, i: int) -> Tensor:
-            logits, state = head.run_head(ids, hidden.pop(), positions + i, keys, values, key_positions, None)
+            at, indices = (positions, last) if i == 0 else (root + i, None)
+            logits, state = head.run_head(ids, hidden.pop(), at, keys, values, key_positions, indices)
             hidden.append(state)
             return logits
 

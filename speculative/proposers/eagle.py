@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from speculative.models.base import decode_steps, first_argmax
+from speculative.models.base import decode_steps
 from speculative.models.compiled import CompiledCausalLM
 from speculative.models.eagle import EagleHead
 from speculative.proposers.base import Proposal
@@ -37,8 +37,8 @@ class EagleProposer:
     (module docstring). hidden_layers: what the target's forward must return for `observe`.
 
     compiled: the head wrapped in a CompiledCausalLM (or None): a greedy batch without grammars then
-    drafts its tokens after the first in one compiled call (head_greedy_decode), and the head's cache
-    is the wrapper's."""
+    feeds the target's features and drafts its k tokens in one compiled call (head_greedy_decode),
+    and the head's cache is the wrapper's."""
 
     def __init__(self, head: EagleHead, compiled: CompiledCausalLM | None = None) -> None:
         self.head, self.compiled = head, compiled
@@ -66,12 +66,12 @@ class EagleProposer:
             self.features = torch.cat([_pad(self.features, width), _pad(features, width)])
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
-        logits, hidden = self._feed_features(tokens, lengths)
         self._proposed = num_tokens
-        if self.compiled is not None and strategy.all_greedy and not strategy.any_guided and num_tokens > 1:
-            first = first_argmax(logits[:, -1])[:, None]  # [B, 1]
-            token_ids, _ = self.compiled.head_greedy_decode(first, hidden, self.cache, num_tokens - 1)
-            return Proposal(torch.cat([first, token_ids], dim=1), None)
+        if self.compiled is not None and strategy.all_greedy and not strategy.any_guided:
+            query, features, need = self._unfed(tokens, lengths)
+            token_ids, _ = self.compiled.head_greedy_decode(query, features, self.cache, num_tokens, need)
+            return Proposal(token_ids, None)
+        logits, hidden = self._feed_features(tokens, lengths)
         last = [hidden]  # the head's hidden state at the position fed last
 
         def step(ids: Tensor, i: int) -> Tensor:
@@ -84,18 +84,23 @@ class EagleProposer:
         token_ids, all_logits = decode_steps(step, num_tokens, tokens[:, :1], strategy.next_tokens)
         return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(all_logits))
 
-    def _feed_features(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        """Feed the head the positions whose target features it lacks (at least one per row, the last
-        at the context's second-to-last token: the root). Returns the root's logits [B, 1, V] and
-        hidden state [B, 1, H]."""
+    def _unfed(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The positions whose target features the head lacks (at least one per row, the last at the
+        context's second-to-last token: the root): their tokens [B, W] (x_{p+1} at position p), features
+        [B, W, F] and number per row [B] (right padding after); they leave `features`."""
         need = lengths - 1 - self.cache.lengths  # [B] >= 1
         index = (self.cache.lengths + 1)[:, None] + torch.arange(self.features.shape[1], device=tokens.device)
-        query = tokens.gather(1, index.clamp(max=tokens.shape[1] - 1))  # [B, W], x_{p+1} at position p
-        out = self.head.forward(
-            query, self.features, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None]
+        query = tokens.gather(1, index.clamp(max=tokens.shape[1] - 1))
+        features, self._roots, self.features = self.features, lengths - 1, None
+        return query, features, need
+
+    def _feed_features(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """Feed the head the positions `_unfed` names. Returns the root's logits [B, 1, V] and hidden
+        state [B, 1, H]."""
+        query, features, need = self._unfed(tokens, lengths)
+        return self.head.forward(
+            query, features, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None]
         )
-        self._roots, self.features = lengths - 1, None
-        return out
 
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         observed, self._observed = self._observed, None
