@@ -28,6 +28,7 @@ from speculative.models.packed import onednn_row_counts, round_onednn_rows
 from speculative.sampling_params import SamplingParams
 from speculative.server.memory import release_free_memory
 from speculative.server.metrics import ServerMetrics
+from speculative.server.openmp import release_thread_team
 
 SHUT_DOWN = "the server shut down before this request finished (--shutdown-timeout)"
 """The error of the requests still running when the shutdown's time is up."""
@@ -176,9 +177,12 @@ class Scheduler:
         """Start the engine thread; call from inside the event loop that will read the streams. From
         then on this process's oneDNN matmuls meet few row counts (packed.round_onednn_rows), whose
         kernels are made first (_make_kernels): a server meets ever new batch and prefill sizes, each a
-        kernel that oneDNN would make and keep, so its memory would grow for thousands of requests."""
+        kernel that oneDNN would make and keep, so its memory would grow for thousands of requests.
+        Then this thread's OpenMP team ends (openmp.release_thread_team: the engine thread's runs its
+        forwards at full speed only when it is the only one)."""
         round_onednn_rows()
         _make_kernels(self.llm)
+        release_thread_team()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="speculative-engine", daemon=True)
         self._thread.start()
