@@ -264,6 +264,12 @@ def _add_bench_serve_parser(commands) -> None:
     load.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="closed-loop clients")
     load.add_argument("--rate", dest="rates", type=float, nargs="*", default=[4.0], help="open-loop req/s")
     load.add_argument("--requests", type=int, default=64, help="requests per level, at least 2 per client")
+    load.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of every level, the servers taking turns in each: ratios to plain over the rounds (1)",
+    )
     load.add_argument("--soak", dest="soak_requests", type=int, default=0, help="soak requests (0: none)")
     load.add_argument("--soak-max-tokens", type=int, default=8, help="tokens per soak request (8)")
     load.add_argument("--dtype", default="float32", help="the servers' --dtype (float32)")
@@ -520,7 +526,7 @@ def bench_serve(args: argparse.Namespace) -> int:
         from speculative.bench.load_report import soak_lines
 
     names = ("prompts", "num_prompts", "max_tokens", "max_tokens_range", "k", "servers", "concurrency")
-    names += ("rates", "requests")
+    names += ("rates", "requests", "rounds")
     names += ("soak_requests", "soak_max_tokens", "dtype", "compile", "temperature", "seed")
     config = LoadConfig(
         **{name: getattr(args, name) for name in names}, serve_flags=shlex.split(args.serve_args)

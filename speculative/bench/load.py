@@ -2,35 +2,43 @@
 
 Each server variant runs as its own `speculative serve` process (ServerProcess) on the same pair:
 "plain" (the target alone: no speculation), "draft" (the draft model, k drafts per step) and
-"adaptive" (the draft model, k chosen per step by the server). Every request streams
-/v1/completions with httpx, a prompt of the set as text, greedy unless `temperature`, and exactly its
-max_tokens tokens (ignore_eos): a level's request i asks for a length drawn (seeded by i) uniformly
-from max_tokens * (1 -+ max_tokens_range), vLLM's --random-range-ratio. Lengths that vary are what
-real traffic has; with one length for all (max_tokens_range 0) a closed loop's clients stay in step,
-their requests ending in the same step and their prompts prefilled together, waves that plain
-decoding keeps and speculation breaks up (at 32 clients on the demo pair, 2 CPUs, plain decoding was
-then about 10% faster than adaptive speculation; with lengths of 64 -+ 50%, 3-6% slower). The client
-records when it sent the request and when each chunk with text arrived. Then, per server:
+"adaptive" (the draft model, k chosen per step by the server); all are started first, and only one
+is driven at a time. Every request streams /v1/completions with httpx, a prompt of the set as text,
+greedy unless `temperature`, and exactly its max_tokens tokens (ignore_eos): a level's request i asks
+for a length drawn (seeded by i) uniformly from max_tokens * (1 -+ max_tokens_range), vLLM's
+--random-range-ratio. Lengths that vary are what real traffic has; with one length for all
+(max_tokens_range 0) a closed loop's clients stay in step, their requests ending in the same step
+and their prompts prefilled together, waves that plain decoding keeps and speculation breaks up. The
+client records when it sent the request and when each chunk with text arrived.
+
+After each server's warm-up, `rounds` rounds run; in each, every level below runs on one server
+after another, the servers' order rotated from round to round. A machine's speed drifts by several
+percent from minute to minute (on a shared 2-core VM, 10% between two runs of the same level), so a
+ratio between servers is only worth what the rounds show of it: the report gives each server's
+output tokens/s over plain's in the same round, the median and range over the rounds. Levels:
 
 - closed loop, for each concurrency c: c clients, each sending its next request as soon as its last
   one ended, until `requests` requests (at least 2 per client) have been sent;
 - open loop, for each rate r: requests sent at Poisson arrival times of r per second, whatever the
   server's answers (vLLM's `--request-rate`);
-- soak (`soak_requests` > 0): that many short requests (`soak_max_tokens`) at the largest concurrency,
-  the server's resident set size (RSS) and C heap in use (its /metrics) read when it is idle after the
-  first SOAK_WARM_UP of them and after the last: memory is flat if the heap in use grew by less than a
-  leak of LEAK_PER_REQUEST bytes a request would have added.
+- soak (`soak_requests` > 0; after the rounds, one server after another): that many short requests
+  (`soak_max_tokens`) at the largest concurrency, the server's resident set size (RSS) and C heap in
+  use (its /metrics) read when it is idle after the first SOAK_WARM_UP of them and after the last:
+  memory is flat if the heap in use grew by less than a leak of LEAK_PER_REQUEST bytes a request
+  would have added.
 
-Figures of a level (vLLM's): requests/s and output tokens/s over the level's wall time; time to first
-token (TTFT: first chunk with text), time per output token (TPOT: (end - first chunk) / (tokens - 1),
-per request) and inter-chunk latency (ITL: gaps between chunks; a speculative step's chunk can hold
-several tokens), each as p50 / p99 in ms; errors (a status other than 200, an error event, or no
-[DONE]). The server's RSS is sampled every RSS_PERIOD s throughout (psutil).
+Figures of a level (vLLM's), of its requests in every round: requests/s and output tokens/s over its
+rounds' summed wall time (and each round's output tokens/s); time to first token (TTFT: first chunk
+with text), time per output token (TPOT: (end - first chunk) / (tokens - 1), per request) and
+inter-chunk latency (ITL: gaps between chunks; a speculative step's chunk can hold several tokens),
+each as p50 / p99 in ms; errors (a status other than 200, an error event, or no [DONE]). The
+server's RSS is sampled every RSS_PERIOD s throughout (psutil).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -78,6 +86,7 @@ class LoadConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
     rates: list[float] = field(default_factory=lambda: [4.0])
     requests: int = 64
+    rounds: int = 1
     soak_requests: int = 0
     soak_max_tokens: int = 8
     dtype: str = "float32"
@@ -87,7 +96,7 @@ class LoadConfig:
     serve_flags: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_tokens", "k", "requests", "soak_max_tokens"):
+        for name in ("num_prompts", "max_tokens", "k", "requests", "rounds", "soak_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
         if not 0 <= self.max_tokens_range < 1:
@@ -132,11 +141,14 @@ def serve_command(config: LoadConfig, server: str, target: str, draft: str | Non
 
 
 class Driver:
-    """Sends the requests of one server's levels and records them; `clock()` is seconds since start."""
+    """Sends the requests of one server's levels and records them; `clock()` is seconds since `start`
+    (a time.perf_counter(); default now)."""
 
-    def __init__(self, client: httpx.AsyncClient, prompts: list[str], config: LoadConfig) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, prompts: list[str], config: LoadConfig, start: float | None = None
+    ) -> None:
         self.client, self.prompts, self.config = client, prompts, config
-        self.start = time.perf_counter()
+        self.start = time.perf_counter() if start is None else start
         self.sent = 0  # requests sent so far: the next prompt is prompts[sent % len]
 
     def clock(self) -> float:
@@ -253,44 +265,71 @@ async def _sample_rss(process: psutil.Process, driver: Driver, samples: list, st
             pass
 
 
-async def drive_server(
-    url: str, pid: int, prompts: list[str], config: LoadConfig, api_key: str | None = None
-) -> dict:
-    """One server's warm-up, levels and soak (module docstring), the server's process being `pid`:
-    {"closed": [...], "open": [...], "soak": ... | None, "rss": [(seconds, bytes)]}."""
+def pooled(runs: list[tuple[float, float, list[RequestRecord]]]) -> dict:
+    """A level's figures over its rounds, each run (start, seconds, records): `summarize` of all their
+    requests over their summed time, each round's output tokens/s, and the spans [start, seconds]
+    the level ran in."""
+    level = summarize([r for _, _, records in runs for r in records], sum(seconds for _, seconds, _ in runs))
+    level["rounds_output_tokens_per_s"] = [
+        summarize(records, seconds)["output_tokens_per_s"] for _, seconds, records in runs
+    ]
+    level["spans"] = [[start, seconds] for start, seconds, _ in runs]
+    return level
+
+
+async def drive_servers(
+    servers: dict[str, tuple[str, int]], prompts: list[str], config: LoadConfig, api_key: str | None = None
+) -> dict[str, dict]:
+    """Drive the servers, name -> (url, pid of its process), all up at once (module docstring): each
+    one's warm-up; then `config.rounds` rounds, in which each level runs on one server after another
+    (the order rotated each round), so that the machine's drift between rounds falls on every server
+    alike; then each one's soak. Returns per server {"closed": [...], "open": [...], "soak": ... |
+    None, "rss": [(seconds, bytes)]}, each level `pooled` over its rounds."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    async with httpx.AsyncClient(
-        base_url=url, timeout=REQUEST_TIMEOUT, limits=limits, headers=headers
-    ) as client:
-        driver = Driver(client, prompts, config)
-        rss: list[tuple[float, int]] = []
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(_sample_rss(psutil.Process(pid), driver, rss, stop))
+    start, stop = time.perf_counter(), asyncio.Event()
+    async with contextlib.AsyncExitStack() as stack:
+        drivers, processes, samplers = {}, {}, []
+        results: dict[str, dict] = {}
+        for name, (url, pid) in servers.items():
+            client = httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, limits=limits, headers=headers)
+            drivers[name] = Driver(await stack.enter_async_context(client), prompts, config, start)
+            processes[name] = psutil.Process(pid)
+            results[name] = {"closed": [], "open": [], "soak": None, "rss": []}
+            sampler = _sample_rss(processes[name], drivers[name], results[name]["rss"], stop)
+            samplers.append(asyncio.create_task(sampler))
         busiest = max(config.concurrency)
-        await driver.closed_loop(busiest, busiest, 8)  # warm-up: first calls of each batch size
-        result: dict = {"closed": [], "open": [], "soak": None, "rss": rss}
-        for concurrency in config.concurrency:
-            start = driver.clock()
-            records = await driver.closed_loop(
-                concurrency, config.requests, config.max_tokens, config.max_tokens_range
-            )
-            level = summarize(records, driver.clock() - start)
-            result["closed"].append({"concurrency": concurrency, "start": start, **level})
-        rng = random.Random(config.seed)
-        for rate in config.rates:
-            start = driver.clock()
-            records = await driver.open_loop(
-                rate, config.requests, config.max_tokens, rng, config.max_tokens_range
-            )
-            result["open"].append(
-                {"rate": rate, "start": start, **summarize(records, driver.clock() - start)}
-            )
-        if config.soak_requests:
-            result["soak"] = await _soak(driver, psutil.Process(pid), busiest, config)
+        for driver in drivers.values():  # warm-up: first calls of each batch size
+            await driver.closed_loop(busiest, busiest, 8)
+        levels = [("closed", c) for c in config.concurrency] + [("open", r) for r in config.rates]
+        runs: dict[tuple[str, str, float], list] = {}
+        names = list(drivers)
+        for round_ in range(config.rounds):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for kind, value in levels:
+                for name in order:
+                    driver = drivers[name]
+                    level_start = driver.clock()
+                    if kind == "closed":
+                        records = await driver.closed_loop(
+                            int(value), config.requests, config.max_tokens, config.max_tokens_range
+                        )
+                    else:  # every server of a round gets the same arrival times
+                        rng = random.Random(f"{config.seed}-{value}-{round_}")
+                        records = await driver.open_loop(
+                            value, config.requests, config.max_tokens, rng, config.max_tokens_range
+                        )
+                    span = (level_start, driver.clock() - level_start, records)
+                    runs.setdefault((name, kind, value), []).append(span)
+        for name in names:
+            for kind, value in levels:
+                key = "concurrency" if kind == "closed" else "rate"
+                results[name][kind].append({key: value, **pooled(runs[name, kind, value])})
+            if config.soak_requests:
+                results[name]["soak"] = await _soak(drivers[name], processes[name], busiest, config)
         stop.set()
-        await sampler
-    return result
+        await asyncio.gather(*samplers)
+    return results
 
 
 async def _heap_in_use(client: httpx.AsyncClient) -> int | None:
@@ -335,20 +374,23 @@ async def _soak(driver: Driver, process: psutil.Process, concurrency: int, confi
 
 
 def run_load(config: LoadConfig, target: str, draft: str | None, out: Path) -> dict:
-    """Every server of `config` driven in turn; results.json, report.md and load.png written to `out`
-    (created). Returns the results."""
+    """Every server of `config` started and driven (drive_servers); results.json, report.md and
+    load.png written to `out` (created). Returns the results."""
     prompt_file = Path(config.prompts) if config.prompts else BUNDLED_DIR / "code.jsonl"
     prompts = [record.text for record in load_jsonl(prompt_file)][: config.num_prompts]
     results: dict = {
         "config": asdict(config),
         "machine": {**machine(), "cpu_features": cpu_features()},
         "prompts": str(prompt_file),
-        "servers": {},
     }
-    for server in config.servers:
-        port = free_port()
-        command = serve_command(config, server, target, draft, port)
-        with ServerProcess(command, port, f"speculative serve ({server})", stop_timeout=60) as process:
-            results["servers"][server] = asyncio.run(drive_server(process.url, process.pid, prompts, config))
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for server in config.servers:
+            port = free_port()
+            command = serve_command(config, server, target, draft, port)
+            process = ServerProcess(command, port, f"speculative serve ({server})", stop_timeout=60)
+            stack.enter_context(process)
+            servers[server] = (process.url, process.pid)
+        results["servers"] = asyncio.run(drive_servers(servers, prompts, config))
     write_load_outputs(results, out)
     return results

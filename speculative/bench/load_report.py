@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from pathlib import Path
 
 from speculative.bench.plots import plt, save
@@ -26,10 +28,16 @@ def _pair(figures: dict) -> str:
     return f"{num(figures['p50'], '.1f')} / {num(figures['p99'], '.1f')}"
 
 
-def _rss_max(server: dict, start: float, seconds: float) -> float | None:
-    """The largest RSS sample (MiB) in [start, start + seconds]."""
-    inside = [rss for t, rss in server["rss"] if start <= t <= start + seconds]
+def _rss_max(server: dict, spans: list[list[float]]) -> float | None:
+    """The largest RSS sample (MiB) inside one of the spans [start, seconds]."""
+    inside = [rss for t, rss in server["rss"] if any(a <= t <= a + n for a, n in spans)]
     return max(inside) / MIB if inside else None
+
+
+def _label(level: dict) -> str:
+    if "rate" in level:
+        return f"{level['rate']:g} req/s"
+    return f"{level['concurrency']} client{'s' if level['concurrency'] > 1 else ''}"
 
 
 def level_rows(results: dict, kind: str) -> list[list[str]]:
@@ -37,21 +45,47 @@ def level_rows(results: dict, kind: str) -> list[list[str]]:
     rows = []
     for name, server in results["servers"].items():
         for level in server[kind]:
-            label = f"{level['concurrency']} clients" if kind == "closed" else f"{level['rate']:g} req/s"
             rows.append(
                 [
                     name,
-                    label,
+                    _label(level),
                     num(level["requests_per_s"]),
                     num(level["output_tokens_per_s"], ".1f"),
                     _pair(level["ttft_ms"]),
                     _pair(level["tpot_ms"]),
                     _pair(level["itl_ms"]),
                     f"{level['errors']} of {level['requests']}",
-                    num(_rss_max(server, level["start"], level["seconds"]), ".0f"),
+                    num(_rss_max(server, level["spans"]), ".0f"),
                 ]
             )
     return rows
+
+
+def speedup_lines(results: dict) -> list[str]:
+    """One line per server but plain and level: its output tokens/s over plain's in the same round, the
+    median and range over the rounds (none without a plain server)."""
+    plain = results["servers"].get("plain")
+    if plain is None:
+        return []
+    lines = []
+    for name, server in results["servers"].items():
+        if name == "plain":
+            continue
+        for kind in ("closed", "open"):
+            for level, base in zip(server[kind], plain[kind]):
+                ratios = [
+                    ours / theirs if theirs else math.nan
+                    for ours, theirs in zip(
+                        level["rounds_output_tokens_per_s"], base["rounds_output_tokens_per_s"]
+                    )
+                ]
+                spread = f", {min(ratios):.2f}x to {max(ratios):.2f}x" if len(ratios) > 1 else ""
+                rounds = "round" if len(ratios) == 1 else "rounds"
+                lines.append(
+                    f"{name}, {_label(level)}: {statistics.median(ratios):.2f}x plain "
+                    f"({len(ratios)} {rounds}{spread})"
+                )
+    return lines
 
 
 def soak_lines(results: dict) -> list[str]:
@@ -91,6 +125,13 @@ def _lengths(config: dict) -> str:
     return f"{low} to {high} tokens each, drawn uniformly"
 
 
+def _rounds(config: dict) -> str:
+    rounds = config["rounds"]
+    if rounds == 1:
+        return "one round"
+    return f"{rounds} rounds, each running every level on one server after another (the order rotated)"
+
+
 def markdown(results: dict, plot: str) -> str:
     """report.md: what ran on what, the closed- and open-loop tables, the soak and the plot."""
     config, m = results["config"], results["machine"]
@@ -100,10 +141,12 @@ def markdown(results: dict, plot: str) -> str:
         f"adaptive: k up to {config['k']}), {config['dtype']}{', compiled' if config['compile'] else ''}; "
         f"prompts from `{Path(results['prompts']).name}` ({config['num_prompts']} in turn), "
         f"{_lengths(config)} (EOS ignored), temperature {config['temperature']}, streamed "
-        f"over HTTP; {config['requests']} requests per level (at least 2 per client).",
+        f"over HTTP; {config['requests']} requests per level (at least 2 per client), "
+        f"{_rounds(config)}.",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}; {m['cpu_features']}), torch {m['torch']}, "
         f"Python {m['python']}.",
-        "Columns: requests/s and output tokens/s over the level's wall time; time to first token, time per "
+        "Columns, over every round's requests: requests/s and output tokens/s over the rounds' wall time; "
+        "time to first token, time per "
         "output token after the first, and inter-chunk latency (a speculative step's chunk can hold several "
         "tokens), p50 / p99; requests that failed; the server's largest RSS in the level.",
         "## Closed loop (clients sending back to back)",
@@ -113,6 +156,14 @@ def markdown(results: dict, plot: str) -> str:
         parts += [
             "## Open loop (Poisson arrivals)",
             markdown_table(LEVEL_COLUMNS, level_rows(results, "open")),
+        ]
+    speedups = speedup_lines(results)
+    if speedups:
+        parts += [
+            "## Against plain decoding",
+            "Each server's output tokens/s over plain's in the same round: the median over the rounds, "
+            "and the least and the most.",
+            "\n".join(f"- {line}" for line in speedups),
         ]
     soak = soak_lines(results)
     if soak:
@@ -147,7 +198,7 @@ def plot(results: dict, path: Path) -> str:
     latency.set_yscale("log")
     latency.set_ylabel("ms (p50, log scale)")
     latency.set_title("Time to first token, time per output token")
-    memory.set_xlabel("seconds since the server's first request")
+    memory.set_xlabel("seconds since the benchmark started")
     memory.set_ylabel("RSS (MiB)")
     memory.set_title("Server memory")
     memory.legend()

@@ -13,8 +13,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from speculative.bench.load import Driver, LoadConfig, RequestRecord, drive_server, serve_command, summarize
-from speculative.bench.load_report import markdown, soak_lines
+from speculative.bench.load import (
+    Driver,
+    LoadConfig,
+    RequestRecord,
+    drive_servers,
+    pooled,
+    serve_command,
+    summarize,
+)
+from speculative.bench.load_report import markdown, soak_lines, speedup_lines
 from speculative.cli import main
 
 from .conftest import API_KEY
@@ -52,6 +60,7 @@ def test_server_variants_and_bad_configs() -> None:
         ("max_tokens", 0, "max_tokens must be >= 1"),
         ("max_tokens_range", 1.0, r"max_tokens_range must be in \[0, 1\)"),
         ("soak_requests", -1, "soak_requests must be >= 0"),
+        ("rounds", 0, "rounds must be >= 1"),
     ]:
         with pytest.raises(ValueError, match=message):
             LoadConfig(**{field: value})
@@ -67,7 +76,8 @@ def test_the_driver_counts_every_request_of_every_level(served) -> None:
         soak_requests=8,
         soak_max_tokens=2,
     )
-    result = asyncio.run(drive_server(served.url, os.getpid(), ["def f(", "x = 1\n"], config, API_KEY))
+    servers = {"draft": (served.url, os.getpid())}
+    result = asyncio.run(drive_servers(servers, ["def f(", "x = 1\n"], config, API_KEY))["draft"]
     assert [level["requests"] for level in result["closed"]] == [4, 6]  # at least 2 per client
     for level in result["closed"] + result["open"]:
         assert level["errors"] == 0, level["error_examples"]
@@ -85,6 +95,49 @@ def test_the_driver_counts_every_request_of_every_level(served) -> None:
     report = markdown(results, "load.png")
     assert "| draft | 3 clients |" in report and "| draft | 40 req/s |" in report
     assert soak_lines(results)[0].startswith(f"draft: {soak['requests']} requests")
+
+
+def test_rounds_take_turns_and_give_each_servers_ratio_to_plain(served) -> None:
+    """Two names for the one test server: each level runs once per round on each, one after the
+    other, the order rotated each round; the level pools its rounds, and the report gives each
+    server's ratio to plain in the same round (median and range)."""
+    config = LoadConfig(concurrency=[2], rates=[30.0], requests=4, max_tokens=3, rounds=2)
+    servers = {name: (served.url, os.getpid()) for name in ("plain", "adaptive")}
+    result = asyncio.run(drive_servers(servers, ["def f("], config, API_KEY))
+    for kind in ("closed", "open"):
+        plain, adaptive = (result[name][kind][0] for name in ("plain", "adaptive"))
+        assert plain["requests"] == adaptive["requests"] == 8 and plain["errors"] == 0
+        assert len(plain["rounds_output_tokens_per_s"]) == len(plain["spans"]) == 2
+        (p0, n0), (p1, _) = plain["spans"]
+        (a0, _), (a1, m1) = adaptive["spans"]
+        assert p0 + n0 <= a0 < a1 and a1 + m1 <= p1  # plain first in round 0, adaptive in round 1
+    ratios = [
+        a / p
+        for a, p in zip(
+            result["adaptive"]["closed"][0]["rounds_output_tokens_per_s"],
+            result["plain"]["closed"][0]["rounds_output_tokens_per_s"],
+        )
+    ]
+    lines = speedup_lines({"servers": result})
+    low, high = min(ratios), max(ratios)
+    assert (
+        lines[0] == f"adaptive, 2 clients: {sum(ratios) / 2:.2f}x plain (2 rounds, {low:.2f}x to {high:.2f}x)"
+    )
+    assert lines[1].startswith("adaptive, 30 req/s: ") and len(lines) == 2
+
+
+def test_a_level_pools_its_rounds() -> None:
+    first = [RequestRecord(sent=0.0, chunks=[0.1], end=1.0, tokens=10)]
+    second = [
+        RequestRecord(sent=5.0, chunks=[5.1], end=5.5, tokens=20),
+        RequestRecord(sent=5.0, end=5.2, error="x"),
+    ]
+    level = pooled([(0.0, 1.0, first), (5.0, 0.5, second)])
+    assert level["requests"] == 3 and level["errors"] == 1
+    assert level["output_tokens_per_s"] == pytest.approx(30 / 1.5)
+    assert level["rounds_output_tokens_per_s"] == pytest.approx([10.0, 40.0])
+    assert level["spans"] == [[0.0, 1.0], [5.0, 0.5]]
+    assert speedup_lines({"servers": {"draft": {"closed": [level], "open": []}}}) == []  # no plain
 
 
 def test_request_lengths_vary_over_their_range_the_same_for_every_server(served) -> None:
@@ -106,8 +159,8 @@ def test_request_lengths_vary_over_their_range_the_same_for_every_server(served)
 
 def test_requests_the_server_refuses_are_errors(served) -> None:
     config = LoadConfig(concurrency=[2], rates=[], requests=2, max_tokens=10_000)  # past the context
-    result = asyncio.run(drive_server(served.url, os.getpid(), ["def f("], config, API_KEY))
-    level = result["closed"][0]
+    servers = {"plain": (served.url, os.getpid())}
+    level = asyncio.run(drive_servers(servers, ["def f("], config, API_KEY))["plain"]["closed"][0]
     assert level["errors"] == level["requests"] == 4
     assert level["error_examples"][0].startswith("status 400")
 
