@@ -268,7 +268,8 @@ def _add_bench_serve_parser(commands) -> None:
         "--rounds",
         type=int,
         default=1,
-        help="rounds of every level, the servers taking turns in each: ratios to plain over the rounds (1)",
+        help="rounds of every level, the servers taking turns in each (all up together): ratios to plain "
+        "over the rounds (1: one server up at a time)",
     )
     load.add_argument("--soak", dest="soak_requests", type=int, default=0, help="soak requests (0: none)")
     load.add_argument("--soak-max-tokens", type=int, default=8, help="tokens per soak request (8)")

@@ -2,14 +2,14 @@
 
 Each server variant runs as its own `speculative serve` process (ServerProcess) on the same pair:
 "plain" (the target alone: no speculation), "draft" (the draft model, k drafts per step) and
-"adaptive" (the draft model, k chosen per step by the server); all are started first, and only one
-is driven at a time. Every request streams /v1/completions with httpx, a prompt of the set as text,
-greedy unless `temperature`, and exactly its max_tokens tokens (ignore_eos): a level's request i asks
-for a length drawn (seeded by i) uniformly from max_tokens * (1 -+ max_tokens_range), vLLM's
---random-range-ratio. Lengths that vary are what real traffic has; with one length for all
-(max_tokens_range 0) a closed loop's clients stay in step, their requests ending in the same step
-and their prompts prefilled together, waves that plain decoding keeps and speculation breaks up. The
-client records when it sent the request and when each chunk with text arrived.
+"adaptive" (the draft model, k chosen per step by the server), only one driven at a time (with
+more than one round, all are up together). Every request streams /v1/completions with httpx, a
+prompt of the set as text, greedy unless `temperature`, and exactly its max_tokens tokens
+(ignore_eos): a level's request i asks for a length drawn (seeded by i) uniformly from max_tokens *
+(1 -+ max_tokens_range), vLLM's --random-range-ratio. Lengths that vary are what real traffic has;
+with one length for all (max_tokens_range 0) a closed loop's clients stay in step, their requests
+ending in the same step and their prompts prefilled together, waves that plain decoding keeps and
+speculation breaks up. The client records when it sent the request and when each chunk with text arrived.
 
 After each server's warm-up, `rounds` rounds run; in each, every level below runs on one server
 after another, the servers' order rotated from round to round. A machine's speed drifts by several
@@ -374,23 +374,30 @@ async def _soak(driver: Driver, process: psutil.Process, concurrency: int, confi
 
 
 def run_load(config: LoadConfig, target: str, draft: str | None, out: Path) -> dict:
-    """Every server of `config` started and driven (drive_servers); results.json, report.md and
-    load.png written to `out` (created). Returns the results."""
+    """Every server of `config` started and driven (drive_servers): with one round, one server up at
+    a time; with more, all up together (each holding its models) so that they can take turns.
+    results.json, report.md and load.png written to `out` (created). Returns the results."""
     prompt_file = Path(config.prompts) if config.prompts else BUNDLED_DIR / "code.jsonl"
     prompts = [record.text for record in load_jsonl(prompt_file)][: config.num_prompts]
     results: dict = {
         "config": asdict(config),
         "machine": {**machine(), "cpu_features": cpu_features()},
         "prompts": str(prompt_file),
+        "servers": {},
     }
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for server in config.servers:
-            port = free_port()
-            command = serve_command(config, server, target, draft, port)
-            process = ServerProcess(command, port, f"speculative serve ({server})", stop_timeout=60)
-            stack.enter_context(process)
-            servers[server] = (process.url, process.pid)
-        results["servers"] = asyncio.run(drive_servers(servers, prompts, config))
+
+    def drive(names: list[str]) -> dict[str, dict]:
+        with contextlib.ExitStack() as stack:
+            servers = {}
+            for server in names:
+                port = free_port()
+                command = serve_command(config, server, target, draft, port)
+                process = ServerProcess(command, port, f"speculative serve ({server})", stop_timeout=60)
+                stack.enter_context(process)
+                servers[server] = (process.url, process.pid)
+            return asyncio.run(drive_servers(servers, prompts, config))
+
+    for names in [[server] for server in config.servers] if config.rounds == 1 else [config.servers]:
+        results["servers"].update(drive(names))
     write_load_outputs(results, out)
     return results

@@ -178,8 +178,8 @@ class Scheduler:
         then on this process's oneDNN matmuls meet few row counts (packed.round_onednn_rows), whose
         kernels are made first (_make_kernels): a server meets ever new batch and prefill sizes, each a
         kernel that oneDNN would make and keep, so its memory would grow for thousands of requests.
-        Then this thread's OpenMP team ends (openmp.release_thread_team: the engine thread's runs its
-        forwards at full speed only when it is the only one)."""
+        Then this thread's OpenMP team ends (openmp.release_thread_team): the engine thread's forwards
+        run at full speed only while its team is the only one."""
         round_onednn_rows()
         _make_kernels(self.llm)
         release_thread_team()
