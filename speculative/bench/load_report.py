@@ -184,11 +184,17 @@ def plot(results: dict, path: Path) -> str:
     for name, server in results["servers"].items():
         levels = server["closed"]
         clients = [level["concurrency"] for level in levels]
-        throughput.plot(clients, [level["output_tokens_per_s"] for level in levels], "o-", label=name)
-        latency.plot(clients, [level["ttft_ms"]["p50"] for level in levels], "o-", label=f"{name} TTFT")
-        latency.plot(clients, [level["tpot_ms"]["p50"] for level in levels], "s--", label=f"{name} TPOT")
+        (line,) = throughput.plot(
+            clients, [level["output_tokens_per_s"] for level in levels], "o-", label=name
+        )
+        color = line.get_color()  # a server's colour in every panel
+        ttft = [level["ttft_ms"]["p50"] for level in levels]
+        latency.plot(clients, ttft, "o-", color=color, label=f"{name} TTFT")
+        latency.plot(
+            clients, [level["tpot_ms"]["p50"] for level in levels], "s--", color=color, label=f"{name} TPOT"
+        )
         times, rss = zip(*server["rss"]) if server["rss"] else ((), ())
-        memory.plot(times, [r / MIB for r in rss], label=name)
+        memory.plot(times, [r / MIB for r in rss], color=color, label=name)
     for ax in (throughput, latency):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
