@@ -144,7 +144,7 @@ def _eagle_flags(group, more: str = "") -> None:
             f"--{layout}",
             metavar="PATH",
             help=f"draft with an {name} head (its checkpoint directory) reading the target's hidden "
-            f"states; unquantized, one rank, the head eager (--tree: EAGLE-2's trees){more}",
+            f"states; unquantized, one rank (--tree: EAGLE-2's trees){more}",
         )
 
 

@@ -19,8 +19,7 @@ class SpeculativeConfig:
         (suffix decoding over the request and past responses, speculative/proposers/suffix.py), or
         "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head (`LLM(draft_model=<its directory>)`) drafting a
         chain or a tree from the target's hidden states (models/eagle.py; the native forward; with
-        `compile`, a greedy chain's whole drafting is one compiled call of the head, its trees
-        eager).
+        `compile`, a greedy chain's or a tree's whole drafting is one compiled call of the head).
     num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32.
     acceptance: "rejection" (lossless: the output follows the target's distribution exactly) or
         "typical" (Medusa's typical acceptance: faster at temperature > 0, NOT lossless).

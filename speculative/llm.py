@@ -226,11 +226,11 @@ class LLM:
                     f"(model types llama, mistral, qwen2, qwen3); got {type(native).__name__}"
                 )
             head = load_eagle_head(draft_model, method, native)
-            # compiled: its greedy chains' drafting steps after the first (the first feeds a varying width)
-            proposer = EagleProposer(head, CompiledCausalLM(head) if compile else None)
+            compiled = CompiledCausalLM(head) if compile else None  # a greedy chain's, a tree's drafting
+            proposer = EagleProposer(head, compiled)
             if speculative_config.tree:
                 c = speculative_config
-                proposer = EagleTreeProposer(head, c.tree, c.tree_width, c.tree_nodes)
+                proposer = EagleTreeProposer(head, c.tree, c.tree_width, c.tree_nodes, compiled)
         elif method == "ngram":
             proposer = NgramProposer(
                 speculative_config.prompt_lookup_min,

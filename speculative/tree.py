@@ -84,3 +84,21 @@ def tree_attention_mask(
         query_position = node_positions[:, m - q :]  # [batch, q]
         visible &= query_position[:, :, None] - key_position[:, None, :] < window
     return visible[:, None]
+
+
+def tree_query(
+    ancestors: Tensor, depths: Tensor, q: int, start: Tensor, key_positions: Tensor, windows: set[int | None]
+) -> tuple[Tensor, Tensor, dict[int | None, Tensor]]:
+    """What a forward over a tree's last q nodes needs (NativeCausalLM.run's tree arguments), the
+    root at cache slot start [batch, 1]: the nodes' RoPE positions [batch, q] (start + depth), their
+    K/V slots [batch, q] (start + node index) and the attention mask of each window in `windows`
+    (tree_attention_mask). ancestors / depths: tree_ancestors and tree_depths of the whole tree
+    [batch, M]; key_positions: [span] = arange(span)."""
+    m = depths.shape[1]
+    node_positions = start + depths  # [batch, M]
+    slots = start + torch.arange(m - q, m, device=start.device)  # [batch, q]
+    masks = {
+        window: tree_attention_mask(ancestors[:, m - q :], node_positions, start, key_positions, window)
+        for window in windows
+    }
+    return node_positions[:, m - q :], slots, masks

@@ -211,9 +211,9 @@ def test_cli_compile_flags() -> None:
 @pytest.mark.parametrize("tree", [None, "dynamic"])
 def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, tree) -> None:
     """With an EAGLE head, the compiled target's chain calls also return the hidden states the head
-    reads (a graph of their own), in trees too; a chain's drafting is one compiled call of the head
-    (k = 3 steps), compiled once. Greedy output and steps are the
-    eager engine's."""
+    reads (a graph of their own), in trees too; a chain's or a tree's drafting is one compiled call
+    of the head (k = 3 steps or levels), compiled once. Greedy output and steps are the eager
+    engine's."""
     target, _ = pair
     sizes = {"intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
     save_eagle_head(eagle_head(target, sizes, "eagle3"), tmp_path / "head")
@@ -235,8 +235,8 @@ def test_an_eagle_head_on_a_compiled_target_keeps_greedy_output(pair, tmp_path, 
     head = compiled.engine.proposer.compiled
     if tree is None:
         assert list(head._head_greedy) == [3]
-    else:  # trees grow through the eager head
-        assert head is None
+    else:  # a tree's whole growth is one compiled call too
+        assert list(head._trees) == [(3, "dynamic", 2, 6)]
 
 
 @pytest.mark.parametrize(
@@ -265,3 +265,5 @@ def test_compiled_trees_keep_greedy_output_and_compile_only_their_own_graphs(pai
     compiled.generate(PROMPTS, params)
     assert counters["stats"]["unique_graphs"] == graphs
     assert any(trees)  # the verifications went through the compiled run
+    if method == "draft_model":  # each proposal grew its tree in one compiled call
+        assert list(compiled.engine.proposer.model._trees) == [(3, tree, 2, 6)]

@@ -12,9 +12,10 @@ The span is rounded up to a multiple of SPAN_MULTIPLE (the causal mask hides the
 each row's length): free on CPU, and it bounds the shapes a CUDA graph is recorded for.
 `greedy_decode` runs several greedy decoding steps (a draft model's k) as one compiled graph, one
 graph per number of steps and kind of query; `head_greedy_decode` an EAGLE head's whole drafting
-(the target's features it has not read, then its k steps). Token-tree calls (`forward_tree`: a
-verification, a draft's level) have graphs of their own, the trees' attention masks built eagerly
-and passed in.
+(the target's features it has not read, then its k steps); `draft_tree` a draft model's or EAGLE
+head's whole token tree, its levels' attention masks built in the graph. Token-tree calls
+(`forward_tree`: a verification, a level of a guided tree) have graphs of their own, the trees'
+attention masks built eagerly and passed in.
 
 CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM may run on
 one thread: llama.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
@@ -95,6 +96,7 @@ class CompiledCausalLM:
         self._marked = lambda: None  # a weak reference to the first cache view marked dynamic (_dynamic)
         self._greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # steps -> compiled greedy_decode
         self._head_greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # head_greedy_decode's
+        self._trees: dict[tuple, Callable[..., tuple[Tensor, Tensor]]] = {}  # draft_tree's, by tree
 
     def _compile_options(self) -> dict:
         if self.model.device.type != "cpu" or self.mode is not None:
@@ -334,6 +336,63 @@ class CompiledCausalLM:
         written = input_ids.shape[1] + steps - 1
         return self.model.forward_with(
             run, input_ids, cache, num_tokens + steps - 1, span_multiple=SPAN_MULTIPLE, written=written
+        )
+
+    def draft_tree(
+        self,
+        input_ids: Tensor,
+        cache: StaticKVCache,
+        num_tokens: Tensor,
+        depth: int,
+        shape: str,
+        width: int,
+        num_nodes: int,
+        features: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """A tree drafter's whole proposal (proposers/draft_tree.py's growth, no guided rows) in one
+        compiled call: input_ids [batch, q] fed first (with `features` [batch, q, F] when the model is
+        an EagleHead: the target's features there), num_tokens [batch] of them real (right padding
+        after), each row's last real one the root; then `depth` levels of `width` candidates a node,
+        `width` nodes fed a level but the last. Returns the tree's token_ids [batch, n] and parents
+        [batch, 1 + n] (a Proposal's); the cache gains num_tokens and the nodes fed. One graph per
+        tree (depth, shape, width, num_nodes) and kind of query; on CPU, more than SMALL_CALL_ROWS
+        query tokens run the same function eagerly.
+
+        Growing a level eagerly costs a compiled forward_tree call plus its masks and the growth's
+        own small operations (about 0.6 ms a level for the demo draft model on CPU, three times its
+        chain's drafting per token); here they fuse around the levels' forwards."""
+        from speculative.proposers.draft_tree import tree_run  # that module imports this one
+
+        tree = (depth, shape, width, num_nodes)
+        grow = tree_run(self.model, *tree)
+        if self.max_compiled_rows is None or input_ids.numel() <= self.max_compiled_rows:
+            compiled = self._trees.get(tree)
+            if compiled is None:
+                compiled = self._trees[tree] = torch.compile(grow, **self._compile_options())
+            grow = compiled
+
+        def run(
+            input_ids: Tensor,
+            positions: Tensor,
+            keys: list[Tensor],
+            values: list[Tensor],
+            key_positions: Tensor,
+            logits_indices: None,
+        ) -> tuple[Tensor, Tensor]:
+            ids, positions, last, *fed = self._dynamic(
+                input_ids,
+                positions,
+                (num_tokens - 1)[:, None],
+                *([] if features is None else [features]),
+                cache=keys + values,
+                key_positions=key_positions,
+                few_static=False,
+            )
+            return self._owned(grow(ids, positions, last, keys, values, key_positions, *fed))
+
+        nodes, q = width * (depth - 1), input_ids.shape[1]
+        return self.model.forward_with(
+            run, input_ids, cache, num_tokens + nodes, span_multiple=SPAN_MULTIPLE, written=q + nodes
         )
 
 

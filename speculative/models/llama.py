@@ -38,7 +38,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from speculative.kv_cache import StaticKVCache
 from speculative.models.packed import STATIC_ROWS_MAX, PackedLinear
-from speculative.tree import tree_ancestors, tree_attention_mask
+from speculative.tree import tree_ancestors, tree_query
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # NativeCausalLM.quantize's default: quantize the lm_head too (see the README's Quantization section).
@@ -519,13 +519,9 @@ class NativeCausalLM(nn.Module):
             logits_indices: None,
         ) -> Tensor:
             start = slots[:, :1] - (m - q)  # [batch, 1]: the root's slot
-            node_positions = start + depths  # [batch, M]
-            query_ancestors = ancestors[:, m - q :]
-            masks = {
-                window: tree_attention_mask(query_ancestors, node_positions, start, key_positions, window)
-                for window in self.attention_windows
-            }
-            positions = node_positions[:, m - q :]
+            positions, slots, masks = tree_query(
+                ancestors, depths, q, start, key_positions, self.attention_windows
+            )
             if body is not None:
                 return body(input_ids, positions, keys, values, key_positions, None, slots, masks)
             return self.run(

@@ -19,6 +19,9 @@ row's candidates are the top ones among the tokens its grammar allows after the 
 (grammar.py's `allowed_after`); where fewer are allowed than the tree is wide, the forbidden ones
 are cut from the proposal by the engine.
 
+Compiled (the drafter a CompiledCausalLM, no guided row), a proposal is one call: the query, then
+every level, the candidates chosen and the masks built in the graph (CompiledCausalLM.draft_tree).
+
 Cache: a proposal first feeds each row the context tokens its draft cache lacks (the row's own
 number, right-padded to the most any row can lack: `missing` + `behind`), the root last; the tree's
 expanded nodes follow the root in the cache, in the order they were fed. After the step the cache
@@ -35,11 +38,14 @@ import torch
 from torch import Tensor
 
 from speculative.models.base import LanguageModel
+from speculative.models.compiled import CompiledCausalLM
+from speculative.models.llama import NativeCausalLM
 from speculative.proposers.base import Proposal
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.grammar import allowed_after
 from speculative.sampling import SampleStrategy
 from speculative.sampling.processors import apply_allowed
+from speculative.tree import tree_ancestors, tree_query
 
 TreeShape = Literal["static", "dynamic"]
 # The log-probability score of a candidate its grammar forbids (-inf): below every allowed one, yet
@@ -64,14 +70,18 @@ class DraftTreeProposer(DraftModelProposer):
         fed = self.missing + self.behind  # the most any row can lack (a host bound: no sync)
         index = (lengths - need)[:, None] + torch.arange(fed, device=tokens.device)  # [B, fed], right-padded
         query = tokens.gather(1, index)
+        self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
+        tree = self.shape, self.width, self.num_nodes
+        if isinstance(self.model, CompiledCausalLM) and not strategy.any_guided:  # one compiled call
+            token_ids, parents = self.model.draft_tree(query, self.cache, need, num_tokens, *tree)
+            return Proposal(token_ids, None, parents)
         logits = self.model.forward(query, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None])
         root = tokens.gather(1, lengths[:, None] - 1)  # [B, 1]
 
         def expand(nodes: Tensor, cached: Tensor) -> Tensor:
             return self.model.forward_tree(nodes, self.cache, cached)
 
-        self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
-        return grow_tree(logits, root, expand, num_tokens, self.shape, self.width, self.num_nodes, strategy)
+        return grow_tree(logits, root, expand, num_tokens, *tree, row_guides(strategy))
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         cache, _ = self._prefill(tokens, lengths)  # each row lacks its last token, as `need` allows
@@ -103,14 +113,16 @@ def grow_tree(
     shape: TreeShape,
     width: int,
     num_nodes: int,
-    strategy: SampleStrategy,
+    guides: list | None = None,
 ) -> Proposal:
     """The module docstring's growth, for any drafter: `logits` [B, 1, V] the draft's after the root
     (the context's last token, root [B, 1]); `expand(nodes [B, f], cached [B, C])` feeds the frontier's
     tokens as a tree whose nodes in feeding order (the root first) have parents `cached` (the new
     nodes last, so their parents' feeding-order indices are cached[:, -f:]) and returns their logits
-    [B, f, V]. Guided rows of `strategy` take their candidates among what their grammar allows.
-    Returns the proposal: a tree of `num_nodes` drafts, at most `num_tokens` deep."""
+    [B, f, V]. guides: each row's grammar state or None (SampleStrategy.guides), or None where no row
+    has one; a guided row takes its candidates among what its grammar allows. Returns the proposal:
+    a tree of `num_nodes` drafts, at most `num_tokens` deep (`width` nodes fed at each depth but the
+    last); tensor operations of static shapes only, unless guided (what tree_run compiles)."""
     batch, device = root.shape[0], root.device
     # the pool of candidates, index 0 the root: token, pool parent, score, depth
     pool_tokens, pool_parents = root, torch.full_like(root, -1)
@@ -121,8 +133,8 @@ def grow_tree(
     cache_index = torch.zeros_like(root)  # [B, P] each pool node's index in the fed tree, -1 if none
     for depth in range(1, num_tokens + 1):
         f = frontier.shape[1]
-        if strategy.any_guided:
-            allowed = _allowed_at(strategy.guides, pool_tokens, pool_parents, frontier, logits.shape[-1])
+        if guides is not None:
+            allowed = _allowed_at(guides, pool_tokens, pool_parents, frontier, logits.shape[-1])
             logits = apply_allowed(logits, allowed.to(device))
         top = logits.float().log_softmax(dim=-1).topk(width, dim=-1)  # [B, f, w]
         if shape == "dynamic":
@@ -146,6 +158,55 @@ def grow_tree(
     return select_tree(pool_tokens, pool_parents, pool_scores, pool_depths, num_nodes)
 
 
+def tree_run(
+    model: NativeCausalLM, num_tokens: int, shape: TreeShape, width: int, num_nodes: int
+) -> Callable[..., tuple[Tensor, Tensor]]:
+    """grow_tree over `model` as one function of tensors, what CompiledCausalLM.draft_tree compiles:
+    `grow(input_ids [B, q], positions [B, q], last [B, 1], keys, values, key_positions, features)`
+    feeds the query (NativeCausalLM.run's arguments; with `features` [B, q, F], `model` is an EagleHead
+    and they are its features there), the root each row's query token at `last`, then grows the
+    tree from it, each level a tree forward of the nodes fed so far (the root at its query slot; an
+    EAGLE head's nodes read the head's hidden states at their parents). Returns the proposal's
+    token_ids [B, n] and parents [B, 1 + n]. No guided rows."""
+    windows = model.attention_windows
+
+    def grow(
+        input_ids: Tensor,
+        positions: Tensor,
+        last: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+        key_positions: Tensor,
+        features: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        start = positions.gather(1, last)  # [B, 1]: the root's cache slot (a query token's position)
+        if features is None:
+            logits = model.run(input_ids, positions, keys, values, key_positions, last)
+        else:
+            logits, hidden = model.run_head(input_ids, features, positions, keys, values, key_positions, last)
+            states = [hidden]  # the head's hidden states at the nodes fed, in feeding order
+
+        def expand(nodes: Tensor, cached: Tensor) -> Tensor:
+            ancestors = tree_ancestors(cached)
+            depths = ancestors.sum(-1) - 1
+            at, slots, masks = tree_query(ancestors, depths, nodes.shape[1], start, key_positions, windows)
+            if features is None:
+                return model.run(nodes, at, keys, values, key_positions, None, slots, masks)
+            fed = torch.cat(states, dim=1)  # [B, C - f, H]
+            parents = cached[:, -nodes.shape[1] :, None].expand(-1, -1, fed.shape[2])
+            out, hidden = model.run_head(
+                nodes, fed.gather(1, parents), at, keys, values, key_positions, None, slots, masks
+            )
+            states.append(hidden)
+            return out
+
+        root = input_ids.gather(1, last)
+        proposal = grow_tree(logits, root, expand, num_tokens, shape, width, num_nodes)
+        return proposal.token_ids, proposal.parents
+
+    return grow
+
+
 def select_tree(
     tokens: Tensor, parents: Tensor, scores: Tensor, depths: list[int], num_nodes: int
 ) -> Proposal:
@@ -161,6 +222,11 @@ def select_tree(
     tree_parents = node.gather(1, parents.gather(1, chosen))  # [B, n]
     root = torch.full_like(tree_parents[:, :1], -1)
     return Proposal(tokens.gather(1, chosen), None, torch.cat([root, tree_parents], dim=1))
+
+
+def row_guides(strategy: SampleStrategy) -> list | None:
+    """grow_tree's `guides`: the strategy's, where a row is guided."""
+    return strategy.guides if strategy.any_guided else None
 
 
 def _allowed_at(guides: list, tokens: Tensor, parents: Tensor, frontier: Tensor, vocab_size: int) -> Tensor:

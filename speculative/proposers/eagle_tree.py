@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from speculative.models.compiled import CompiledCausalLM
 from speculative.models.eagle import EagleHead
 from speculative.proposers.base import Proposal
-from speculative.proposers.draft_tree import TreeShape, grow_tree
+from speculative.proposers.draft_tree import TreeShape, grow_tree, row_guides
 from speculative.proposers.eagle import EagleProposer
 from speculative.sampling import SampleStrategy
 
@@ -19,11 +20,25 @@ class EagleTreeProposer(EagleProposer):
     """Proposes a tree of `num_nodes` drafts, at most `num_tokens` deep, from an EAGLE head: the
     head's top candidates (deterministic, one-hot). shape, width, num_nodes: as DraftTreeProposer's."""
 
-    def __init__(self, head: EagleHead, shape: TreeShape, width: int, num_nodes: int) -> None:
-        super().__init__(head)
+    def __init__(
+        self,
+        head: EagleHead,
+        shape: TreeShape,
+        width: int,
+        num_nodes: int,
+        compiled: CompiledCausalLM | None = None,
+    ) -> None:
+        super().__init__(head, compiled)
         self.shape, self.width, self.num_nodes = shape, width, num_nodes
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
+        self._proposed = num_tokens
+        tree = self.shape, self.width, self.num_nodes
+        if self.compiled is not None and not strategy.any_guided:  # one compiled call
+            query, features, need = self._unfed(tokens, lengths)
+            compiled = self.compiled.draft_tree(query, self.cache, need, num_tokens, *tree, features)
+            token_ids, parents = compiled
+            return Proposal(token_ids, None, parents)
         logits, hidden = self._feed_features(tokens, lengths)
         fed = [hidden]  # the head's hidden states at the nodes fed, in feeding order (the root first)
 
@@ -34,6 +49,5 @@ class EagleTreeProposer(EagleProposer):
             fed.append(hidden)
             return out
 
-        self._proposed = num_tokens
         root = tokens.gather(1, lengths[:, None] - 1)
-        return grow_tree(logits, root, expand, num_tokens, self.shape, self.width, self.num_nodes, strategy)
+        return grow_tree(logits, root, expand, num_tokens, *tree, row_guides(strategy))
