@@ -18,7 +18,7 @@ from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.config import GenerationConfig
 from speculative.demo import DEMO_DIR
 from speculative.engine.state import SampleState
-from speculative.models.eagle_checkpoint import load_eagle_head, save_eagle_head
+from speculative.models.eagle_checkpoint import load_eagle_head, save_eagle_head, write_draft_vocabulary
 from speculative.models.llama import NativeCausalLM
 from speculative.precompile import PreCompileConfig
 
@@ -200,6 +200,45 @@ def test_draft_vocabulary_maps_into_the_target_vocabulary(tmp_path, target) -> N
     assert torch.isfinite(logits[..., drafted]).all() and torch.isinf(logits[..., ~drafted]).all()
 
 
+def test_an_eagle1_draft_vocabulary_is_rows_of_the_target_lm_head(tmp_path, target) -> None:
+    """write_draft_vocabulary cuts an EAGLE-1 head to some target tokens (FR-Spec): its lm_head is
+    their rows of the target's, its logits there are the whole head's and -inf elsewhere; it saves
+    and loads back, and greedy output stays the target's alone, in chains and trees."""
+    native = NativeCausalLM.from_hf(target)
+    path = write_head(tmp_path / "head", "eagle")
+    whole = load_eagle_head(path, "eagle", native)
+    tokens = torch.tensor([90, 3, 12, 4, 60, 5, 7, 20, 21, 33, 8, 9, 10, 11, 2])  # any order
+    write_draft_vocabulary(path, tokens)
+    assert json.loads(Path(path, "config.json").read_text())["draft_vocab_size"] == len(tokens)
+    head = load_eagle_head(path, "eagle", native)
+    inside = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, tokens, True)
+    assert torch.equal(head.draft_vocabulary, tokens.sort().values)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[tokens.sort().values])
+    ids, features = torch.tensor([[4, 6, 8]]), torch.randn(1, 3, HIDDEN)
+    want, _ = whole.forward(ids, features, whole.new_cache(1, 8))
+    got, _ = head.forward(ids, features, head.new_cache(1, 8))
+    torch.testing.assert_close(got[..., inside], want[..., inside])
+    assert torch.isinf(got[..., ~inside]).all()
+    save_eagle_head(head, tmp_path / "saved")
+    again = load_eagle_head(tmp_path / "saved", "eagle", native)
+    assert torch.equal(again.draft_vocabulary, head.draft_vocabulary)
+    prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 2]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for tree in (None, "dynamic"):
+        config = SpeculativeConfig(method="eagle", num_speculative_tokens=3, tree=tree, tree_nodes=6)
+        llm = LLM(target, draft_model=path, speculative_config=config)
+        for prompt, output in zip(prompts, llm.generate(prompts, params)):
+            assert output.outputs[0].token_ids == hf_greedy(target, prompt, 16, None)
+            assert output.metrics.num_drafted > 0
+
+
+def test_a_draft_vocabulary_is_written_into_an_eagle1_head_only(tmp_path) -> None:
+    with pytest.raises(ValueError, match="into an EAGLE-1 head only"):
+        write_draft_vocabulary(write_head(tmp_path / "three", "eagle3"), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"target token ids in \[0, 96\)"):
+        write_draft_vocabulary(write_head(tmp_path / "one", "eagle"), torch.tensor([1, 96]))
+
+
 @pytest.mark.parametrize(
     ("layout", "change", "message"),
     [
@@ -218,6 +257,12 @@ def test_draft_vocabulary_maps_into_the_target_vocabulary(tmp_path, target) -> N
         ),
         ("eagle3", lambda c, w: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 5]), r"in \[0, 4\]"),
         ("eagle3", lambda c, w: c.update(draft_vocab_size=40), "'lm_head.weight' has shape"),
+        ("eagle", lambda c, w: c.update(draft_vocab_size=40), "needs the weight 'd2t'"),
+        (
+            "eagle",
+            lambda c, w: c.update(draft_vocab_size=2) or w.update(d2t=torch.tensor([5, 4])),
+            "does not map the draft vocabulary one to one",
+        ),
     ],
 )
 def test_wrong_checkpoints_name_what_is_wrong(tmp_path, target, layout, change, message) -> None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from exactness import hf_greedy
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.demo import corpus, train_eagle
@@ -133,3 +133,30 @@ def test_train_eagle_resumes_the_saved_head_and_adds_up_its_record(model_dirs, t
     card = (pair / "eagle3" / "README.md").read_text()
     assert "\n- 2 steps of 4 windows" in card and "\n- 3 steps of 4 windows" in card
     assert "on corpus windows\n" in card and "half windows of 3 training prompts of 32 tokens" in card
+
+
+def test_draft_vocab_cuts_the_saved_head_to_the_most_frequent_tokens(model_dirs, tmp_path) -> None:
+    """`train_eagle --draft-vocab N` trains nothing: the saved EAGLE-1 head's weights stay, it gains a
+    d2t of the N tokens most frequent in the training files, and its record the cut, measured again."""
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    for name in ("target", "draft"):
+        (pair / name).symlink_to(model_dirs[name])
+    argv = ["--pair", str(pair), "--layout", "eagle", "--smoke", "--prompts", "2"]
+    train_eagle.main([*argv, "--steps", "2"])
+    saved = load_file(pair / "eagle" / "model.safetensors")
+    record = train_eagle.main([*argv, "--draft-vocab", "20"])
+    cut = load_file(pair / "eagle" / "model.safetensors")
+    assert set(cut) == set(saved) | {"d2t"}
+    assert all(torch.equal(cut[name], saved[name]) for name in saved)
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["target"])
+    train_files = corpus.split_files(corpus.list_files())[0][: SMOKE["files"][0]]
+    encoded = corpus.encode_files(tokenizer, corpus.read_texts(train_files))
+    counts = torch.bincount(corpus.token_stream(encoded, tokenizer.eos_token_id))
+    tokens = torch.arange(20) + cut["d2t"]
+    assert counts[tokens].min() >= counts.sort(descending=True).values[19]  # the 20 most frequent
+    assert record["draft_vocabulary"]["size"] == 20 and record["pieces"][0]["steps"] == 2
+    assert json.loads((pair / "eagle" / "config.json").read_text())["draft_vocab_size"] == 20
+    assert "Its draft vocabulary is the 20 tokens most frequent" in (pair / "eagle" / "README.md").read_text()
+    with pytest.raises(SystemExit):
+        train_eagle.main(["--pair", str(pair), "--layout", "eagle3", "--draft-vocab", "20"])

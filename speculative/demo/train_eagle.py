@@ -25,6 +25,11 @@ A head can be trained in pieces: `--resume` loads `<pair>/<layout>/` and trains 
 (a fresh optimizer, warmup and decay: a warm restart; its windows drawn with the seed offset by the
 steps so far, so that they are not the earlier pieces' again), then measures it again. training.json
 keeps every piece's record (`pieces`) and their sums: steps, tokens, seconds.
+
+`--draft-vocab N` trains nothing: it gives the saved EAGLE-1 head a draft vocabulary of the N tokens
+most frequent in the training files (FR-Spec: its drafts then read N rows of the target's lm_head
+instead of all; models/eagle.py), then measures it again; training.json records the cut and the
+held-out files' share of tokens inside it.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from speculative.demo import corpus
 from speculative.demo.model_card import engine_acceptance, file_prompts
 from speculative.demo.train import FULL, SMOKE, train_loop
 from speculative.models.eagle import EagleHead, EagleLayout
-from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_head
+from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_head, write_draft_vocabulary
 
 LAYOUT_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 DEPTH_DECAY = 0.8  # pass d's loss weight is DEPTH_DECAY ** (d - 1)
@@ -232,6 +237,16 @@ def write_card(info: dict, path: Path) -> None:
         f"{info['target_layers']} (low, middle, high), its own norm and LM head over the whole vocabulary, "
         "sharing the target's embedding",
     }[layout]
+    cut = info.get("draft_vocabulary")
+    vocabulary = (
+        ""
+        if cut is None
+        else f"""
+Its draft vocabulary is the {cut["size"]} tokens {cut["chosen_by"]} (`--draft-vocab {cut["size"]}`,
+FR-Spec): each drafted token reads those rows of the target's LM head rather than all of them, and
+the head drafts no other token; they are {cut["heldout_coverage"]:.1%} of the held-out files' tokens.
+"""
+    )
     path.joinpath("README.md").write_text(
         f"""# {LAYOUT_NAMES[layout]} head for the demo target
 
@@ -245,7 +260,7 @@ pieces (the first with `--steps N`, each later one with `--resume --steps N`):
 
 In all {info["steps"]} steps, {info["tokens"]} tokens, {info["seconds"]} s of training; final train loss
 {info["final_train_loss"]}, held-out cross-entropy of the corpus's next token {info["final_heldout_ce"]}.
-
+{vocabulary}
 Greedy acceptance through the engine, {acceptance["prompts"]} held-out prompts of {acceptance["prompt_len"]}
 tokens, {acceptance["new_tokens"]} new tokens each (training.json): chains of k = 4, and dynamic trees
 (EAGLE-2's) of 24 nodes, 6 deep, from the top 4 candidates of each node expanded.
@@ -255,6 +270,21 @@ tokens, {acceptance["new_tokens"]} new tokens each (training.json): chains of k 
 {rows}
 """
     )
+
+
+def measure_acceptance(pair: Path, layout: EagleLayout, prompts: list, cfg: dict, count: int) -> dict:
+    """training.json's `acceptance`: the saved head's and the pair's draft model's, greedy, through the
+    engine, on the held-out `prompts` (`count` of them), in each of SHAPES."""
+    drafters = {layout: layout, "draft": "draft_model"}
+    return {
+        "prompts": count,
+        "prompt_len": cfg["prompt_len"],
+        "new_tokens": cfg["new_tokens"],
+        **{
+            shape: engine_acceptance(pair, drafters, prompts, cfg["new_tokens"], **speculative)
+            for shape, speculative in SHAPES.items()
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -274,12 +304,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="the recipe's tiny windows and few files")
     parser.add_argument("--max-minutes", type=float, help="safety cap on training time (recorded if hit)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance")
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="train nothing: cut the saved EAGLE-1 head's draft vocabulary to the N most frequent tokens",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.depth < 1:
         parser.error(f"--depth must be at least 1; got {args.depth}")
     if args.generated < 0:
         parser.error(f"--generated must be at least 0; got {args.generated}")
+    if args.draft_vocab is not None and (args.layout != "eagle" or args.draft_vocab < 1):
+        parser.error(f"--draft-vocab takes --layout eagle and N >= 1; got {args.layout}, {args.draft_vocab}")
     cfg = dict(SMOKE if args.smoke else FULL)
     cfg["seq_len"] = args.seq_len or cfg["seq_len"] // 2
     cfg["draft_lr"] = args.lr or cfg["draft_lr"]
@@ -300,6 +338,23 @@ def main(argv: list[str] | None = None) -> dict:
     heldout = corpus.even_windows(heldout_stream, cfg["eval_windows"], cfg["seq_len"])
 
     path = args.pair / args.layout
+    prompts = file_prompts(heldout_encoded, args.prompts, cfg["prompt_len"], args.seed).tolist()
+    if args.draft_vocab is not None:
+        counts = torch.bincount(train_stream, minlength=target.config.vocab_size)
+        tokens = counts.argsort(descending=True, stable=True)[: args.draft_vocab]
+        write_draft_vocabulary(path, tokens)
+        inside = torch.zeros(target.config.vocab_size, dtype=torch.bool).index_fill_(0, tokens, True)
+        info = json.loads((path / "training.json").read_text())
+        info["draft_vocabulary"] = {
+            "size": args.draft_vocab,
+            "chosen_by": "most frequent in the training files",
+            "heldout_coverage": round(inside[heldout_stream].float().mean().item(), 4),
+        }
+        info["acceptance"] = measure_acceptance(args.pair, args.layout, prompts, cfg, args.prompts)
+        (path / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+        write_card(info, path)
+        print(json.dumps(info["acceptance"], indent=2))
+        return info
     before = []
     if args.resume:  # earlier pieces keep the loss they were trained with
         earlier = json.loads((path / "training.json").read_text())
@@ -318,17 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{cfg['prompt_len']} tokens, each continued greedily by the target for {new_tokens} tokens"
         )
     record = train_eagle_head(target, train_stream, heldout, cfg, args.steps, seed, deadline, path, head)
-    prompts = file_prompts(heldout_encoded, args.prompts, cfg["prompt_len"], args.seed).tolist()
-    drafters = {args.layout: args.layout, "draft": "draft_model"}
-    acceptance = {
-        "prompts": args.prompts,
-        "prompt_len": cfg["prompt_len"],
-        "new_tokens": cfg["new_tokens"],
-        **{
-            shape: engine_acceptance(args.pair, drafters, prompts, cfg["new_tokens"], **speculative)
-            for shape, speculative in SHAPES.items()
-        },
-    }
+    acceptance = measure_acceptance(args.pair, args.layout, prompts, cfg, args.prompts)
     piece = {
         **record,
         "loss": f"KL(target || head) at every position, training-time test {args.depth} drafts deep, "

@@ -16,6 +16,13 @@ the head's own output hidden state at p (its guess of the target's). Two publish
       residual stream is `hidden`; the layer's output is the head's hidden state, and its own `norm`
       and `lm_head` give logits over a draft vocabulary, whose token i is target token i + d2t[i].
 
+Draft vocabulary: an "eagle3" head's lm_head may cover only part of the target's vocabulary (its
+`d2t` says which tokens), and so may an "eagle" head's: its lm_head is then the target's rows of the
+`d2t` tokens (FR-Spec, Zhao et al. 2025, arXiv:2502.14856: the shared lm_head cut to the most
+frequent tokens). Each drafted token then reads that many rows instead of the whole vocabulary's;
+the head never drafts a token outside it, and the output stays exact (the logits outside are -inf,
+so a sampled draft's distribution q is the head's renormalized over the draft vocabulary).
+
 The head is a NativeCausalLM of one layer (its RoPE, KV cache, fused projections and layer code),
 with the embedding (and for "eagle" the lm_head) shared with the target (models/eagle_checkpoint.py
 loads one).
@@ -40,9 +47,10 @@ class EagleHead(NativeCausalLM):
 
     config: a llama config of one layer, vocab_size the target's; feature_size: the width of the
     target's feature (H for "eagle", 3H for "eagle3"); target_layers: the target's layers it reads
-    (NativeCausalLM.forward's `hidden_layers`); draft_vocab_size ("eagle3"): the lm_head's rows;
-    fc_bias ("eagle"): whether fc has a bias. Parameter names are NativeCausalLM's (`model.layers.0.*`,
-    `model.norm`, `lm_head`) plus `fc`, `model.layers.0.hidden_norm` and the buffer `d2t` ("eagle3").
+    (NativeCausalLM.forward's `hidden_layers`); draft_vocab_size: the lm_head's rows (module
+    docstring; None: the whole vocabulary); fc_bias ("eagle"): whether fc has a bias. Parameter names
+    are NativeCausalLM's (`model.layers.0.*`, `model.norm`, `lm_head`) plus `fc`,
+    `model.layers.0.hidden_norm` ("eagle3") and the buffer `d2t` ("eagle3", or a draft vocabulary).
     """
 
     def __init__(
@@ -60,12 +68,20 @@ class EagleHead(NativeCausalLM):
         if layout == "eagle3":
             layer = self.model.layers[0] = DecoderLayer(config, 0, input_size=2 * hidden)
             layer.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-            self.lm_head = nn.Linear(hidden, draft_vocab_size or config.vocab_size, bias=False)
-            self.register_buffer("d2t", torch.zeros(self.lm_head.out_features, dtype=torch.long))
             self.fc = nn.Linear(feature_size, hidden, bias=False)
         else:
             self.fc = nn.Linear(feature_size + hidden, hidden, bias=fc_bias)
+        if layout == "eagle3" or draft_vocab_size not in (None, config.vocab_size):
+            self.lm_head = nn.Linear(hidden, draft_vocab_size or config.vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(self.lm_head.out_features, dtype=torch.long))
         self.pack_weights()
+
+    @property
+    def draft_vocabulary(self) -> Tensor | None:
+        """[draft vocab] int64: the target's token of each lm_head row (arange + d2t); None where the
+        head has no d2t (an "eagle" head over the whole vocabulary)."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
 
     @torch.no_grad()
     def forward(
@@ -147,9 +163,9 @@ class EagleHead(NativeCausalLM):
         hidden = hidden.view(batch, q, -1)
         if logits_indices is not None:
             hidden = hidden.gather(1, logits_indices[..., None].expand(-1, -1, hidden_size))
-        if self.layout == "eagle":
-            return self.logits(hidden, None, None), hidden
-        logits = self.logits(hidden, None, self.model.norm.weight)  # [batch, n, draft vocab]
-        targets = torch.arange(logits.shape[-1], device=logits.device) + self.d2t
+        logits = self.logits(hidden, None, None if self.layout == "eagle" else self.model.norm.weight)
+        vocabulary = self.draft_vocabulary  # logits: [batch, n, draft vocab]
+        if vocabulary is None:
+            return logits, hidden
         full = logits.new_full((*logits.shape[:2], self.vocab_size), -torch.inf)
-        return full.index_copy_(2, targets, logits), hidden
+        return full.index_copy_(2, vocabulary, logits), hidden

@@ -7,18 +7,22 @@ EAGLE-3 releases (SafeAILab/EAGLE, SpecForge) and vLLM read them:
       and vocab_size (the target's) are required; num_key_value_heads, head_dim, rms_norm_eps,
       hidden_act, rope_theta / rope_scaling (or rope_parameters), attention_bias, mlp_bias are read
       where present.
-      "eagle3" also reads draft_vocab_size (default vocab_size), target_hidden_size (default
+      draft_vocab_size (default vocab_size) is read for both layouts; "eagle3" also reads
+      target_hidden_size (default
       hidden_size) and the target layers it reads, eagle_aux_hidden_state_layer_ids (top level or in
       `eagle_config`; default vLLM's (2, L // 2, L - 3) for a target of L layers).
   weights, "eagle": fc.weight [H, 2H] (fc.bias [H] optional), layers.0.{self_attn.{q,k,v,o}_proj,
       mlp.{gate,up,down}_proj, post_attention_layernorm}.weight (layers.0.input_layernorm.weight is
-      absent in the releases and unused), embed_tokens.weight optional.
+      absent in the releases and unused), embed_tokens.weight optional; with a draft_vocab_size below
+      vocab_size, d2t [draft vocab] as EAGLE-3's (an extension of the layout, FR-Spec's cut of the
+      target's lm_head: models/eagle.py).
   weights, "eagle3": fc.weight [H, 3 * target H], midlayer.{self_attn.* (q/k/v over 2H),
       mlp.*, input_layernorm, hidden_norm, post_attention_layernorm}.weight, norm.weight,
       lm_head.weight [draft vocab, H], d2t [draft vocab] and t2d [vocab] (bool, not needed to draft)
       optional, embed_tokens.weight optional.
 A leading "model." is accepted on any name. Without embed_tokens the head shares the target's
-embedding; an "eagle" head always uses the target's lm_head.
+embedding; an "eagle" head always uses the target's lm_head (a copy of its d2t rows where it has a
+draft vocabulary).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import json
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import LlamaConfig
 
 from speculative.models.eagle import EagleHead, EagleLayout
@@ -48,7 +52,7 @@ _OPTIONAL_FIELDS = (
 # checkpoint prefix -> the head's parameter prefix
 _PREFIXES = {"eagle": {"layers.0.": "model.layers.0."}, "eagle3": {"midlayer.": "model.layers.0."}}
 _OPTIONAL_WEIGHTS = {
-    "eagle": {"fc.bias", "embed_tokens.weight", "layers.0.input_layernorm.weight"},
+    "eagle": {"fc.bias", "embed_tokens.weight", "layers.0.input_layernorm.weight", "d2t"},
     "eagle3": {"d2t", "t2d", "embed_tokens.weight"},
 }
 
@@ -72,7 +76,9 @@ def load_eagle_head(path: str | Path, layout: EagleLayout, target: NativeCausalL
     if "model.embed_tokens.weight" not in state:
         head.model.embed_tokens.weight = target.model.embed_tokens.weight
     if layout == "eagle":
-        head.lm_head.weight = target.lm_head.weight
+        vocabulary = head.draft_vocabulary
+        shared = target.lm_head.weight
+        head.lm_head.weight = shared if vocabulary is None else nn.Parameter(shared[vocabulary], False)
     head.pack_weights()
     return head
 
@@ -104,8 +110,9 @@ def save_eagle_head(head: EagleHead, path: str | Path) -> None:
         "rope_theta": c.rope_parameters["rope_theta"],
         "max_position_embeddings": c.max_position_embeddings,
     }
-    if head.layout == "eagle3":
+    if head.draft_vocabulary is not None:
         config["draft_vocab_size"] = head.lm_head.out_features
+    if head.layout == "eagle3":
         config["eagle_aux_hidden_state_layer_ids"] = list(head.target_layers)
     shared = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
     if head.layout == "eagle3":
@@ -117,6 +124,27 @@ def save_eagle_head(head: EagleHead, path: str | Path) -> None:
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(directory / "model.safetensors"))
+
+
+def write_draft_vocabulary(path: str | Path, tokens: Tensor) -> None:
+    """Give the "eagle" head saved in directory `path` the draft vocabulary `tokens` (distinct target
+    token ids, [draft vocab] int64): its d2t and draft_vocab_size, written into the directory (module
+    docstring), replacing any it had. The head then drafts among these tokens only, each draft reading
+    their rows of the target's lm_head (models/eagle.py)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(path)
+    config = json.loads((directory / "config.json").read_text())
+    tokens = tokens.long().unique()  # sorted
+    if "architectures" in config and config["architectures"] != ["LlamaForCausalLM"]:
+        raise ValueError(f"{directory}: a draft vocabulary is written into an EAGLE-1 head only")
+    if tokens.numel() == 0 or tokens.min() < 0 or tokens.max() >= config["vocab_size"]:
+        raise ValueError(f"tokens must be target token ids in [0, {config['vocab_size']}), at least one")
+    weights = load_file(directory / "model.safetensors")
+    weights["d2t"] = tokens - torch.arange(tokens.numel())
+    config["draft_vocab_size"] = tokens.numel()
+    save_file(weights, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def _head_config(
@@ -197,7 +225,7 @@ def _head_state(
     missing = sorted(required - seen - _OPTIONAL_WEIGHTS[layout])
     if missing:
         raise ValueError(f"{where}: the {layout!r} head's checkpoint lacks weights {missing}")
-    if layout == "eagle3":
+    if head.draft_vocabulary is not None:
         _check_d2t(state.get("d2t"), head, where)
     return state
 
