@@ -190,6 +190,8 @@ def _add_bench_parser(commands) -> None:
         help="a JSONL prompt set (repeat; default: the bundled code, multiturn and edit sets)",
     )
     bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
+    bench.add_argument("--tree-nodes", type=int, help="drafts per tree of the tree methods (8)")
+    bench.add_argument("--tree-width", type=int, help="a draft tree's children per expanded node (2)")
     bench.add_argument("--sweep-k", type=int, nargs="+", help="k values of the k sweep (1 .. 8)")
     bench.add_argument("--batch-size", dest="batch_sizes", type=int, nargs="+", help="batch sizes (1 4 8)")
     bench.add_argument("--max-tokens", type=int, help="tokens generated per prompt, EOS ignored (128)")
@@ -495,6 +497,8 @@ def bench(args: argparse.Namespace) -> int:
     fields = (
         "prompts",
         "k",
+        "tree_nodes",
+        "tree_width",
         "sweep_k",
         "batch_sizes",
         "max_tokens",

@@ -198,8 +198,15 @@ def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
         model_dirs["draft"],
         "--eagle",
         model_dirs["eagle"],
+        "--tree-nodes",
+        "5",
+        "--tree-width",
+        "3",
     )
     assert results["config"]["max_tokens"] == 24
+    assert (results["config"]["tree_nodes"], results["config"]["tree_width"]) == (5, 3)
+    tree = results["sets"]["code"]["methods"]["ours_eagle_tree"]
+    assert tree["label"] == "ours eagle k=4, dynamic tree of 5" and tree["tokens"] > 0
     assert any("cut to their last" in note for note in results["notes"])  # 256-token models, longer prompts
 
 

@@ -68,6 +68,7 @@ class BenchConfig:
         "eagle3"); None skips the EAGLE methods (so does tensor_parallel_size > 1: heads run on one rank).
     prompts: JSONL files, one prompt set each, named after the file's stem.
     k: drafts per step of the side-by-side comparison; sweep_k: the k of the k sweep.
+    tree_nodes / tree_width: the tree methods' SpeculativeConfig.tree_nodes and tree_width (k deep).
     batch_sizes: the batch-size sweep. max_tokens: tokens generated per prompt (EOS ignored).
     num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
     repeats: timed runs per prompt and method.
@@ -92,6 +93,8 @@ class BenchConfig:
         default_factory=lambda: [str(BUNDLED_DIR / f"{n}.jsonl") for n in ("code", "multiturn", "edit")]
     )
     k: int = 4
+    tree_nodes: int = 8
+    tree_width: int = 2
     sweep_k: list[int] = field(default_factory=lambda: list(range(1, 9)))
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
     max_tokens: int = 128
@@ -216,8 +219,8 @@ class Pair:
         """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram, suffix or
         the EAGLE head (drafter "eagle" or "eagle3": config.eagle); with `compiled`, on the compiled
         models (engine "ours_compiled"); with `adaptive`, k chosen per step in [0, k]
-        (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep and of
-        SpeculativeConfig's default width and size; `options`: more SpeculativeConfig fields."""
+        (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep, of the config's
+        tree_width and tree_nodes; `options`: more SpeculativeConfig fields."""
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
         loading = {"device": self.device, "tokenizer": self.tokenizer}
@@ -231,6 +234,8 @@ class Pair:
         if drafter is None:
             llm = LLM(target, **loading)
             return OursMethod(f"ours_ar{suffix}", f"ours autoregressive{label}", engine, llm=llm)
+        if tree:
+            options.update(tree_nodes=config.tree_nodes, tree_width=config.tree_width)
         llm = LLM(
             target,
             draft_model=draft if drafter == "draft_model" else config.eagle if drafter in HEADS else None,
@@ -242,8 +247,7 @@ class Pair:
         if adaptive:
             suffix, label = f"_adaptive{suffix}", f"{label}, adaptive"
         if tree:
-            nodes = SpeculativeConfig().tree_nodes
-            suffix, label = f"_tree{suffix}", f"{label}, {tree} tree of {nodes}"
+            suffix, label = f"_tree{suffix}", f"{label}, {tree} tree of {config.tree_nodes}"
         return OursMethod(
             f"ours_{short}{suffix}",
             f"ours {short} k{'<=' if adaptive else '='}{k}{label}",
@@ -340,8 +344,8 @@ NOTES = [
     "run's first proposal also feeds the head the whole prompt's features, its prefill (a draft model's "
     "is made before the first step): T_d leaves that proposal out, as the bound leaves out every "
     "prefill. The head runs on one rank (compiled methods: the target's calls compiled, tree "
-    "verifications too, and a greedy chain's whole drafting, one call of the head; the head's trees "
-    "eager); HF has no counterpart.",
+    "verifications too, and a greedy chain's or tree's whole drafting, one call of the head); HF has no "
+    "counterpart.",
 ]
 
 HF_STATIC_NOTE = (
