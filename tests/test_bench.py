@@ -266,3 +266,21 @@ def test_memory_bound_counts_each_weight_once_and_reports_fractions() -> None:
     assert "4.00 ms a forward, 250 tokens/s" in line
     assert "ours AR 50%" in line and "llama.cpp 60% (80% decode only)" in line and "ours draft" not in line
     assert memory_bound_line(None, methods) is None
+
+
+def test_compiled_methods_compile_the_eagle_head(model_dirs) -> None:
+    """A compiled method's LLM runs on the pair's compiled models, and compiles the EAGLE head it loads
+    (whose drafting, chain or tree, is then one compiled call), as `LLM(..., compile=True)` does."""
+    from speculative.models.compiled import CompiledCausalLM
+    from speculative.models.loading import load_model
+
+    config = bench_run.BenchConfig(model=model_dirs["target"], eagle=model_dirs["eagle"], k=3)
+    pair = object.__new__(bench_run.Pair)  # the fields `ours` reads, without loading HF's models
+    pair.config, pair.device, pair.tokenizer = config, torch.device("cpu"), byte_tokenizer()
+    pair.target, pair.draft = load_model(model_dirs["target"], "float32").model, None
+    pair.compiled_target, pair.compiled_draft = CompiledCausalLM(pair.target), None
+    for tree in (None, "dynamic"):
+        method = pair.ours("eagle", 3, compiled=True, tree=tree)
+        assert method.engine == "ours_compiled" and method.llm.target.model is pair.compiled_target
+        assert isinstance(method.llm.engine.proposer.compiled, CompiledCausalLM)
+        assert pair.ours("eagle", 3, tree=tree).llm.engine.proposer.compiled is None

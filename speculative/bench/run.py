@@ -223,7 +223,8 @@ class Pair:
         tree_width and tree_nodes; `options`: more SpeculativeConfig fields."""
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
-        loading = {"device": self.device, "tokenizer": self.tokenizer}
+        # compile: the models are compiled already; an EAGLE head, loaded by the LLM, is compiled there
+        loading = {"device": self.device, "tokenizer": self.tokenizer, "compile": compiled}
         config = self.config
         if config.tensor_parallel_size > 1:  # every rank loads the pair itself
             target, draft = config.model, config.draft_model
