@@ -360,7 +360,9 @@ class CompiledCausalLM:
 
         Growing a level eagerly costs a compiled forward_tree call plus its masks and the growth's
         own small operations (about 0.6 ms a level for the demo draft model on CPU, three times its
-        chain's drafting per token); here they fuse around the levels' forwards."""
+        chain's drafting per token); here they fuse around the levels' forwards (a proposal of a
+        dynamic tree of 8, the demo pair in bfloat16 on a 2-core AMD EPYC: 1.77 ms against 2.87 for
+        the draft model, 2.39 against 3.50 for its EAGLE head)."""
         from speculative.proposers.draft_tree import tree_run  # that module imports this one
 
         tree = (depth, shape, width, num_nodes)

@@ -7,10 +7,9 @@ EAGLE-3 releases (SafeAILab/EAGLE, SpecForge) and vLLM read them:
       and vocab_size (the target's) are required; num_key_value_heads, head_dim, rms_norm_eps,
       hidden_act, rope_theta / rope_scaling (or rope_parameters), attention_bias, mlp_bias are read
       where present.
-      draft_vocab_size (default vocab_size) is read for both layouts; "eagle3" also reads
-      target_hidden_size (default
-      hidden_size) and the target layers it reads, eagle_aux_hidden_state_layer_ids (top level or in
-      `eagle_config`; default vLLM's (2, L // 2, L - 3) for a target of L layers).
+      Both read draft_vocab_size (default vocab_size); "eagle3" also reads target_hidden_size
+      (default hidden_size) and the target layers it reads, eagle_aux_hidden_state_layer_ids (top
+      level or in `eagle_config`; default vLLM's (2, L // 2, L - 3) for a target of L layers).
   weights, "eagle": fc.weight [H, 2H] (fc.bias [H] optional), layers.0.{self_attn.{q,k,v,o}_proj,
       mlp.{gate,up,down}_proj, post_attention_layernorm}.weight (layers.0.input_layernorm.weight is
       absent in the releases and unused), embed_tokens.weight optional; with a draft_vocab_size below
@@ -127,10 +126,10 @@ def save_eagle_head(head: EagleHead, path: str | Path) -> None:
 
 
 def write_draft_vocabulary(path: str | Path, tokens: Tensor) -> None:
-    """Give the "eagle" head saved in directory `path` the draft vocabulary `tokens` (distinct target
-    token ids, [draft vocab] int64): its d2t and draft_vocab_size, written into the directory (module
-    docstring), replacing any it had. The head then drafts among these tokens only, each draft reading
-    their rows of the target's lm_head (models/eagle.py)."""
+    """Give the "eagle" head saved in directory `path` the draft vocabulary `tokens` (target token
+    ids, [n] int64, a repeated one counted once): its d2t and draft_vocab_size, written into the
+    directory (module docstring), replacing any it had. The head then drafts among these tokens
+    only, each draft reading their rows of the target's lm_head (models/eagle.py)."""
     from safetensors.torch import load_file, save_file
 
     directory = Path(path)

@@ -18,7 +18,9 @@ from speculative.sampling import SampleStrategy
 
 class EagleTreeProposer(EagleProposer):
     """Proposes a tree of `num_nodes` drafts, at most `num_tokens` deep, from an EAGLE head: the
-    head's top candidates (deterministic, one-hot). shape, width, num_nodes: as DraftTreeProposer's."""
+    head's top candidates (deterministic, one-hot). shape, width, num_nodes: as DraftTreeProposer's;
+    compiled: as EagleProposer's, a tree without guided rows then grown in one compiled call
+    (CompiledCausalLM.draft_tree)."""
 
     def __init__(
         self,
@@ -36,8 +38,9 @@ class EagleTreeProposer(EagleProposer):
         tree = self.shape, self.width, self.num_nodes
         if self.compiled is not None and not strategy.any_guided:  # one compiled call
             query, features, need = self._unfed(tokens, lengths)
-            compiled = self.compiled.draft_tree(query, self.cache, need, num_tokens, *tree, features)
-            token_ids, parents = compiled
+            token_ids, parents = self.compiled.draft_tree(
+                query, self.cache, need, num_tokens, *tree, features
+            )
             return Proposal(token_ids, None, parents)
         logits, hidden = self._feed_features(tokens, lengths)
         fed = [hidden]  # the head's hidden states at the nodes fed, in feeding order (the root first)
