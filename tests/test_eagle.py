@@ -402,6 +402,34 @@ def test_saved_heads_load_back(tmp_path, target, layout) -> None:
         torch.testing.assert_close(again.state_dict()[name], tensor)
 
 
+@pytest.mark.parametrize("layout", ["eagle", "eagle3"])
+def test_fc_runs_packed_and_follows_its_weight(tmp_path, target, layout) -> None:
+    """`fc` runs as a PackedLinear (a oneDNN prepacked copy on CPU): the head's output is fc's through
+    F.linear, also after an in-place change of fc's weight (the copy is laid out again)."""
+    head = load_eagle_head(write_head(tmp_path, layout), layout, NativeCausalLM.from_hf(target))
+    assert head.packed_linears()[-1] is head._fc and head._fc.linears == [head.fc]
+    ids, features = (
+        torch.tensor([[5, 7, 9]]),
+        torch.randn(1, 3, head.fc.in_features - HIDDEN * (layout == "eagle")),
+    )
+
+    def with_f_linear() -> tuple[torch.Tensor, torch.Tensor]:
+        fc = head.fc
+        packed, head._fc = head._fc, lambda x: torch.nn.functional.linear(x, fc.weight, fc.bias)
+        try:
+            return head.forward(ids, features, head.new_cache(1, 8))
+        finally:
+            head._fc = packed
+
+    for _ in range(2):
+        logits, hidden = head.forward(ids, features, head.new_cache(1, 8))
+        expected_logits, expected_hidden = with_f_linear()
+        torch.testing.assert_close(hidden, expected_hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+        with torch.no_grad():
+            head.fc.weight.mul_(-2.0)
+
+
 def test_the_demo_head_drafts_for_the_demo_target() -> None:
     """The committed head (models/demo/eagle, `python -m speculative.demo.train_eagle --layout eagle`)
     loads for the demo target, drafts tokens the target accepts, and the greedy output is the

@@ -38,6 +38,7 @@ from transformers import PretrainedConfig
 
 from speculative.kv_cache import StaticKVCache
 from speculative.models.llama import DecoderLayer, NativeCausalLM, RMSNorm, rms_norm
+from speculative.models.packed import PackedLinear
 
 EagleLayout = Literal["eagle", "eagle3"]
 
@@ -75,6 +76,22 @@ class EagleHead(NativeCausalLM):
             self.lm_head = nn.Linear(hidden, draft_vocab_size or config.vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(self.lm_head.out_features, dtype=torch.long))
         self.pack_weights()
+
+    def pack_weights(self) -> None:
+        """NativeCausalLM.pack_weights, and `fc` as a PackedLinear too: on CPU a oneDNN prepacked copy.
+        Measured on a 2-core AMD EPYC (AVX-512, no AMX), the demo head's fc at 5 rows: 15 us a call
+        against 23 through F.linear in bfloat16, 20 against 46 in float32; the demo pair's dynamic
+        tree of 8 ran 6% faster in float32 eager (398 tokens/s against 376), 1% compiled."""
+        super().pack_weights()
+        if hasattr(self, "fc"):  # NativeCausalLM.__init__ packs before fc exists
+            self._fc = PackedLinear([self.fc])
+            if self._fc.prepacked is not None:
+                self._prepacked.append(self._fc)
+                self._note_versions()
+
+    def packed_linears(self) -> list[PackedLinear]:
+        """NativeCausalLM.packed_linears, then `fc`: quantize() quantizes it with the layer's."""
+        return [*super().packed_linears(), self._fc]
 
     @property
     def draft_vocabulary(self) -> Tensor | None:
@@ -146,9 +163,9 @@ class EagleHead(NativeCausalLM):
         embeds = self.embed(input_ids.reshape(batch * q))  # [rows, H]
         features = features.reshape(batch * q, -1).to(embeds.dtype)
         if self.layout == "eagle":
-            hidden = first = self.fc(torch.cat([embeds, features], dim=-1))
+            hidden = first = self._fc(torch.cat([embeds, features], dim=-1))
         else:
-            hidden = features if features.shape[-1] == hidden_size else self.fc(features)
+            hidden = features if features.shape[-1] == hidden_size else self._fc(features)
             layer = self.model.layers[0]
             first = torch.cat(
                 [
