@@ -7,10 +7,15 @@ import pytest
 import torch
 from conftest import noisy_copy, tiny_model
 from exactness import assert_greedy_equal, hf_greedy
+from test_eagle import write_head
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.models.eagle_checkpoint import load_eagle_head
 from speculative.models.llama import NativeCausalLM
 from speculative.proposers import DraftTreeProposer
+from speculative.proposers.base import Proposal
+from speculative.proposers.draft_tree import batch_tree
+from speculative.proposers.eagle_tree import EagleTreeProposer
 from speculative.proposers.ngram import _merge
 from speculative.sampling import SampleStrategy
 from speculative.tree import check_tree, tree_depths
@@ -95,7 +100,7 @@ def test_draft_trees_are_valid_and_as_large_as_asked(shape: str) -> None:
     tokens = torch.randint(2, 96, (2, 40), generator=torch.Generator().manual_seed(0))
     lengths = torch.tensor([30, 12])
     proposer.add_rows(tokens, lengths)
-    strategy = SampleStrategy.greedy(2, 96)
+    strategy = SampleStrategy([SamplingParams(temperature=0.8)] * 2, 96, "cpu")  # sampled: kept whole
     proposal = proposer.propose(tokens, lengths, 3, strategy)
     assert proposal.token_ids.shape == (2, 7) and proposal.probs is None
     check_tree(proposal.parents)
@@ -107,6 +112,41 @@ def test_draft_trees_are_valid_and_as_large_as_asked(shape: str) -> None:
         # 1, two at depth 2 (off the top path's first node, and the top child of depth 1's runner-up)
         # and one at depth 3
         assert sorted(tree_depths(proposal.parents)[0, 1:].tolist()) == [1, 1, 2, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("drafter", ["draft model", "eagle head"])
+def test_greedy_batches_shrink_their_trees_to_chains(tmp_path, drafter: str) -> None:
+    """batch_tree: a greedy batch of B rows grows trees of width // B and nodes // B (at least a chain
+    of min(nodes, k)); at width 1 the proposal is a chain (no parents), the draft's top path: the
+    tokens a batch-1 tree of width 1 proposes."""
+    assert batch_tree(2, 8, 1, 4) == (2, 8) and batch_tree(2, 8, 2, 4) == (1, 4)
+    assert batch_tree(4, 24, 2, 6) == (2, 12) and batch_tree(4, 24, 8, 6) == (1, 6)
+    assert batch_tree(1, 2, 3, 4) == (1, 2)  # never more drafts than the batch-1 tree
+    target = NativeCausalLM.from_hf(tiny_model("llama", num_layers=2))
+    draft = NativeCausalLM.from_hf(noisy_copy(tiny_model("llama", num_layers=2), 0.05))
+    head = load_eagle_head(write_head(tmp_path, "eagle"), "eagle", target)
+    tokens = torch.randint(2, 96, (2, 40), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([30, 12])
+    features = torch.randn(2, 29, 64, generator=torch.Generator().manual_seed(1))  # the prefill's
+
+    def propose(width: int, rows: slice) -> Proposal:
+        if drafter == "draft model":
+            proposer = DraftTreeProposer(draft, "dynamic", width, 6)
+        else:
+            proposer = EagleTreeProposer(head, "dynamic", width, 6)
+            proposer.observe(features[rows, : int(lengths[rows].max()) - 1])
+        proposer.add_rows(tokens[rows], lengths[rows])
+        strategy = SampleStrategy.greedy(tokens[rows].shape[0], 96)
+        return proposer.propose(tokens[rows], lengths[rows], 3, strategy)
+
+    chain = propose(2, slice(0, 2))  # width 2 // 2 rows = 1
+    assert chain.parents is None and chain.token_ids.shape == (2, 3)
+    for row in range(2):
+        alone = propose(1, slice(row, row + 1))
+        assert alone.parents is None and alone.token_ids.tolist() == chain.token_ids[row : row + 1].tolist()
+    tree = propose(4, slice(0, 2))  # width 4 // 2 = 2, 6 // 2 = 3 nodes
+    assert tree.token_ids.shape == (2, 3) and tree.parents is not None
+    check_tree(tree.parents)
 
 
 def test_ngram_trie_merges_shared_prefixes_up_to_its_size() -> None:
