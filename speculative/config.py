@@ -38,10 +38,10 @@ class SpeculativeConfig:
         forward (model types llama, mistral, qwen2, qwen3) and exclude `adaptive`.
     tree_width: a draft-model tree's candidates per expanded node and nodes expanded per depth. [1, 16].
     tree_nodes: drafts per tree. [1, 128]. Both are a row's at batch 1: a greedy batch of B rows grows
-        draft-model and EAGLE trees of width tree_width // B and tree_nodes // B nodes (at least the
-        batch-1 tree's chain; proposers/draft_tree.py's batch_tree), a chain, verified as one, at
-        width 1. A sampled batch keeps them, so that a seeded row's draws never depend on its
-        neighbours.
+        trees of width tree_width // B (n-gram and suffix tries: of breadth up to their nodes) and
+        tree_nodes // B nodes (at least the batch-1 tree's chain; tree.py's batch_tree), and chains,
+        verified as such, where that leaves width 1 or no more nodes than the chain. A sampled batch
+        keeps its trees, so that a seeded row's draws never depend on its neighbours.
     suffix_decoding_max_tree_depth: the "suffix" tries' depth: a match's tokens plus its proposal's.
         [2, 256].
     suffix_decoding_max_cached_requests: past responses the "suffix" global cache holds (the oldest

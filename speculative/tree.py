@@ -1,4 +1,5 @@
-"""Token trees for tree verification: the convention, their depths and ancestors, their attention mask.
+"""Token trees for tree verification: the convention, their depths and ancestors, their attention mask,
+and how a batch shrinks them (`batch_tree`).
 
 A batch of trees is `parents` [batch, M] int64, M nodes per row. Node 0 is the root: the last
 context token (the token a chain verification feeds first). Nodes 1 .. M-1 are draft tokens: a real
@@ -16,6 +17,30 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def batch_tree(width: int, num_nodes: int, batch: int, depth: int) -> tuple[int, int]:
+    """The width and node count of each row's tree in a greedy batch of `batch` rows, for trees of
+    `width` and `num_nodes` at batch 1, at most `depth` deep: trees shrink with the batch, so that a
+    verification, whose cost grows with its tokens on a CPU, costs about what one row's tree did.
+    Nodes: max(min(num_nodes, depth), num_nodes // batch), never more than the batch-1 tree's. Width:
+    width // batch, or 1, a chain of min(depth, nodes) drafts, where that leaves at most 1, or where a
+    batch leaves a row no more nodes than the chain holds. (A proposer without a width, whose tree's
+    breadth is its matches', passes width = num_nodes.)
+
+    Proposers shrink a greedy batch's trees only: a sampled row's draws, and so a seeded row's output,
+    must not depend on its neighbours (so they pass batch = 1 for a sampled batch).
+
+    Measured on a 2-core AMD EPYC (AVX-512, no AMX), demo pair, float32 eager, 8 code prompts, k = 4,
+    tokens/s against plain decoding at batch 1 / 2 / 4 / 8: draft-model chains 1.79 / 1.55 / 1.35 /
+    1.15x, trees of 8 (width 2) 1.51 / 1.31 / 1.07 / 0.93x, of 4 (width 2) 1.33 / 1.25 / 1.08 / 0.98x,
+    a chain-shaped tree (width 1) verified as a tree 1.55 / 1.38 / 1.18 / 1.06x (EAGLE head alike);
+    trees of 8 shrinking with the batch (another run) 1.67 / 1.46 / 1.21x at batch 2 / 4 / 8, chains
+    1.70 / 1.45 / 1.22x.
+    """
+    nodes = max(min(num_nodes, depth), num_nodes // batch)
+    shrunk = width // batch
+    return (1 if shrunk <= 1 or (batch > 1 and nodes <= depth) else shrunk), nodes
 
 
 def check_tree(parents: Tensor) -> None:

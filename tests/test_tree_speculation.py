@@ -14,11 +14,11 @@ from speculative.models.eagle_checkpoint import load_eagle_head
 from speculative.models.llama import NativeCausalLM
 from speculative.proposers import DraftTreeProposer
 from speculative.proposers.base import Proposal
-from speculative.proposers.draft_tree import batch_tree
 from speculative.proposers.eagle_tree import EagleTreeProposer
-from speculative.proposers.ngram import _merge
+from speculative.proposers.ngram import NgramProposer, _merge
+from speculative.proposers.suffix import SuffixProposer
 from speculative.sampling import SampleStrategy
-from speculative.tree import check_tree, tree_depths
+from speculative.tree import batch_tree, check_tree, tree_depths
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7],
@@ -117,11 +117,15 @@ def test_draft_trees_are_valid_and_as_large_as_asked(shape: str) -> None:
 @pytest.mark.parametrize("drafter", ["draft model", "eagle head"])
 def test_greedy_batches_shrink_their_trees_to_chains(tmp_path, drafter: str) -> None:
     """batch_tree: a greedy batch of B rows grows trees of width // B and nodes // B (at least a chain
-    of min(nodes, k)); at width 1 the proposal is a chain (no parents), the draft's top path: the
-    tokens a batch-1 tree of width 1 proposes."""
+    of min(nodes, k)), chains where the width comes to 1 or the nodes to no more than the chain's; the
+    proposal is then a chain (no parents), the draft's top path: the tokens a batch-1 tree of width 1
+    proposes."""
     assert batch_tree(2, 8, 1, 4) == (2, 8) and batch_tree(2, 8, 2, 4) == (1, 4)
     assert batch_tree(4, 24, 2, 6) == (2, 12) and batch_tree(4, 24, 8, 6) == (1, 6)
+    assert batch_tree(4, 6, 2, 3) == (1, 3)  # width 2 left, but no more nodes than the chain's
     assert batch_tree(1, 2, 3, 4) == (1, 2)  # never more drafts than the batch-1 tree
+    assert batch_tree(8, 8, 1, 4) == (8, 8) and batch_tree(8, 8, 2, 4) == (1, 4)  # n-gram, suffix
+    assert batch_tree(16, 16, 2, 4) == (8, 8)
     target = NativeCausalLM.from_hf(tiny_model("llama", num_layers=2))
     draft = NativeCausalLM.from_hf(noisy_copy(tiny_model("llama", num_layers=2), 0.05))
     head = load_eagle_head(write_head(tmp_path, "eagle"), "eagle", target)
@@ -129,24 +133,49 @@ def test_greedy_batches_shrink_their_trees_to_chains(tmp_path, drafter: str) -> 
     lengths = torch.tensor([30, 12])
     features = torch.randn(2, 29, 64, generator=torch.Generator().manual_seed(1))  # the prefill's
 
-    def propose(width: int, rows: slice) -> Proposal:
+    def propose(width: int, nodes: int, rows: slice) -> Proposal:
         if drafter == "draft model":
-            proposer = DraftTreeProposer(draft, "dynamic", width, 6)
+            proposer = DraftTreeProposer(draft, "dynamic", width, nodes)
         else:
-            proposer = EagleTreeProposer(head, "dynamic", width, 6)
+            proposer = EagleTreeProposer(head, "dynamic", width, nodes)
             proposer.observe(features[rows, : int(lengths[rows].max()) - 1])
         proposer.add_rows(tokens[rows], lengths[rows])
         strategy = SampleStrategy.greedy(tokens[rows].shape[0], 96)
         return proposer.propose(tokens[rows], lengths[rows], 3, strategy)
 
-    chain = propose(2, slice(0, 2))  # width 2 // 2 rows = 1
+    chain = propose(2, 6, slice(0, 2))  # width 2 // 2 rows = 1
     assert chain.parents is None and chain.token_ids.shape == (2, 3)
     for row in range(2):
-        alone = propose(1, slice(row, row + 1))
+        alone = propose(1, 6, slice(row, row + 1))
         assert alone.parents is None and alone.token_ids.tolist() == chain.token_ids[row : row + 1].tolist()
-    tree = propose(4, slice(0, 2))  # width 4 // 2 = 2, 6 // 2 = 3 nodes
-    assert tree.token_ids.shape == (2, 3) and tree.parents is not None
+    tree = propose(4, 8, slice(0, 2))  # width 4 // 2 = 2, 8 // 2 = 4 nodes
+    assert tree.token_ids.shape == (2, 4) and tree.parents is not None
     check_tree(tree.parents)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "suffix"])
+def test_ngram_and_suffix_tries_shrink_with_a_greedy_batch(proposer: str) -> None:
+    """Tries of 8 nodes, k = 4: a greedy batch of 2 proposes chains, the chain proposer's; one row, or
+    a sampled batch of 2, tries."""
+    pattern = [5, 6, 7, 8, 9, 10, 11, 12]
+    tokens = torch.tensor([pattern * 3 + [5, 6], pattern * 2 + [5, 6, 9, 10, 5, 6, 7, 8, 5, 6]])
+    lengths = torch.full((2,), tokens.shape[1])
+    sampled = SampleStrategy([SamplingParams(temperature=0.8)] * 2, 96, "cpu")
+
+    def propose(nodes: int | None, strategy: SampleStrategy, rows: slice = slice(0, 2)) -> Proposal:
+        if proposer == "ngram":
+            made = NgramProposer(1, 3, tree_nodes=nodes)
+        else:
+            made = SuffixProposer(max_cached_requests=0, tree_nodes=nodes)
+        made.add_rows(tokens[rows], lengths[rows])
+        return made.propose(tokens[rows], lengths[rows], 4, strategy)
+
+    chains = propose(8, SampleStrategy.greedy(2, 96))
+    assert chains.parents is None and chains.token_ids.shape[1] > 0
+    assert chains.token_ids.tolist() == propose(None, SampleStrategy.greedy(2, 96)).token_ids.tolist()
+    assert propose(8, sampled).parents is not None
+    for row in range(2):
+        assert propose(8, SampleStrategy.greedy(1, 96), slice(row, row + 1)).parents is not None
 
 
 def test_ngram_trie_merges_shared_prefixes_up_to_its_size() -> None:

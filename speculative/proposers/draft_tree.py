@@ -22,14 +22,9 @@ are cut from the proposal by the engine.
 Compiled (the drafter a CompiledCausalLM, no guided row), a proposal is one call: the query, then
 every level, the candidates chosen and the masks built in the graph (CompiledCausalLM.draft_tree).
 
-Trees shrink with a greedy batch (`batch_tree`): B rows grow trees of width `width // B` and
-`num_nodes // B` nodes (no fewer than the batch-1 tree's chain holds). At width 1 the tree is the
-draft's top path, which the proposer hands over as a chain (no guided row): the engine verifies it as
-one, without tree masks or a path to move in the cache. Where a verification's cost grows with its
-tokens, as on a CPU, a batch's trees then cost about what one row's did. Measured on a 2-core AMD
-EPYC (AVX-512, no AMX), demo pair, float32 eager, 8 code prompts, k = 4, tokens/s against plain
-decoding at batch 1 / 2 / 4 / 8: chains 1.79 / 1.55 / 1.35 / 1.15x, trees of 8 (width 2) 1.51 / 1.31
-/ 1.07 / 0.93x, a chain-shaped tree (width 1) verified as a tree 1.55 / 1.38 / 1.18 / 1.06x.
+Trees shrink with a greedy batch (tree.py's `batch_tree`: width // B and num_nodes // B for B rows).
+At width 1 the tree is the draft's top path, which the proposer hands over as a chain (no guided
+row): the engine verifies it as one, without tree masks or a path to move in the cache.
 
 Cache: a proposal first feeds each row the context tokens its draft cache lacks (the row's own
 number, right-padded to the most any row can lack: `missing` + `behind`), the root last; the tree's
@@ -54,7 +49,7 @@ from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.grammar import allowed_after
 from speculative.sampling import SampleStrategy
 from speculative.sampling.processors import apply_allowed
-from speculative.tree import tree_ancestors, tree_query
+from speculative.tree import batch_tree, tree_ancestors, tree_query
 
 TreeShape = Literal["static", "dynamic"]
 # The log-probability score of a candidate its grammar forbids (-inf): below every allowed one, yet
@@ -80,7 +75,7 @@ class DraftTreeProposer(DraftModelProposer):
         index = (lengths - need)[:, None] + torch.arange(fed, device=tokens.device)  # [B, fed], right-padded
         query = tokens.gather(1, index)
         self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
-        rows = tokens.shape[0] if strategy.all_greedy else 1  # batch_tree's docstring
+        rows = tokens.shape[0] if strategy.all_greedy else 1  # tree.batch_tree's docstring
         width, num_nodes = batch_tree(self.width, self.num_nodes, rows, num_tokens)
         if width == 1 and not strategy.any_guided:
             return self._chain(query, need, min(num_tokens, num_nodes))
@@ -130,16 +125,6 @@ class DraftTreeProposer(DraftModelProposer):
         super().select_rows(rows)
         if self._proposed:  # rows that finished in the step being committed leave first
             self._roots = self._roots[rows]
-
-
-def batch_tree(width: int, num_nodes: int, batch: int, num_tokens: int) -> tuple[int, int]:
-    """The width and node count of each row's tree in a batch of `batch` rows, for trees of `width`
-    and `num_nodes` at batch 1 and `num_tokens` deep (module docstring): max(1, width // batch) and
-    max(min(num_nodes, num_tokens), num_nodes // batch). At width 1 the tree is a chain of
-    min(num_tokens, nodes) drafts. The proposers shrink a greedy batch's trees only: a sampled row's
-    draws, and so a seeded row's output, must not depend on its neighbours (with batch 1 here, its
-    tree is the batch-1 tree)."""
-    return max(1, width // batch), max(min(num_nodes, num_tokens), num_nodes // batch)
 
 
 def grow_tree(

@@ -1,6 +1,6 @@
 """An EAGLE head proposing token trees (EAGLE-2's dynamic trees, or static ones), grown as
-draft_tree.py grows a draft model's, and shrinking with the batch as those do (`batch_tree`; a chain,
-the chain proposer's, at width 1): each expanded node is fed to the head with its token and, as
+draft_tree.py grows a draft model's, and shrinking with the batch as those do (tree.py's `batch_tree`;
+a chain, the chain proposer's, at width 1): each expanded node is fed to the head with its token and, as
 its feature, the head's hidden state at its parent. The head's cache and features are kept as for
 chains (proposers/eagle.py): the engine hands over the target's features along the accepted path."""
 
@@ -12,9 +12,10 @@ from torch import Tensor
 from speculative.models.compiled import CompiledCausalLM
 from speculative.models.eagle import EagleHead
 from speculative.proposers.base import Proposal
-from speculative.proposers.draft_tree import TreeShape, batch_tree, grow_tree, row_guides
+from speculative.proposers.draft_tree import TreeShape, grow_tree, row_guides
 from speculative.proposers.eagle import EagleProposer
 from speculative.sampling import SampleStrategy
+from speculative.tree import batch_tree
 
 
 class EagleTreeProposer(EagleProposer):
@@ -35,7 +36,7 @@ class EagleTreeProposer(EagleProposer):
         self.shape, self.width, self.num_nodes = shape, width, num_nodes
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
-        rows = tokens.shape[0] if strategy.all_greedy else 1  # batch_tree's docstring
+        rows = tokens.shape[0] if strategy.all_greedy else 1  # tree.batch_tree's docstring
         width, num_nodes = batch_tree(self.width, self.num_nodes, rows, num_tokens)
         if width == 1:  # the batch's trees shrank to chains: the chain proposer's, verified as a chain
             return super().propose(tokens, lengths, min(num_tokens, num_nodes), strategy)

@@ -13,7 +13,10 @@ most `MAX_MATCHES`) proposes its continuation, and the continuations are merged 
 most `tree_nodes` drafts, so that repeated prefixes are verified once and diverging continuations
 side by side. The trie is built on the host (one more host sync per step on an accelerator). A
 greedy batch gets a tree as wide as its largest row's; a sampled batch always `tree_nodes`, so a
-seeded row's random draws do not depend on its neighbours.
+seeded row's random draws do not depend on its neighbours. Tries shrink with a greedy batch as the
+other proposers' trees do (tree.py's `batch_tree`, its breadth bounded by its nodes alone): a batch
+of B rows merges at most `tree_nodes // B` nodes a row, and proposes the chain where that leaves no
+more than the chain holds.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import Tensor
 
 from speculative.proposers.base import Proposal
 from speculative.sampling import SampleStrategy
+from speculative.tree import batch_tree
 
 MAX_MATCHES = 8  # matches a tree merges at most, the most recent first
 
@@ -42,7 +46,11 @@ class NgramProposer:
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         matches, n = self._matches(tokens, lengths)  # [batch, starts] bool, [batch] n of each row
         if self.tree_nodes is not None:
-            return self._trie(tokens, lengths, matches, n, num_tokens, strategy)
+            rows = tokens.shape[0] if strategy.all_greedy else 1  # tree.batch_tree's docstring
+            width, nodes = batch_tree(self.tree_nodes, self.tree_nodes, rows, num_tokens)
+            if width > 1:
+                return self._trie(tokens, lengths, matches, n, num_tokens, strategy, nodes)
+            num_tokens = min(num_tokens, nodes)  # the greedy batch's trees shrank to chains
         last = (
             torch.where(matches, torch.arange(matches.shape[1], device=tokens.device), -1).max(dim=1).values
         )
@@ -97,16 +105,17 @@ class NgramProposer:
         n: Tensor,
         num_tokens: int,
         strategy: SampleStrategy,
+        nodes: int,
     ) -> Proposal:
-        """Every match's continuation merged into a trie per row (module docstring)."""
+        """Every match's continuation merged into a trie of at most `nodes` per row (module docstring)."""
         index = torch.arange(matches.shape[1], device=tokens.device)
         recent = (
             torch.where(matches, index, -1).topk(min(MAX_MATCHES, matches.shape[1]), dim=1).values
         )  # [B, m]
         found = torch.where(recent >= 0, recent + n[:, None], -1)
         continuations = self._continuations(tokens, lengths, found, num_tokens)[0].tolist()  # the sync
-        rows = [_merge(row, self.tree_nodes) for row in continuations]  # [(tokens, parents)] per row
-        width = self.tree_nodes if not strategy.all_greedy else max(len(t) for t, _ in rows)
+        rows = [_merge(row, nodes) for row in continuations]  # [(tokens, parents)] per row
+        width = nodes if not strategy.all_greedy else max(len(t) for t, _ in rows)
         token_ids = torch.tensor([t + [-1] * (width - len(t)) for t, _ in rows], dtype=torch.long)
         parents = torch.tensor([[-1, *p] + [-1] * (width - len(p)) for _, p in rows], dtype=torch.long)
         if width == 0:

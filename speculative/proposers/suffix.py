@@ -31,6 +31,9 @@ context it was resumed with) to the global cache; `select_rows` drops the rows' 
 that leave. Proposals are built on the host (the tokens' read is the step's one extra sync on an
 accelerator, as the n-gram trie's); a chain is as wide as its longest row's, a tree too when the
 batch is greedy, else `tree_nodes` wide (so a seeded row's draws do not depend on its neighbours).
+Trees shrink with a greedy batch as the other proposers' do (tree.py's `batch_tree`, their breadth
+bounded by their nodes alone): B rows take at most `tree_nodes // B` nodes a row, and chains where
+that leaves no more than the chain holds.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torch import Tensor
 
 from speculative.proposers.base import Proposal
 from speculative.sampling import SampleStrategy
+from speculative.tree import batch_tree
 
 
 class _Node:
@@ -244,19 +248,26 @@ class SuffixProposer:
         for row, end, host in zip(self.rows, ends, new):
             seen = len(row.context)
             row.trie.extend(0, host[seen - start : end - start])
-        drafts = [self._draft(row, num_tokens) for row in self.rows]  # [(tokens, parents)]
+        nodes = self.tree_nodes  # a tree's, or None: a chain
+        if nodes is not None:
+            rows = len(self.rows) if strategy.all_greedy else 1  # tree.batch_tree's docstring
+            breadth, nodes = batch_tree(nodes, nodes, rows, num_tokens)
+            if breadth == 1:  # the greedy batch's trees shrank to chains
+                num_tokens, nodes = min(num_tokens, nodes), None
+        drafts = [self._draft(row, num_tokens, nodes) for row in self.rows]  # [(tokens, parents)]
         longest = max(len(t) for t, _ in drafts)
-        width = self.tree_nodes if self.tree_nodes is not None and not strategy.all_greedy else longest
+        width = nodes if nodes is not None and not strategy.all_greedy else longest
         token_ids = torch.tensor([t + [-1] * (width - len(t)) for t, _ in drafts], dtype=torch.long)
         token_ids = token_ids.view(len(drafts), width).to(tokens.device)
-        if self.tree_nodes is None or width == 0:
+        if nodes is None or width == 0:
             return Proposal(token_ids, None)
         parents = torch.tensor([[-1, *p] + [-1] * (width - len(p)) for _, p in drafts], dtype=torch.long)
         return Proposal(token_ids, None, parents.to(tokens.device))
 
-    def _draft(self, row: _Row, num_tokens: int) -> tuple[list[int], list[int]]:
-        """One row's proposal, (tokens, parents) with nodes numbered from 1 (0: the root), from
-        whichever trie's proposal has the larger sum of probabilities (the row's own on a tie)."""
+    def _draft(self, row: _Row, num_tokens: int, nodes: int | None) -> tuple[list[int], list[int]]:
+        """One row's proposal, a chain (nodes None) or a tree of at most `nodes`, as (tokens, parents)
+        with nodes numbered from 1 (0: the root), from whichever trie's proposal has the larger sum of
+        probabilities (the row's own on a tie)."""
         best, best_score = ([], []), 0.0
         context = row.context
         for trie in (row.trie, self.cache.trie):
@@ -266,8 +277,10 @@ class SuffixProposer:
                 continue
             if m < longest:
                 where = trie.match(context[len(context) - m :])
-            grow = self._chain if self.tree_nodes is None else self._tree
-            draft, score = grow(trie, where, depth)
+            if nodes is None:
+                draft, score = self._chain(trie, where, depth)
+            else:
+                draft, score = self._tree(trie, where, depth, nodes)
             if score > best_score:
                 best, best_score = draft, score
         return best
@@ -299,14 +312,16 @@ class SuffixProposer:
             score += probability
         return (tokens, list(range(len(tokens)))), score
 
-    def _tree(self, trie: SuffixTrie, where: tuple[_Node, int], depth: int) -> tuple[tuple, float]:
-        """The tree_nodes most probable nodes of probability >= min_token_prob and depth <= `depth`
+    def _tree(
+        self, trie: SuffixTrie, where: tuple[_Node, int], depth: int, nodes: int
+    ) -> tuple[tuple, float]:
+        """The `nodes` most probable nodes of probability >= min_token_prob and depth <= `depth`
         below `where`, best first (a node is never more probable than its parent, so every parent
         comes before its children): ((tokens, parents), sum of their probabilities)."""
         tokens, parents, score = [], [], 0.0
         heap = [(-1.0, 0, 0, 0, -1, where)]  # (-probability, order, parent node, depth, token, position)
         pushed = 1
-        while heap and len(tokens) < self.tree_nodes:
+        while heap and len(tokens) < nodes:
             negative, _, parent, level, token, position = heapq.heappop(heap)
             if level:
                 tokens.append(token)
