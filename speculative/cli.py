@@ -62,9 +62,16 @@ def _engine_flags() -> argparse.ArgumentParser:
     """The flags `generate` and `serve` share: the pair, the drafter, the acceptance rule and how the
     models run (a parent parser)."""
     flags = argparse.ArgumentParser(add_help=False)
-    flags.add_argument("--model", help="target model: hub id or local path (default: the demo pair)")
+    flags.add_argument(
+        "--model",
+        help="target model: hub id, local path, or a GGUF file (a .gguf, or a folder holding one) "
+        "(default: the demo pair)",
+    )
     drafter = flags.add_mutually_exclusive_group()
-    drafter.add_argument("--draft-model", help="draft model sharing the target's vocabulary")
+    drafter.add_argument(
+        "--draft-model",
+        help="draft model sharing the target's vocabulary: hub id, local path, or a GGUF file",
+    )
     drafter.add_argument("--ngram", action="store_true", help="draft by n-gram prompt lookup")
     drafter.add_argument(
         "--suffix",

@@ -17,6 +17,7 @@ EXTRAS = {
     "guided": ("llguidance",),
     "transformers-tp": ("accelerate",),
     "replicas": ("ray",),
+    "gguf": ("gguf", "accelerate"),
 }
 """Each extra's top-level modules (the packages pyproject.toml's extra installs, by import name)."""
 

@@ -17,6 +17,7 @@ from transformers import (
 from speculative.models import hf_tensor_parallel, llama
 from speculative.models.base import LanguageModel
 from speculative.models.dtypes import DtypeChoice, check_dtype, resolve_dtype
+from speculative.models.gguf import check_not_split, gguf_dtype, gguf_source, load_gguf
 from speculative.models.hf import HFCausalLM
 from speculative.models.tensor_parallel import TensorParallelCausalLM, check_model
 
@@ -50,23 +51,36 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (hub id, local path, a transformers model, or a LanguageModel as it is).
 
+    A path may name a GGUF file (a `.gguf` file, or a folder holding one and no config.json; see
+    models/gguf.py): it is read by transformers, dequantized to the dtype, and then taken as a
+    transformers model would be; its tokenizer is the file's unless `tokenizer` is given. The
+    LoadedModel's name is the path.
     dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype (a ValueError naming `dtype_name`
-        otherwise). "auto" is the checkpoint's dtype (a model object's own), except on a CPU that does
-        not compute it natively, where it is float32 (models/dtypes.py); float32 if it names none.
+        otherwise). "auto" is the checkpoint's dtype (a model object's own; a GGUF file's float type),
+        except on a CPU that does not compute it natively, where it is float32 (models/dtypes.py);
+        float32 if it names none, and for a quantized GGUF file.
     model_impl: "auto" uses the native forward for Llama, Mistral, Qwen2 and Qwen3 and transformers'
         forward otherwise; "native" requires the native one; "transformers" forces transformers'.
     tensor_parallel: this rank's group: on the native forward the model is loaded whole, then this
         rank's shard kept (TensorParallelCausalLM); on transformers' forward transformers loads this
         rank's shard (models/hf_tensor_parallel.py). A ValueError naming `tensor_parallel_name` unless
-        check_model's conditions hold. None: the whole model.
+        check_model's conditions hold, and for a GGUF file. None: the whole model.
     """
     if model_impl not in ("auto", "native", "transformers"):
         raise ValueError(f'model_impl must be "auto", "native" or "transformers"; got {model_impl!r}')
     check_dtype(dtype, dtype_name)
     device = torch.device(device)
     if tensor_parallel is not None:
+        check_not_split(model, tensor_parallel_name, tensor_parallel.size)
         check_model(model, model_impl, tensor_parallel.size, "model", tensor_parallel_name, device)
-    if isinstance(model, str):
+    if isinstance(model, str) and gguf_source(model) is not None:
+        name, checkpoint = model, gguf_dtype(model)
+        choice = resolve_dtype(dtype, checkpoint, device, dtype_name)
+        if dtype == "auto" and checkpoint is None:
+            choice = DtypeChoice(torch.float32, "auto: a quantized GGUF file, dequantized to float32")
+        model, file_tokenizer = load_gguf(name, choice.dtype, tokenizer=tokenizer is None)
+        config, tokenizer = model.config, file_tokenizer if tokenizer is None else tokenizer
+    elif isinstance(model, str):
         name, config = model, AutoConfig.from_pretrained(model)
         choice = resolve_dtype(dtype, _checkpoint_dtype(config), device, dtype_name)
         if tokenizer is None:

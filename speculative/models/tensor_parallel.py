@@ -39,6 +39,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from speculative.distributed.group import TensorParallelGroup
 from speculative.models import hf_tensor_parallel, llama
+from speculative.models.gguf import check_not_split
 from speculative.models.packed import PackedLinear
 
 # The layers (their names within a decoder layer) split by output rows, by input columns, and the
@@ -80,7 +81,8 @@ def check_model(
     model; `role` "target" or "draft model") can be split over `size` ranks on `device`: on the native
     forward, or else by transformers' own tensor parallelism (models/hf_tensor_parallel.py: it needs a
     plan for the model type, and the machine's accelerator or the CPU); `size` must divide its heads,
-    key/value heads and MLP columns either way. Reads only the config."""
+    key/value heads and MLP columns either way (a GGUF file is not split). Reads only the config."""
+    check_not_split(model, name, size)
     if isinstance(model, str):
         config = AutoConfig.from_pretrained(model)
     elif isinstance(model, PreTrainedModel):
