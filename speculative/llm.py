@@ -24,6 +24,7 @@ from speculative.engine.sequence import Sequence
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.models.base import LanguageModel
 from speculative.models.compiled import CompiledCausalLM, prepare_model, warm_up_pair
+from speculative.models.draft_vocabulary import apply_draft_vocabulary
 from speculative.models.dtypes import check_dtype
 from speculative.models.eagle_checkpoint import load_eagle_head
 from speculative.models.llama import NativeCausalLM
@@ -205,6 +206,7 @@ class LLM:
                 tensor_parallel=group if parallel.draft_tensor_parallel_size > 1 else None,
                 tensor_parallel_name="draft_tensor_parallel_size",
             )
+            apply_draft_vocabulary(self.draft.model, draft_model)
             quantize_model(
                 self.draft.model,
                 quantization,

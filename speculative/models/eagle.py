@@ -93,13 +93,6 @@ class EagleHead(NativeCausalLM):
         """NativeCausalLM.packed_linears, then `fc`: quantize() quantizes it with the layer's."""
         return [*super().packed_linears(), self._fc]
 
-    @property
-    def draft_vocabulary(self) -> Tensor | None:
-        """[draft vocab] int64: the target's token of each lm_head row (arange + d2t); None where the
-        head has no d2t (an "eagle" head over the whole vocabulary)."""
-        d2t = getattr(self, "d2t", None)
-        return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
-
     @torch.no_grad()
     def forward(
         self,
@@ -181,8 +174,4 @@ class EagleHead(NativeCausalLM):
         if logits_indices is not None:
             hidden = hidden.gather(1, logits_indices[..., None].expand(-1, -1, hidden_size))
         logits = self.logits(hidden, None, None if self.layout == "eagle" else self.model.norm.weight)
-        vocabulary = self.draft_vocabulary  # logits: [batch, n, draft vocab]
-        if vocabulary is None:
-            return logits, hidden
-        full = logits.new_full((*logits.shape[:2], self.vocab_size), -torch.inf)
-        return full.index_copy_(2, vocabulary, logits), hidden
+        return logits, hidden

@@ -363,6 +363,41 @@ class NativeCausalLM(nn.Module):
         self._note_versions()
         self.quantization = quantization
 
+    @property
+    def draft_vocabulary(self) -> Tensor | None:
+        """[draft vocab] int64: the token of each lm_head row (arange + d2t) where the lm_head covers
+        only part of the vocabulary (restrict_vocabulary); None where it covers the whole of it."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+    def restrict_vocabulary(self, token_ids: Tensor) -> None:
+        """Make the lm_head a copy of its rows of `token_ids` ([n] int64, distinct, in [0, vocab_size)):
+        a draft vocabulary (FR-Spec, Zhao et al. 2025, arXiv:2502.14856). Each forward then reads n
+        rows instead of the whole vocabulary's, and its logits are -inf outside those tokens, so a
+        drafter never proposes another one and a sampled draft's distribution is the model's
+        renormalised over them: speculation stays exact. The buffer `d2t` (token_ids - arange(n),
+        EAGLE-3's convention) records it in state_dict(). ValueError for a bad `token_ids`."""
+        self._check_not_quantized("restricting its vocabulary")
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        if (
+            token_ids.dim() != 1
+            or not token_ids.numel()
+            or token_ids.min() < 0
+            or token_ids.max() >= self.vocab_size
+            or token_ids.unique().numel() != token_ids.numel()
+        ):
+            raise ValueError(
+                f"a draft vocabulary must be distinct token ids in [0, {self.vocab_size}); got "
+                f"{token_ids.numel()} ids"
+            )
+        rows = self.lm_head.weight.detach()[token_ids].clone()
+        self.lm_head = nn.Linear(
+            rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype
+        )
+        self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
+        self.register_buffer("d2t", token_ids - torch.arange(token_ids.numel(), device=self.device))
+        self.pack_weights()
+
     def packed_linears(self) -> list[PackedLinear]:
         """Every PackedLinear of the forward: each layer's q/k/v, o, gate/up and down, then the lm_head."""
         return [
@@ -616,13 +651,19 @@ class NativeCausalLM(nn.Module):
 
     def logits(self, hidden: Tensor, logits_indices: Tensor | None, norm: Tensor | None) -> Tensor:
         """The lm_head over hidden [batch, q, hidden] at `logits_indices` ([batch, n], default all q),
-        after the RMSNorm of weight `norm` (None: none): [batch, n, vocab] float32."""
+        after the RMSNorm of weight `norm` (None: none): [batch, n, vocab] float32 (-inf outside a
+        draft vocabulary, restrict_vocabulary)."""
         if logits_indices is not None:
             index = logits_indices[..., None].expand(-1, -1, hidden.shape[-1])  # [batch, n, hidden]
             hidden = hidden.gather(1, index)
         if norm is not None:
             hidden = rms_norm(hidden, norm, self._eps)
-        return self._lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1).float()
+        logits = self._lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1).float()
+        vocabulary = self.draft_vocabulary  # logits: [batch, n, draft vocab]
+        if vocabulary is None:
+            return logits
+        full = logits.new_full((*logits.shape[:2], self.vocab_size), -torch.inf)
+        return full.index_copy_(2, vocabulary, logits)
 
     def run_layers(
         self,
