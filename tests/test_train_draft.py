@@ -1,0 +1,95 @@
+"""The draft recipe for any target (speculative.demo.train_draft), end to end on a tiny chat target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import byte_tokenizer, tiny_model
+from transformers import AutoModelForCausalLM
+
+from speculative import LLM, SamplingParams
+from speculative.demo import train_draft
+from speculative.demo.self_distill import read_answers
+from speculative.models.draft_vocabulary import read_draft_vocabulary
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny tied chat target (byte tokenizer, ChatML template) and the recipe's draft for it."""
+    root = tmp_path_factory.mktemp("recipe")
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHATML
+    eos = tokenizer.eos_token_id
+    target = tiny_model(
+        "llama", vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos
+    )
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    argv = [
+        "--target", str(root / "target"), "--out", str(root / "draft"), "--package", str(root / "package"),
+        "--chats", "6", "--answer-tokens", "12", "--answer-batch", "4", "--hidden", "32", "--layers", "1",
+        "--intermediate", "64", "--draft-vocab", "40", "--steps", "4", "--warmup", "1", "--eval-every", "2",
+        "--batch-tokens", "512",
+    ]  # fmt: skip
+    info = train_draft.main(argv)
+    return root, target, info
+
+
+def test_the_recipe_writes_a_draft_that_speculates_exactly(trained) -> None:
+    root, target, info = trained
+    answers = read_answers(root / "draft" / "data" / "first.jsonl")
+    assert len(answers) == 6 and len(read_answers(root / "draft" / "data" / "second.jsonl")) == 12
+    assert info["answers"] == 18 and info["training"]["steps"] == 4
+    vocabulary = read_draft_vocabulary(root / "draft")
+    assert len(vocabulary) == 40 and int(target.config.eos_token_id) == int(vocabulary[0])
+    draft = AutoModelForCausalLM.from_pretrained(root / "draft")
+    assert draft.config.hidden_size == 32 and draft.config.vocab_size == target.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompt = [[5, 6, 7, 8]]
+    plain = LLM(str(root / "target"), dtype="float32").generate(prompt, params)[0].outputs[0].token_ids
+    llm = LLM(str(root / "target"), draft_model=str(root / "draft"), dtype="float32")
+    assert llm.draft.model.lm_head.out_features == 40
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == plain
+    card = (root / "draft" / "README.md").read_text()
+    assert "tokens a step" in card and "No data set was downloaded" in card
+    assert json.loads((root / "draft" / "training.json").read_text())["engine"]["k"] == 4
+
+
+def test_a_packaged_draft_assembles_into_the_same_draft(trained, tmp_path) -> None:
+    """The committed form (no embedding) rebuilt from the target's embedding gives the same weights."""
+    root, _, _ = trained
+    assert (root / "package" / train_draft.PACKAGE_FILE).is_file()
+    assert not any(
+        "embed" in k
+        for k in _tensors(root / "package" / train_draft.PACKAGE_FILE)
+        if k != "embedding_projection"
+    )
+    out = train_draft.assemble_draft(root / "package", root / "target", tmp_path / "assembled")
+    assembled = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    original = AutoModelForCausalLM.from_pretrained(root / "draft").state_dict()
+    assert assembled.keys() == original.keys()
+    for name, tensor in original.items():  # the package keeps bf16 layers: the rounding apart, equal
+        torch.testing.assert_close(assembled[name], tensor, atol=1e-2, rtol=1e-2)
+    assert read_draft_vocabulary(out).tolist() == read_draft_vocabulary(root / "draft").tolist()
+
+
+def _tensors(path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def test_draft_config_takes_the_targets_head_size_and_kv_ratio() -> None:
+    target = tiny_model("llama", hidden_size=64).config  # 4 heads of 16, 2 KV heads
+    config = train_draft.draft_config(target, hidden=48, layers=2, intermediate=96)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (3, 1, 16)
+    with pytest.raises(ValueError, match="--hidden must be a multiple of the target's head size 16"):
+        train_draft.draft_config(target, hidden=40, layers=1, intermediate=64)
