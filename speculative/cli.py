@@ -15,13 +15,15 @@ from transformers.utils import logging as transformers_logging
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from speculative.config import GenerationConfig, SpeculativeConfig
-from speculative.demo import DEMO_DIR, DEMO_DIR_ENV
+from speculative.demo import DEMO_DIR, DEMO_DIR_ENV, smollm2
 from speculative.engine.outputs import SpeculationMetrics
 from speculative.extras import needs_extra
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
-DEFAULT_PROMPT = "def fibonacci(n):"
+DEFAULT_PROMPT = "Give me three tips for staying healthy."
+TOY_PROMPT = "def fibonacci(n):"
+"""The default prompts: a chat request for the real demo model, code for the toy pair, which writes Python."""
 SHUTDOWN_GRACE_S = 5.0
 """uvicorn's wait for connections after SIGTERM beyond --shutdown-timeout: the time the requests that
 the timeout cut have to send their error to their clients before uvicorn drops the connections."""
@@ -39,7 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--prompt", action="append", help=f"a prompt (repeat for a batch; default {DEFAULT_PROMPT!r})"
     )
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        help="send each prompt as a user message through the tokenizer's chat template (default: where "
+        "the model has one, except the toy pair, which continues code)",
+    )
+    gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--streaming-chunks", type=int, default=1, help="target steps between printed chunks")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--top-k", type=int, default=-1)
@@ -389,10 +397,16 @@ def generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
     )
-    model, draft = _models(args.model, _draft_path(args), args.ngram or args.suffix)
+    model, draft, toy = _models(args.model, _draft_path(args), args.ngram or args.suffix)
     config = _speculative_config(args, draft)
     llm = _load(args, model, draft, config, compile=args.compile)
-    prompts = args.prompt or [DEFAULT_PROMPT]
+    texts = args.prompt or [TOY_PROMPT if toy else DEFAULT_PROMPT]
+    chat = (
+        args.chat
+        if args.chat is not None
+        else not toy and bool(getattr(llm.tokenizer, "chat_template", None))
+    )
+    prompts = [_chat_prompt(llm, text) for text in texts] if chat else texts
     warm_up, start = min(WARM_UP_TOKENS, params.max_tokens), time.perf_counter()
     llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_up, ignore_eos=True))
     cost = "warm-up and compilation" if args.compile else "warm-up"
@@ -401,17 +415,27 @@ def generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    shown = [f"user: {text}\nassistant: " if chat else text for text in texts]
     if len(prompts) > 1:
-        for output in llm.generate(prompts, params):
-            print(f"{output.prompt}{output.outputs[0].text}\n")
+        for text, output in zip(shown, llm.generate(prompts, params)):
+            print(f"{text}{output.outputs[0].text}\n")
             print(_figures(output.metrics, output.outputs[0].finish_reason, config))
         return 0
-    print(prompts[0], end="", flush=True)  # one prompt: print the text as it streams
+    print(shown[0], end="", flush=True)  # one prompt: print the text as it streams
     for state in llm.stream(prompts, params, config=GenerationConfig(streaming_chunks=args.streaming_chunks)):
         print(state.new_text[0], end="", flush=True)
     print("\n")
     print(_figures(SpeculationMetrics(**state.metrics[0]), state.finish_reasons[0], config))
     return 0
+
+
+def _chat_prompt(llm: LLM, text: str) -> list[int]:
+    """`text` as a user message in the tokenizer's chat template, ready for the answer (ValueError
+    where the model has no chat template)."""
+    if not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError("--chat needs a tokenizer with a chat template; this model has none (use --no-chat)")
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _load(
@@ -497,9 +521,9 @@ def bench(args: argparse.Namespace) -> int:
     config = BenchConfig().quick() if args.quick else BenchConfig()
     if args.synthetic and (args.model or args.draft_model or args.eagle or args.eagle3):
         raise ValueError("--synthetic builds the pair: drop --model, --draft-model, --eagle and --eagle3")
-    config.model, config.draft_model = _models(args.model, args.draft_model)
+    config.model, config.draft_model, toy = _models(args.model, args.draft_model)
     config.eagle_method = "eagle3" if args.eagle3 else "eagle"
-    demo_head = args.model is None and not args.synthetic and Path(config.eagle).is_dir()
+    demo_head = toy and not args.synthetic and Path(config.eagle).is_dir()
     config.eagle = args.eagle or args.eagle3 or (config.eagle if demo_head else None)
     fields = (
         "prompts",
@@ -543,7 +567,7 @@ def bench_serve(args: argparse.Namespace) -> int:
     config = LoadConfig(
         **{name: getattr(args, name) for name in names}, serve_flags=shlex.split(args.serve_args)
     )
-    target, draft = _models(args.model, args.draft_model)
+    target, draft, _ = _models(args.model, args.draft_model)
     out = Path(args.out)
     results = run_load(config, target, draft, out)
     for line in soak_lines(results):
@@ -627,8 +651,8 @@ def serve_app(args: argparse.Namespace, replica: str | None = None):
         from speculative.server.app import create_app
         from speculative.server.scheduler import Scheduler
 
-    model, draft = _models(args.model, _draft_path(args), args.ngram or args.suffix)
-    name = args.served_model_name or args.model or "speculative-demo"
+    model, draft, toy = _models(args.model, _draft_path(args), args.ngram or args.suffix)
+    name = args.served_model_name or args.model or ("speculative-demo" if toy else smollm2.NAME)
     llm = _load(args, model, draft, _speculative_config(args, draft), seed=args.seed)
     if template is not None:
         if llm.tokenizer is None:
@@ -692,18 +716,30 @@ def quiet_transformers() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def _models(model: str | None, draft: str | None, modelless: bool = False) -> tuple[str, str | None]:
-    """(target, draft) of --model and --draft-model (or --eagle, --eagle3); without --model the demo pair,
-    speculating with its draft unless a drafter flag says otherwise (OSError saying how to get it where it
-    is not)."""
+def _models(model: str | None, draft: str | None, modelless: bool = False) -> tuple[str, str | None, bool]:
+    """(target, draft, toy) of --model and --draft-model (or --eagle, --eagle3); without --model the demo
+    pair, speculating with its draft unless a drafter flag says otherwise: the real demo model
+    (speculative.demo.smollm2, fetched and cached on first use), or the bundled toy pair (toy True)
+    under SPECULATIVE_DEMO=toy or where the real one cannot be had (saying why on stderr). OSError
+    saying how to get the toy pair where it is needed and missing."""
     if model is not None:
-        return model, draft
+        return model, draft, False
+    if not smollm2.toy_requested():
+        try:
+            pair = smollm2.demo_pair()
+            return str(pair.target), draft or (None if modelless else str(pair.draft)), False
+        except smollm2.DemoUnavailable as error:
+            print(
+                f"speculative: {error}; running the bundled toy pair instead ({smollm2.DEMO_ENV}=toy "
+                "goes there directly)",
+                file=sys.stderr,
+            )
     if not (DEMO_DIR / "target").is_dir():
         raise OSError(
             f"the demo pair is not at {DEMO_DIR}: pass --model, set {DEMO_DIR_ENV} to the pair's "
             f"folder, or train it with `python -m speculative.demo.train --out models/demo`"
         )
-    return str(DEMO_DIR / "target"), draft or (None if modelless else str(DEMO_DIR / "draft"))
+    return str(DEMO_DIR / "target"), draft or (None if modelless else str(DEMO_DIR / "draft")), True
 
 
 def _draft_path(args: argparse.Namespace) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import sys
 
 import pytest
@@ -12,6 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from speculative.demo.train_eagle import eagle_head
 from speculative.models.eagle_checkpoint import save_eagle_head
+
+os.environ["SPECULATIVE_DEMO"] = "toy"  # the command line runs the bundled toy pair: tests never download
 
 FAMILIES = {
     "llama": dict(model_type="llama"),

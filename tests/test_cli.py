@@ -54,7 +54,8 @@ def test_readme_generate_command(model_dirs) -> None:
 
 
 def test_readme_first_command_on_the_demo_pair() -> None:
-    """The README's first command, exactly as written: the committed demo pair, speculating."""
+    """The README's first command, exactly as written, on the toy pair (the suite's SPECULATIVE_DEMO=toy:
+    tests never fetch the real demo model; tests/test_demo_fetch.py checks that path), speculating."""
     result = run(readme_command("demo") + ["--max-tokens", "24"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def fibonacci(n):")
