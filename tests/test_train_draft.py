@@ -34,9 +34,9 @@ def trained(tmp_path_factory):
     tokenizer.save_pretrained(root / "target")
     argv = [
         "--target", str(root / "target"), "--out", str(root / "draft"), "--package", str(root / "package"),
-        "--chats", "6", "--answer-tokens", "12", "--answer-batch", "4", "--hidden", "32", "--layers", "1",
-        "--intermediate", "64", "--draft-vocab", "40", "--steps", "4", "--warmup", "1", "--eval-every", "2",
-        "--batch-tokens", "512",
+        "--chats", "6", "--followed", "6", "--answer-tokens", "12", "--answer-batch", "4", "--hidden", "32",
+        "--layers", "1", "--intermediate", "64", "--draft-vocab", "40", "--steps", "4", "--warmup", "1",
+        "--eval-every", "2", "--batch-tokens", "512",
     ]  # fmt: skip
     info = train_draft.main(argv)
     return root, target, info

@@ -100,6 +100,65 @@ OTHER_TEMPLATES = [
     ("Give me five tips to {x}.", GOALS),
     ("What is a good plan to {x} in one month?", GOALS),
 ]
+
+MORE_CONCEPTS = """the human skeleton; muscles; the digestive system; the nervous system; allergies;
+viruses; bacteria; the common cold; blood pressure; stretching; posture; dreams; emotions; motivation;
+procrastination; creativity; curiosity; empathy; gratitude; kindness; honesty; patience;
+the Great Wall of China;
+the pyramids; the Vikings; the Aztecs; the Ming dynasty; the American Revolution; World War I;
+the space race; the Apollo missions; the International Space Station; telescopes; microscopes;
+the periodic table; atoms; molecules; chemical reactions; acids and bases; magnets; sound waves;
+light; color; temperature; friction; energy conservation; electric circuits; transistors; lasers;
+radio; television; smartphones; the World Wide Web; email; search engines; passwords; cybersecurity;
+artificial intelligence; robots; self-driving cars; drones; open source software; spreadsheets;
+data visualization; regular expressions; compilers; memory management; multithreading; caching;
+linked lists; trees in computer science; graphs; dynamic programming; big O notation; SQL;
+JSON; HTTP; web browsers; mobile apps; user experience design; project management; agile
+development; code reviews; documentation; interviews; resumes; salaries; retirement savings;
+index funds; interest rates; mortgages; renting an apartment; moving to a new city; learning to cook;
+meal planning; vegetarian diets; spices; rice; soup; salads; breakfast; desserts; coffee shops;
+farmers markets; forests; rivers; oceans; glaciers; weather forecasts; hurricanes; lightning;
+snow; seasons; the night sky; constellations; eclipses; planets; stars; galaxies; time zones;
+calendars; maps; languages of the world; reading habits; libraries; newspapers; podcasts; music
+theory; orchestras; dance; theater; architecture; gardens; parks; zoos; elephants; dolphins;
+octopuses; ants; butterflies; horses; penguins; owls; sharks; frogs""".split(";")
+
+MORE_CONCEPT_TEMPLATES = [
+    "Can you tell me something surprising about {x}?",
+    "What should a beginner know about {x}?",
+    "Write three quiz questions about {x}, with answers.",
+    "Summarize the key points about {x} in a short list.",
+    "How has {x} changed over time?",
+    "What are some fun facts about {x} for kids?",
+]
+
+MORE_TASKS = """parses a URL into its parts; counts the characters in a string; finds the median of a list;
+checks whether a list is sorted; converts a list of strings to uppercase; returns the n largest numbers
+in a list; removes whitespace from a string; finds the first repeated character in a string;
+computes the area of a circle; converts minutes to hours and minutes; counts how often each letter
+appears; reverses the words in a sentence; checks whether a string contains only digits;
+merges two dictionaries; finds common elements of three lists; computes the power set of a list;
+generates the first n prime numbers; converts a Roman numeral to an integer; formats a number with
+commas; shuffles a list; finds the index of the smallest element; splits a text into sentences;
+computes a running total of a list; checks whether brackets in a string are balanced;
+sorts words by their length; computes the distance between two points; returns the last n lines of
+a file; validates a phone number; converts a string to title case; finds the mode of a list""".split(";")
+
+MORE_TASK_TEMPLATES = [
+    "Show me how to write a function that {x} in {lang}.",
+    "I need a {lang} function that {x}. Can you help?",
+]
+
+MORE_OTHER_TEMPLATES = [
+    ("Write a haiku about {x}.", THINGS),
+    ("Write a limerick about {x}.", THINGS),
+    ("Write the opening paragraph of a story about {x}.", THINGS),
+    ("List the pros and cons of {x}.", PRODUCTS),
+    ("Write a short review of {x}.", PRODUCTS),
+    ("What are the first steps to {x}?", GOALS),
+    ("What mistakes should I avoid when I try to {x}?", GOALS),
+]
+
 FOLLOW_UPS = [
     "Can you give me an example?",
     "Tell me more about that.",
@@ -124,24 +183,42 @@ def _items(text_list: list[str]) -> list[str]:
 
 
 def first_turns(count: int, seed: int = 0) -> list[list[dict]]:
-    """`count` distinct single-turn chats (fewer if the templates run out), drawn with `seed`."""
-    concepts = _items(CONCEPTS)
-    requests = [t.format(x=c) for c in concepts for t in CONCEPT_TEMPLATES]
+    """`count` distinct single-turn chats (fewer if the templates run out), drawn with `seed`: the
+    requests of the first lists (CONCEPTS, TASKS, ... in random order), then those of the MORE_ lists
+    (in random order), so that a larger `count` extends a smaller one's chats."""
     rng = random.Random(seed)
+    first = _requests(
+        _items(CONCEPTS), CONCEPT_TEMPLATES, _items(TASKS), TASK_TEMPLATES, OTHER_TEMPLATES, rng
+    )
+    for recipient in _items(RECIPIENTS):
+        for subject in _items(SUBJECTS):
+            first.append(f"Write a short email to {recipient} about {subject}.")
+    first = sorted(set(first))
+    rng.shuffle(first)
+    concepts = _items(CONCEPTS) + _items(MORE_CONCEPTS)
+    more = _requests(
+        concepts, CONCEPT_TEMPLATES + MORE_CONCEPT_TEMPLATES, _items(TASKS) + _items(MORE_TASKS),
+        TASK_TEMPLATES + MORE_TASK_TEMPLATES, OTHER_TEMPLATES + MORE_OTHER_TEMPLATES, rng,
+    )  # fmt: skip
+    more = sorted(set(more) - set(first))
+    rng.shuffle(more)
+    return [[{"role": "user", "content": r}] for r in (first + more)[:count]]
+
+
+def _requests(concepts, concept_templates, tasks, task_templates, others, rng: random.Random) -> list[str]:
+    """Every concept in every concept template, as many random pairs of concepts as there are concepts
+    in a pair template, every task in every task template (a random language each), every item of each
+    (template, items) of `others`."""
+    requests = [t.format(x=c) for c in concepts for t in concept_templates]
     for _ in range(len(concepts)):
         x, y = rng.sample(concepts, 2)
         requests.append(rng.choice(PAIR_TEMPLATES).format(x=x, y=y))
-    for task in _items(TASKS):
-        for template in TASK_TEMPLATES:
+    for task in tasks:
+        for template in task_templates:
             requests.append(template.format(x=task, lang=rng.choice(LANGUAGES)))
-    for template, items in OTHER_TEMPLATES:
+    for template, items in others:
         requests += [template.format(x=x) for x in _items(items)]
-    for recipient in _items(RECIPIENTS):
-        for subject in _items(SUBJECTS):
-            requests.append(f"Write a short email to {recipient} about {subject}.")
-    requests = sorted(set(requests))
-    rng.shuffle(requests)
-    return [[{"role": "user", "content": r}] for r in requests[:count]]
+    return requests
 
 
 def follow_ups(chat: list[dict], answer: str, rng: random.Random) -> list[list[dict]]:

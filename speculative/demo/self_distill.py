@@ -82,34 +82,27 @@ def generate_chats(
 
 
 def self_distilled(
-    llm: LLM, folder: str | Path, count: int, max_tokens: int = 192, batch: int = 48, seed: int = 0
+    llm: LLM,
+    folder: str | Path,
+    count: int,
+    followed: int,
+    max_tokens: int = 192,
+    batch: int = 48,
+    seed: int = 0,
 ) -> list[dict]:
     """The target's answers to `count` first-turn chats (`folder`/first.jsonl), then to two follow-up
-    chats of each (`folder`/second.jsonl: a further question in the conversation, and a request over
-    the answer pasted in); every answer, first turns first. Resumes what an earlier run left."""
+    chats of each of the first `followed` (`folder`/second.jsonl: a further question in the
+    conversation, and a request over the answer pasted in, whose long prompts cost more to answer
+    than first turns do); every answer, first turns first. Resumes what an earlier run left."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = llm.tokenizer
     chats = first_turns(count, seed)
-    first = generate_chats(
-        llm,
-        [chat_prompt(tokenizer, c) for c in chats],
-        folder / "first.jsonl",
-        max_tokens,
-        batch,
-        "first turns",
-    )
+    prompts = [chat_prompt(tokenizer, c) for c in chats]
+    first = generate_chats(llm, prompts, folder / "first.jsonl", max_tokens, batch, "first turns")
     rng = random.Random(seed)
     seconds = []
-    for chat, answer in zip(chats, first):
-        text = tokenizer.decode(answer["response"], skip_special_tokens=True)
-        seconds += follow_ups(chat, text, rng)
-    second = generate_chats(
-        llm,
-        [chat_prompt(tokenizer, c) for c in seconds],
-        folder / "second.jsonl",
-        max_tokens,
-        batch,
-        "follow-ups",
-    )
-    return first + second
+    for chat, answer in zip(chats[:followed], first):
+        seconds += follow_ups(chat, tokenizer.decode(answer["response"], skip_special_tokens=True), rng)
+    prompts = [chat_prompt(tokenizer, c) for c in seconds]
+    return first + generate_chats(llm, prompts, folder / "second.jsonl", max_tokens, batch, "follow-ups")

@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True, help="the draft's folder (written)")
     parser.add_argument("--package", type=Path, help="also write the draft without its embedding here")
     parser.add_argument("--data", type=Path, help="where the target's answers are kept (default OUT/data)")
-    parser.add_argument("--chats", type=int, default=2000, help="first-turn chats the target answers")
+    parser.add_argument("--chats", type=int, default=5000, help="first-turn chats the target answers")
+    parser.add_argument("--followed", type=int, default=300, help="first turns followed up (two each)")
     parser.add_argument("--answer-tokens", type=int, default=192, help="tokens of an answer at most")
     parser.add_argument("--answer-batch", type=int, default=48, help="chats answered at once")
     parser.add_argument("--hidden", type=int, default=256)
@@ -451,7 +452,13 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.monotonic()
     llm = LLM(args.target, dtype="float32")
     answers = self_distilled(
-        llm, args.data or args.out / "data", args.chats, args.answer_tokens, args.answer_batch, args.seed
+        llm,
+        args.data or args.out / "data",
+        args.chats,
+        args.followed,
+        args.answer_tokens,
+        args.answer_batch,
+        args.seed,
     )
     tokenizer = llm.tokenizer
     del llm
