@@ -1,9 +1,12 @@
-"""Regenerate the bundled prompt sets `code.jsonl`, `edit.jsonl` and `multiturn.jsonl` in
+"""Regenerate the toy demo's bundled prompt sets `code.jsonl`, `edit.jsonl` and `multiturn.jsonl` in
 speculative/bench/prompt_sets/.
 
     python benchmarks/make_prompts.py [--count 20]
 
 Deterministic for a given Python standard library (the demo corpus); see `speculative.bench.prompts`.
+The chat sets for instruction-tuned models in the same folder (`chat.jsonl`, `code-chat.jsonl`,
+`summarize.jsonl`, `chat-multiturn.jsonl`) are written by hand and committed: this script never
+regenerates or touches them.
 """
 
 from __future__ import annotations

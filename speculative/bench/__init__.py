@@ -1,6 +1,7 @@
 """`speculative bench`: our engine against Hugging Face's decoding methods, side by side in one process.
 
-prompts.py  prompt sets (JSONL, Spec-Bench) and the bundled sets cut from the demo corpus
+prompts.py  prompt sets (JSONL, Spec-Bench, chats) and the bundled ones: hand-written chat sets for
+            instruction-tuned models, code sets cut from the toy pair's corpus
 methods.py  the decoding methods under test behind one `generate(prompts)` call
 timing.py   the speed bound E * T_1 / (k * T_d + T_v) and the efficiency against it
 clock.py    the step times the runs paid: our engine's step records, hooks on HF's models

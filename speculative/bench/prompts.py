@@ -1,13 +1,23 @@
-"""Benchmark prompt sets: JSONL loading, encoding, and the bundled sets built from the demo corpus.
+"""Benchmark prompt sets: JSONL loading, encoding, the bundled sets, and which of them a model runs.
 
-A prompt file is JSONL, one object per line, either `{"prompt": "..."}` (with an optional "id") or a
-Spec-Bench question `{"question_id": ..., "turns": ["...", ...]}`, of which the first turn is used and
-wrapped in the tokenizer's chat template when it has one.
+A prompt file is JSONL, one object per line (each with an optional "id"), of one of three kinds:
+- `{"prompt": "..."}`: plain text, tokenized as it is;
+- a Spec-Bench question `{"question_id": ..., "turns": ["...", ...]}`, of which the first turn is used
+  and wrapped in the tokenizer's chat template when it has one (as it is otherwise);
+- a chat `{"messages": [{"role": "user", "content": "..."}, ...]}` (roles system, user, assistant;
+  ending on a user turn), rendered by the tokenizer's chat template with the generation prompt added.
+  A tokenizer without chat template cannot run it: `encode` raises ValueError naming the set.
 
-The bundled sets (`BUNDLED_DIR`: `prompt_sets/code.jsonl`, `edit.jsonl` and `multiturn.jsonl`, the
-package's data) are cut
-from the held-out files of the demo corpus (`speculative.demo.corpus`), which the demo models never saw
-in training:
+The bundled sets (`BUNDLED_DIR`, `prompt_sets/`, the package's data) come in two families, and
+`default_sets` picks the family by the tokenizer: CHAT_SETS where it has a chat template (an
+instruction-tuned model), TOY_SETS otherwise. The toy demo's tokenizer has a template too,
+`corpus.CHAT_TEMPLATE`, which turns requests into Python comments for a model that writes code: it
+counts as none there (`instruction_tuned`). `--prompts NAME|PATH` runs any set, a bundled one by its
+name (`resolve_set`).
+
+TOY_SETS, for the toy demo models (plain Python continuation, no chat): `code.jsonl`,
+`multiturn.jsonl` and `edit.jsonl`, cut from the held-out files of the demo corpus
+(`speculative.demo.corpus`), which the demo models never saw in training:
 - code: the few hundred characters before a function or class definition plus its `def`/`class` line;
   the model continues with the body (plain code continuation).
 - edit: a whole function, then a comment saying that the same code follows again, then its first line;
@@ -18,8 +28,24 @@ in training:
   earlier ones, which the request's own prompt does not hold (where suffix decoding's cache of past
   responses shines and prompt lookup has nothing). A conversation's turns are consecutive lines, ids
   "<file>:<line>/<turn>".
-All are drawn deterministically (`random.Random` seeded by the file's path); the stdlib differs between
+They are drawn deterministically (`random.Random` seeded by the file's path); the stdlib differs between
 Python versions, so `benchmarks/make_prompts.py` regenerates them and the files are committed.
+
+CHAT_SETS, for instruction-tuned models (chat records, 24 each): written by hand for this project,
+committed, and never regenerated (make_prompts.py leaves them alone):
+- chat: open requests to an assistant (explanations, advice, how-tos, comparisons, short creative
+  writing) on varied topics.
+- code-chat: programming requests: write a function or a small tool, explain a pasted snippet, fix a
+  bug in pasted code, convert pasted code to another language (Python, JavaScript, Go, Rust, C, SQL,
+  shell).
+- summarize: a text of 80-200 words pasted into the request (news item, email, product text, story,
+  notes, README) to proofread, rewrite, reformat, shorten or summarise: answers copy much of the
+  prompt (where prompt lookup shines).
+- chat-multiturn: conversations of 2 or 3 user turns, the earlier assistant turns written out, ending
+  on a user turn; many ask to revise the previous answer, whose text the new answer repeats.
+They are a held-out set for drafts distilled on `speculative.demo.instructions`' chats: none is an
+instance of its templates (tests/test_bench_prompts.py checks), and their topics mostly lie outside
+its lists.
 """
 
 from __future__ import annotations
@@ -28,27 +54,39 @@ import ast
 import json
 import random
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from speculative.demo import corpus
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "prompt_sets"
 """The bundled sets' folder, shipped with the package."""
+TOY_SETS = ("code", "multiturn", "edit")
+"""The bundled sets run by default for a model that is not `instruction_tuned` (build_bundled's)."""
+CHAT_SETS = ("chat", "code-chat", "summarize", "chat-multiturn")
+"""The bundled sets run by default for an `instruction_tuned` model (hand-written chats)."""
 EDIT_COMMENT = "# The same code again, unchanged:"
+ROLES = ("system", "user", "assistant")
 
 
 @dataclass
 class PromptRecord:
-    """One benchmark prompt. chat: wrap `text` in the tokenizer's chat template (Spec-Bench turns)."""
+    """One benchmark prompt. chat: wrap `text` in the tokenizer's chat template (Spec-Bench turns).
+
+    messages: a chat record's messages (then `text` is its last user turn and `chat` is True); source:
+    the file it came from, which errors name (not compared).
+    """
 
     id: str
     text: str
     chat: bool = False
+    messages: list[dict] | None = None
+    source: str = field(default="", compare=False)
 
 
 def load_jsonl(path: str | Path) -> list[PromptRecord]:
-    """The prompts of a JSONL file: objects with "prompt", or Spec-Bench objects with "turns"."""
+    """The prompts of a JSONL file: objects with "prompt", Spec-Bench objects with "turns", or chats with
+    "messages" (module docstring)."""
     records = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
@@ -56,31 +94,122 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
         obj = json.loads(line)
         ident = str(obj.get("id", obj.get("question_id", number)))
         if isinstance(obj.get("prompt"), str):
-            records.append(PromptRecord(ident, obj["prompt"]))
+            records.append(PromptRecord(ident, obj["prompt"], source=str(path)))
         elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
-            records.append(PromptRecord(ident, obj["turns"][0], chat=True))
+            records.append(PromptRecord(ident, obj["turns"][0], chat=True, source=str(path)))
+        elif "messages" in obj:
+            messages = obj["messages"]
+            if not (
+                isinstance(messages, list)
+                and messages
+                and all(
+                    isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+                    for m in messages
+                )
+                and messages[-1]["role"] == "user"
+            ):
+                raise ValueError(
+                    f'{path}:{number}: "messages" must be a list of {{"role", "content"}} objects (roles '
+                    f"{', '.join(ROLES)}) ending on a user turn"
+                )
+            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+            records.append(PromptRecord(ident, messages[-1]["content"], True, messages, str(path)))
         else:
             raise ValueError(
-                f'{path}:{number}: expected an object with a string "prompt" or a list of '
-                f'"turns" (Spec-Bench)'
+                f'{path}:{number}: expected an object with a string "prompt", a list of "turns" '
+                f'(Spec-Bench) or a list of chat "messages"'
             )
     if not records:
         raise ValueError(f"{path} holds no prompts")
     return records
 
 
-def encode(tokenizer, record: PromptRecord, max_tokens: int) -> list[int]:
-    """The prompt's token ids, at most `max_tokens` of them (the leftmost dropped if longer).
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer has a chat template (then chat records can be rendered)."""
+    return bool(getattr(tokenizer, "chat_template", None))
 
-    Chat prompts (Spec-Bench turns) go through the tokenizer's chat template when it has one.
+
+def instruction_tuned(tokenizer) -> bool:
+    """Whether the tokenizer's model takes chats: it has a chat template, other than the toy demo's
+    (corpus.CHAT_TEMPLATE: requests as Python comments for a code model, which is no chat model)."""
+    return has_chat_template(tokenizer) and tokenizer.chat_template != corpus.CHAT_TEMPLATE
+
+
+def default_sets(tokenizer) -> list[Path]:
+    """The bundled sets a model runs unless told otherwise: CHAT_SETS where it is instruction-tuned (its
+    tokenizer has a chat template, not the toy demo's), TOY_SETS (plain code continuation) otherwise."""
+    names = CHAT_SETS if instruction_tuned(tokenizer) else TOY_SETS
+    return [BUNDLED_DIR / f"{name}.jsonl" for name in names]
+
+
+def resolve_set(name_or_path: str | Path) -> Path:
+    """A prompt set's file: the path itself where it is a file, else the bundled set of that name
+    ("chat" or "chat.jsonl": BUNDLED_DIR/chat.jsonl). FileNotFoundError naming the bundled sets else."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    bundled = BUNDLED_DIR / (path.name if path.suffix == ".jsonl" else f"{path.name}.jsonl")
+    if path.parent == Path(".") and bundled.is_file():
+        return bundled
+    names = ", ".join(sorted(p.stem for p in BUNDLED_DIR.glob("*.jsonl")))
+    raise FileNotFoundError(
+        f"no prompt set {str(name_or_path)!r}: give a JSONL file or a bundled set ({names})"
+    )
+
+
+def encode(tokenizer, record: PromptRecord, max_tokens: int) -> list[int]:
+    """The prompt's token ids, at most `max_tokens` of them.
+
+    Plain prompts, and Spec-Bench turns on a tokenizer without chat template, are tokenized as they are
+    and keep their last `max_tokens` tokens (the leftmost dropped). Chats ("messages" records, and
+    Spec-Bench turns on a tokenizer with a chat template) go through the chat template with the
+    generation prompt added and are never cut inside it: the whole chat where it fits, else the chat
+    without its leading messages, dropped whole, a turn at a time (the kept part starts on a user turn;
+    a leading system message stays); where even the last user turn alone does not fit, that turn's
+    content keeps only its last tokens, in a whole template; only where the template's own tokens
+    exceed `max_tokens` are its leftmost tokens dropped. A "messages" record on a tokenizer without
+    chat template: ValueError naming its set.
     """
-    if record.chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": record.text}], tokenize=False, add_generation_prompt=True
+    if record.messages is not None and not has_chat_template(tokenizer):
+        name = Path(record.source).stem if record.source else "a prompt set"
+        raise ValueError(
+            f"prompt set {name} (prompt {record.id}) holds chat messages, which need a tokenizer with "
+            f"a chat template; this tokenizer has none (run a set of plain prompts, e.g. "
+            f"{', '.join(TOY_SETS)})"
         )
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(record.text)["input_ids"]
+    if record.chat and has_chat_template(tokenizer):
+        messages = record.messages or [{"role": "user", "content": record.text}]
+        return _fit_chat(tokenizer, messages, max_tokens)
+    ids = tokenizer(record.text)["input_ids"]
+    return ids[-max_tokens:]
+
+
+def _render(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat's token ids through the tokenizer's chat template, generation prompt added."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _fit_chat(tokenizer, messages: list[dict], max_tokens: int) -> list[int]:
+    """The chat rendered in at most `max_tokens` tokens, cut as `encode` says."""
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    turns = [i for i, m in enumerate(messages) if m["role"] == "user" and i > len(system)]
+    kept = messages
+    for start in [None, *turns]:
+        kept = messages if start is None else system + messages[start:]
+        ids = _render(tokenizer, kept)
+        if len(ids) <= max_tokens:
+            return ids
+    content = tokenizer(kept[-1]["content"], add_special_tokens=False)["input_ids"]
+    for _ in range(4):  # decoding and tokenizing again may not round-trip exactly: a few tries
+        over = len(ids) - max_tokens
+        if over <= 0:
+            return ids
+        if over >= len(content):
+            break
+        content = content[over:]
+        last = {"role": "user", "content": tokenizer.decode(content)}
+        ids = _render(tokenizer, [*kept[:-1], last])
     return ids[-max_tokens:]
 
 
