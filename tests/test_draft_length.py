@@ -278,3 +278,14 @@ def test_many_plain_steps_do_not_overflow_the_draft_cache(
     while engine.sequences:
         engine.step()
     assert [g[0].output_token_ids for g in sequences] == expected
+
+
+def test_a_drafter_that_never_drafts_leaves_one_measured_step_time() -> None:
+    """An n-gram drafter that finds nothing to propose makes every step a plain one (k = 0): with one
+    measured k the chooser takes its time for every k, and keeps choosing."""
+    chooser = DraftLength(4, adaptive=True)
+    for _ in range(50):
+        chooser.choose(1)
+        chooser.observe(1, 0, 10.0, [0], [0])
+    assert chooser.step_time(1, 3) == pytest.approx(10.0)
+    assert chooser.choose(1) in range(5)

@@ -158,10 +158,13 @@ class DraftLength:
         return total
 
     def step_time(self, batch_size: int, k: int) -> float:
-        """t_B(k): the measured time, or the line through the two measured k nearest to k."""
+        """t_B(k): the measured time, or the line through the two measured k nearest to k (where only one
+        k is measured yet, its time)."""
         times = self.times[batch_size]
         if k in times:
             return times[k]
+        if len(times) == 1:
+            return next(iter(times.values()))
         known = sorted(times, key=lambda j: (abs(j - k), j))[:2]
         (k0, t0), (k1, t1) = sorted((j, times[j]) for j in known)
         estimate = t0 + (t1 - t0) * (k - k0) / (k1 - k0)
