@@ -202,7 +202,9 @@ def _add_bench_parser(commands) -> None:
     bench.add_argument(
         "--prompts",
         action="append",
-        help="a JSONL prompt set (repeat; default: the bundled code, multiturn and edit sets)",
+        help="a prompt set: a bundled one's name or a JSONL file (repeat; default: the chat, code-chat, "
+        "summarize and chat-multiturn sets for an instruction-tuned model; for the toy pair code, "
+        "multiturn and edit)",
     )
     bench.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="draft tokens per step (4)")
     bench.add_argument("--tree-nodes", type=int, help="drafts per tree of the tree methods (8)")
@@ -241,6 +243,18 @@ def _add_bench_parser(commands) -> None:
         "--gguf-cache",
         metavar="DIR",
         help="where the pair's GGUF files for llama.cpp are kept (~/.cache/speculative/gguf)",
+    )
+    bench.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        help="compare quantized weights: ours runs target and draft weight-only quantized (int4: bfloat16 "
+        "models), llama.cpp GGUFs its llama-quantize makes (int8: Q8_0, int4: Q4_1); HF stays unquantized",
+    )
+    bench.add_argument(
+        "--llama-cpp-target-gguf",
+        metavar="PATH",
+        help="a ready GGUF for llama.cpp's target instead of converting --model (its type must be the "
+        "run's: F32, BF16, or Q8_0 / Q4_1 with --quantization)",
     )
     bench.add_argument("--out", default="bench-out", help="output directory (bench-out)")
     bench.add_argument(
@@ -548,6 +562,8 @@ def bench(args: argparse.Namespace) -> int:
         "gguf_cache",
         "synthetic",
         "synthetic_acceptance",
+        "quantization",
+        "llama_cpp_target_gguf",
     )
     for name in fields:
         if getattr(args, name) is not None:

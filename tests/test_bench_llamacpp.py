@@ -2,7 +2,8 @@
 cache key, the request, a recorded answer parsed, the skip notes, the report's llama.cpp column, and a
 server's life (a stand-in llama-server). With SPECULATIVE_LLAMA_CPP naming a llama.cpp checkout (and
 SPECULATIVE_LLAMA_CPP_BUILD its build folder, default "build"), llama.cpp's greedy fp32 tokens on two demo
-prompts are checked against HF generate's."""
+prompts are checked against HF generate's, and its Q8_0 (llama-quantize's) runs on the demo pair end to
+end."""
 
 from __future__ import annotations
 
@@ -16,9 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from speculative.bench import report
-from speculative.bench.gguf_cache import DEFAULT_CACHE, byte_level_bpe, cache_key, gguf_file
+from speculative.bench.gguf_cache import (
+    DEFAULT_CACHE,
+    byte_level_bpe,
+    cache_key,
+    check_gguf_type,
+    gguf_file,
+    gguf_type,
+    quantized_cache_key,
+)
 from speculative.bench.llamacpp import (
     LlamaCppSetup,
     llama_cpp_methods,
@@ -30,6 +40,7 @@ from speculative.bench.llamacpp import (
     skipped_entries,
 )
 from speculative.bench.measure import engine_timings, speculation_stats
+from speculative.bench.memory import gguf_weight_bytes
 from speculative.bench.methods import Generation, Method
 from speculative.bench.prompts import BUNDLED_DIR, encode, load_jsonl
 from speculative.bench.server_process import ServerProcess
@@ -218,6 +229,12 @@ def test_skip_notes(tmp_path: Path) -> None:
     server_binary(tmp_path, "build-avx2").touch()
     assert "convert_hf_to_gguf.py" in llama_cpp_unavailable(str(tmp_path), "build-avx2")
     (tmp_path / "convert_hf_to_gguf.py").touch()
+    with pytest.MonkeyPatch.context() as patch:  # a quantized run needs llama-quantize too
+        patch.setattr(importlib.util, "find_spec", lambda m: object())
+        assert llama_cpp_unavailable(str(tmp_path), "build-avx2") is None
+        why = llama_cpp_unavailable(str(tmp_path), "build-avx2", "int8")
+        assert "llama-quantize not found" in why and "build llama-quantize there" in why
+    (tmp_path / "build-avx2" / "bin" / "llama-quantize").touch()
     real_find_spec = importlib.util.find_spec
     with pytest.MonkeyPatch.context() as patch:  # a checkout that is complete, and no sentencepiece
         patch.setattr(
@@ -358,7 +375,7 @@ def test_a_server_that_dies_reports_its_log(tmp_path: Path) -> None:
     reason="set SPECULATIVE_LLAMA_CPP to a llama.cpp checkout with llama-server built",
 )
 def test_llamacpp_greedy_fp32_equals_hf_generate() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     checkout = os.environ["SPECULATIVE_LLAMA_CPP"]
     build = os.environ.get("SPECULATIVE_LLAMA_CPP_BUILD", "build")
@@ -394,3 +411,50 @@ def test_llamacpp_greedy_fp32_equals_hf_generate() -> None:
             expected = out[0, len(prompt) :].tolist()
             for method in methods:
                 assert method.generate([prompt], 32).token_ids == [expected], method.name
+
+
+@pytest.mark.skipif(
+    "SPECULATIVE_LLAMA_CPP" not in os.environ,
+    reason="set SPECULATIVE_LLAMA_CPP to a llama.cpp checkout with llama-server and llama-quantize built",
+)
+def test_llamacpp_q8_0_runs_the_demo_pair() -> None:
+    """--quantization int8's llama.cpp side: the pair converted and quantized to Q8_0 by the checkout's
+    llama-quantize (cached), every method decoding max_tokens greedy tokens, the draft methods the
+    plain method's own; a given target GGUF of the run's type is taken, one of another type refused."""
+    checkout = os.environ["SPECULATIVE_LLAMA_CPP"]
+    build = os.environ.get("SPECULATIVE_LLAMA_CPP_BUILD", "build")
+    assert llama_cpp_unavailable(checkout, build, "int8") is None
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
+    prompts = [encode(tokenizer, r, 400) for r in load_jsonl(BUNDLED_DIR / "code.jsonl")[:2]]
+    threads = torch.get_num_threads()
+    setup = LlamaCppSetup(
+        checkout,
+        build,
+        str(DEMO_DIR / "target"),
+        str(DEMO_DIR / "draft"),
+        "float32",
+        "float32",
+        4,
+        threads,
+        512,
+        DEFAULT_CACHE,
+        "int8",
+    )
+    with ExitStack() as stack:
+        methods, _ = llama_cpp_methods(setup, stack)
+        q8 = DEFAULT_CACHE / quantized_cache_key(DEMO_DIR / "target", "Q8_0")
+        assert all(m.gguf == q8 for m in methods) and gguf_type(q8, checkout) == "Q8_0"
+        assert gguf_type(DEFAULT_CACHE / quantized_cache_key(DEMO_DIR / "draft", "Q8_0")) == "Q8_0"
+        outputs = {m.name: [m.generate([p], 32).token_ids[0] for p in prompts] for m in methods}
+    assert all(len(out) == 32 for outs in outputs.values() for out in outs)
+    for name, outs in outputs.items():
+        assert outs == outputs["llamacpp"], name
+    f32 = gguf_file(checkout, DEMO_DIR / "target", "float32", DEFAULT_CACHE)
+    assert 0.25 < gguf_weight_bytes(q8) / gguf_weight_bytes(f32) < 0.3  # 34 bytes per 32 weights
+    with pytest.raises(ValueError, match=r"--llama-cpp-target-gguf .* is a F32 GGUF"):
+        check_gguf_type(f32, "Q8_0")
+    setup.target_gguf, setup.draft = str(q8), None
+    with ExitStack() as stack:
+        methods, _ = llama_cpp_methods(setup, stack)
+        assert methods[0].gguf == q8
+        assert methods[0].generate([prompts[0]], 32).token_ids == [outputs["llamacpp"][0]]

@@ -9,17 +9,34 @@ The converter recognises a byte-level BPE pre-tokenizer only by the hash of its 
 and refuses one it does not know (the demo pair's). For a tokenizer.json whose pre-tokenizer is plain
 `ByteLevel` (GPT-2's regex split, then bytes) this module tells it "gpt-2", which is that pre-tokenizer;
 any other unknown one is still refused. llama.cpp's own code is not changed.
+
+Quantized GGUFs (`speculative bench --quantization int8 | int4`): `quantized_gguf_file(checkout, build,
+model, quantization, cache_dir)` runs the checkout's own `llama-quantize` (DIR/build/bin) on the f32
+conversion (lossless for a float32 or bfloat16 checkpoint, so nothing is rounded twice, whatever the
+run's dtype), with llama.cpp's default choices for that type, once per (model path, GGUF type, model
+files' modification time), and caches the result beside the conversions. Our weight-only quantizations
+map to the llama.cpp types of the same kind (QUANT_TYPES): int8, symmetric absmax per output channel,
+to Q8_0 (symmetric absmax, blocks of 32); int4, asymmetric (scale and zero) in groups of 64, to Q4_1
+(asymmetric, scale and minimum, blocks of 32), also the format SmolLM2-135M-Instruct's GGUF ships in:
+llama-quantize's Q4_1 of a float32 copy dequantized from that file is that file's tensors again.
+
+`gguf_type(path)` says what a GGUF file holds (its general.file_type: "F32", "BF16", "Q8_0", "Q4_1",
+...) and `check_gguf_type` refuses a file given for a run of another precision. They read the file with
+the `gguf` package where it is installed, else with the checkout's gguf-py.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16"}  # the bench's --dtype -> the converter's --outtype
+QUANT_TYPES = {"int8": "Q8_0", "int4": "Q4_1"}  # the bench's --quantization -> llama-quantize's type
 DEFAULT_CACHE = Path.home() / ".cache" / "speculative" / "gguf"
 
 
@@ -72,6 +89,114 @@ def gguf_file(
         )
     partial.replace(out)
     return out
+
+
+def quantize_binary(checkout: str | Path, build: str = "build") -> Path:
+    """DIR/NAME/bin/llama-quantize (NAME may also be an absolute build folder)."""
+    return Path(checkout) / build / "bin" / "llama-quantize"
+
+
+def quantized_cache_key(model: str | Path, quant_type: str) -> str:
+    """The quantized file's name: cache_key's for the f32 conversion it is made from, followed by the
+    GGUF type ("target-f32-q8_0-<digest>.gguf"): a file per model, type and training."""
+    return cache_key(model, f"f32-{quant_type.lower()}")
+
+
+def quantize_command(binary: str | Path, source: Path, out: Path, quant_type: str, threads: int) -> list[str]:
+    """llama-quantize's command line: `source` (a float GGUF) to `out` in `quant_type` with llama.cpp's
+    default choices for that type (its per-tensor exceptions included), on `threads` threads."""
+    return [str(binary), str(source), str(out), quant_type, str(threads)]
+
+
+def quantized_gguf_file(
+    checkout: str | Path,
+    build: str,
+    model: str | Path,
+    quantization: str,
+    cache_dir: str | Path = DEFAULT_CACHE,
+    threads: int = 1,
+) -> Path:
+    """The GGUF file of `model` (a local checkpoint folder) converted to f32 (gguf_file) and quantized
+    by the checkout's llama-quantize (build folder `build`, on `threads` threads) to
+    QUANT_TYPES[quantization], from `cache_dir`, made there first if it is not there yet. Raises
+    ValueError for an unknown quantization or a missing llama-quantize, RuntimeError with
+    llama-quantize's output when it fails."""
+    if quantization not in QUANT_TYPES:
+        raise ValueError(
+            f"quantization must be one of {sorted(QUANT_TYPES)} for llama.cpp; got {quantization!r}"
+        )
+    binary = quantize_binary(checkout, build)
+    if not binary.is_file():
+        raise ValueError(f"{binary} not found: build llama-quantize there (cmake --target llama-quantize)")
+    source = gguf_file(checkout, model, "float32", cache_dir)
+    quant_type = QUANT_TYPES[quantization]
+    out = Path(cache_dir) / quantized_cache_key(model, quant_type)
+    if out.is_file():
+        return out
+    partial = out.with_name(out.stem + ".partial.gguf")
+    command = quantize_command(binary, source, partial, quant_type, threads)
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"llama-quantize failed on {source} ({quant_type}):\n{(result.stdout + result.stderr)[-3000:]}"
+        )
+    partial.replace(out)
+    return out
+
+
+def gguf_module(checkout: str | Path | None = None) -> ModuleType:
+    """The `gguf` package: the installed one, else the gguf-py of the llama.cpp `checkout` (put first on
+    sys.path). ImportError when neither is there."""
+    try:
+        return importlib.import_module("gguf")
+    except ImportError:
+        if checkout is None or not (Path(checkout) / "gguf-py" / "gguf").is_dir():
+            raise
+    sys.path.insert(0, str(Path(checkout) / "gguf-py"))
+    return importlib.import_module("gguf")
+
+
+def gguf_type(path: str | Path, checkout: str | Path | None = None) -> str:
+    """What a GGUF file holds: its general.file_type's name without the prefix ("F32", "BF16", "Q8_0",
+    "Q4_1", "Q4_K_M", ...); without that field, the type of most of its matrices' bytes."""
+    gguf = gguf_module(checkout)
+    reader = gguf.GGUFReader(path)
+    field = reader.fields.get("general.file_type")
+    if field is not None:
+        value = int(field.parts[field.data[0]][0])
+        try:
+            name = gguf.LlamaFileType(value).name
+        except ValueError:  # a type newer than this gguf package
+            return f"file_type {value}"
+        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    sizes: dict[str, int] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) >= 2:
+            sizes[tensor.tensor_type.name] = sizes.get(tensor.tensor_type.name, 0) + int(tensor.n_bytes)
+    return max(sizes, key=sizes.get)
+
+
+def expected_gguf_type(dtype: str, quantization: str | None) -> str:
+    """The GGUF type of a run: QUANT_TYPES[quantization] when quantized, else the dtype's ("F32", "BF16")."""
+    return QUANT_TYPES[quantization] if quantization else OUTTYPES[dtype].upper()
+
+
+def check_gguf_type(
+    path: str | Path, expected: str, flag: str = "--llama-cpp-target-gguf", checkout: str | Path | None = None
+) -> Path:
+    """`path` if it is a GGUF file of type `expected`; a ValueError naming `flag` otherwise (a missing
+    file, or one of another type: llama.cpp would run other weights than ours)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: no such file")
+    found = gguf_type(path, checkout)
+    if found != expected:
+        raise ValueError(
+            f"{flag} {path} is a {found} GGUF; this run compares {expected} weights "
+            f"(--dtype / --quantization): give a {expected} file or leave {flag} out"
+        )
+    return path
 
 
 def byte_level_bpe(model: str | Path) -> bool:

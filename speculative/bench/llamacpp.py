@@ -19,6 +19,13 @@ chooses. A prompt goes to the native `/completion` endpoint as token ids (no BOS
 greedily (temperature 0, top-k 1, the sampler chain cut to those two) for exactly max_tokens tokens
 (`ignore_eos`), and the generated ids come back (`return_tokens`). Batch 1 only: `--parallel 1`
 decodes one sequence at a time.
+
+With `speculative bench --quantization int8 | int4` the servers run GGUFs of the llama.cpp type of the
+same kind (gguf_cache.QUANT_TYPES: Q8_0, Q4_1), quantized from the f32 conversions by the checkout's
+own `llama-quantize`, which must then be built beside llama-server (the KV caches stay in the bench's
+dtype). `--llama-cpp-target-gguf PATH` gives the target's GGUF ready-made instead (a published file,
+e.g. the one our float copy was dequantized from); its type must be the run's (check_gguf_type), and
+the draft is still converted (and quantized).
 """
 
 from __future__ import annotations
@@ -33,7 +40,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from speculative.bench.gguf_cache import DEFAULT_CACHE, OUTTYPES, gguf_file
+from speculative.bench.gguf_cache import (
+    DEFAULT_CACHE,
+    OUTTYPES,
+    check_gguf_type,
+    expected_gguf_type,
+    gguf_file,
+    quantize_binary,
+    quantized_gguf_file,
+)
 from speculative.bench.methods import Generation, Method
 from speculative.bench.server_process import ServerProcess, free_port
 
@@ -52,15 +67,20 @@ def server_binary(checkout: str | Path, build: str = "build") -> Path:
     return Path(checkout) / build / "bin" / "llama-server"
 
 
-def llama_cpp_unavailable(checkout: str | None, build: str = "build") -> str | None:
-    """Why the llama.cpp methods cannot run (a note for the results), or None when they can."""
+def llama_cpp_unavailable(
+    checkout: str | None, build: str = "build", quantization: str | None = None
+) -> str | None:
+    """Why the llama.cpp methods cannot run (a note for the results), or None when they can; a quantized
+    run (`quantization` "int8" or "int4") also needs llama-quantize."""
     if checkout is None:
         return "no --llama-cpp given (a llama.cpp checkout with llama-server built)"
-    binary = server_binary(checkout, build)
-    if not binary.is_file():
-        return (
-            f"{binary} not found (--llama-cpp {checkout} --llama-cpp-build {build}: build llama-server there)"
-        )
+    binaries = [server_binary(checkout, build)] + ([quantize_binary(checkout, build)] if quantization else [])
+    for binary in binaries:
+        if not binary.is_file():
+            return (
+                f"{binary} not found (--llama-cpp {checkout} --llama-cpp-build {build}: build "
+                f"{binary.name} there)"
+            )
     if not (Path(checkout) / "convert_hf_to_gguf.py").is_file():
         return f"{checkout} has no convert_hf_to_gguf.py (--llama-cpp must be a llama.cpp checkout)"
     missing = [m for m in ("httpx", "sentencepiece") if importlib.util.find_spec(m) is None]
@@ -197,6 +217,7 @@ class LlamaCppMethod(Method):
 
     server: ServerProcess | None = None
     client: httpx.Client = field(default_factory=_client)
+    gguf: Path | None = None  # the target's GGUF file the server runs
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> Generation:
         if len(prompts) != 1:
@@ -213,7 +234,9 @@ class LlamaCppMethod(Method):
 @dataclass
 class LlamaCppSetup:
     """What the llama.cpp methods need: the checkout and build folder, the pair (local folders) and their
-    dtypes (the bench's), k, threads per server, the context, and where the GGUF files are cached."""
+    dtypes (the bench's), k, threads per server, the context, and where the GGUF files are cached;
+    `quantization` ("int8", "int4" or None) picks the GGUF type (gguf_cache.QUANT_TYPES) and
+    `target_gguf` a ready target GGUF of that type (else the target is converted like the draft)."""
 
     checkout: str
     build: str
@@ -225,6 +248,25 @@ class LlamaCppSetup:
     threads: int
     context: int
     cache_dir: str | Path = DEFAULT_CACHE
+    quantization: str | None = None
+    target_gguf: str | None = None
+
+    def gguf(self, model: str, dtype: str) -> Path:
+        """The GGUF file of `model` (a local folder) that the servers run: converted in `dtype`, or when
+        the run is quantized, quantized from its f32 conversion (gguf_cache.quantized_gguf_file)."""
+        if self.quantization is None:
+            return gguf_file(self.checkout, model, dtype, self.cache_dir)
+        return quantized_gguf_file(
+            self.checkout, self.build, model, self.quantization, self.cache_dir, self.threads
+        )
+
+    def target_file(self) -> Path:
+        """The target's GGUF: `target_gguf` checked against the run's type (a ValueError naming
+        --llama-cpp-target-gguf otherwise), or made from the target's folder."""
+        if self.target_gguf is not None:
+            expected = expected_gguf_type(self.dtype, self.quantization)
+            return check_gguf_type(self.target_gguf, expected, checkout=self.checkout)
+        return self.gguf(self.target, self.dtype)
 
 
 def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Method], dict[str, dict]]:
@@ -232,7 +274,7 @@ def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Meth
     and those skipped (with why): the draft methods without a draft, the defaults method when llama.cpp's
     default draft length is k."""
     binary = server_binary(setup.checkout, setup.build)
-    target = gguf_file(setup.checkout, setup.target, setup.dtype, setup.cache_dir)
+    target = setup.target_file()
 
     def method(name: str, label: str, draft: Path | None, k: int | None, spec_k: int) -> LlamaCppMethod:
         port = free_port()
@@ -247,7 +289,14 @@ def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Meth
         )
         server = stack.enter_context(ServerProcess([str(binary), *args], port, "llama-server"))
         m = LlamaCppMethod(
-            name, label, "llama.cpp", "draft_model" if draft else None, spec_k, max_batch=1, server=server
+            name,
+            label,
+            "llama.cpp",
+            "draft_model" if draft else None,
+            spec_k,
+            max_batch=1,
+            server=server,
+            gguf=target,
         )
         stack.callback(m.client.close)
         return m
@@ -257,7 +306,7 @@ def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Meth
         return methods, skipped_entries(
             "no --draft-model given", ["llamacpp_draft", "llamacpp_draft_default"]
         )
-    draft = gguf_file(setup.checkout, setup.draft, setup.draft_dtype, setup.cache_dir)
+    draft = setup.gguf(setup.draft, setup.draft_dtype)
     methods.append(method("llamacpp_draft", f"llama.cpp draft k={setup.k}", draft, setup.k, setup.k))
     default = default_draft_max(binary)
     if default is None:

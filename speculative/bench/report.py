@@ -86,22 +86,51 @@ def engine_timings_line(methods: dict) -> str | None:
     )
 
 
+BOUND_ENGINES = {"ours_compiled": "ours"}  # a method's engine -> the engine whose bound it shares
+ENGINE_NAMES = {"hf": "HF"}  # an engine as the report names it (others: as they are)
+
+
+def _fractions(plain: list[dict], tokens_per_second: float) -> str:
+    """ "<method> 50%" for each plain-decoding entry, llama.cpp's decode-only figure beside its own."""
+    fractions = []
+    for e in plain:
+        fraction = f"{e['label']} {e['tokens_per_s'] / tokens_per_second:.0%}"
+        if "decode_tokens_per_s" in e:
+            fraction += f" ({e['decode_tokens_per_s'] / tokens_per_second:.0%} decode only)"
+        fractions.append(fraction)
+    return ", ".join(fractions)
+
+
 def memory_bound_line(bound: dict | None, methods: dict) -> str | None:
     """The memory bound of plain decoding (bench/memory.py) and the fraction of it each engine's plain
-    decoding reaches (tokens/s / the bound's tokens/s; llama.cpp's decode-only figure beside its own)."""
+    decoding reaches (tokens/s / the bound's tokens/s; llama.cpp's decode-only figure beside its own).
+
+    `bound`: memory.engine_bounds' figures, one bound per engine from the bytes that engine reads (its
+    precision, bytes, ms a token; each plain method against its own engine's bound), or one
+    memory_bound for every engine (results before engine bounds)."""
     if not bound:
         return None
     plain = [e for e in methods.values() if e["status"] == "ok" and e.get("drafter") is None]
-    fractions = []
-    for e in plain:
-        fraction = f"{e['label']} {e['tokens_per_s'] / bound['tokens_per_second']:.0%}"
-        if "decode_tokens_per_s" in e:
-            fraction += f" ({e['decode_tokens_per_s'] / bound['tokens_per_second']:.0%} decode only)"
-        fractions.append(fraction)
+    if "engines" not in bound:
+        return (
+            f"memory bound of plain decoding: {bound['weight_mb']:.1f} MB of target weights / "
+            f"{bound['bandwidth_gb_s']:.1f} GB/s (a large copy, read + write) = {bound['forward_ms']:.2f} ms "
+            f"a forward, {bound['tokens_per_second']:.0f} tokens/s; reached: "
+            + _fractions(plain, bound["tokens_per_second"])
+        )
+    parts = []
+    for engine, figures in bound["engines"].items():
+        reached = [e for e in plain if BOUND_ENGINES.get(e.get("engine"), e.get("engine")) == engine]
+        part = (
+            f"{ENGINE_NAMES.get(engine, engine)} ({figures['weights']}): {figures['weight_mb']:.1f} MB, "
+            f"{figures['forward_ms']:.2f} ms a token ({figures['tokens_per_second']:.0f} tokens/s)"
+        )
+        if reached:
+            part += ", reached: " + _fractions(reached, figures["tokens_per_second"])
+        parts.append(part)
     return (
-        f"memory bound of plain decoding: {bound['weight_mb']:.1f} MB of target weights / "
-        f"{bound['bandwidth_gb_s']:.1f} GB/s (a large copy, read + write) = {bound['forward_ms']:.2f} ms a "
-        f"forward, {bound['tokens_per_second']:.0f} tokens/s; reached: " + ", ".join(fractions)
+        "memory bound of plain decoding (the target weights each engine reads per token / "
+        f"{bound['bandwidth_gb_s']:.1f} GB/s, a large copy's read + write): " + "; ".join(parts)
     )
 
 
@@ -146,6 +175,13 @@ def run_times_line(methods: dict) -> str:
     return "bound's step times, ms (means of the runs' own calls): " + "; ".join(parts)
 
 
+def precision(config: dict) -> str:
+    """The run's dtype, and its quantization where it has one ("float32, int8 weights (HF: float32)")."""
+    if not config.get("quantization"):
+        return config["dtype"]
+    return f"{config['dtype']}, {config['quantization']} weights (HF: unquantized)"
+
+
 def _rich_table(title: str, columns: list[str], rows: list[list[str]], caption: str | None = None) -> Table:
     table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for i, column in enumerate(columns):
@@ -161,7 +197,7 @@ def print_tables(results: dict, console: Console) -> None:
     for name, data in results["sets"].items():
         title = (
             f"{name}: {data['num_prompts']} prompts, {config['max_tokens']} tokens each, greedy, "
-            f"{config['dtype']}, {results['machine']['device']}"
+            f"{precision(config)}, {results['machine']['device']}"
         )
         console.print(
             _rich_table(
@@ -209,7 +245,7 @@ def markdown(results: dict, plots: list[str]) -> str:
     parts = [
         "# speculative bench",
         f"Target `{config['model']}`, draft `{config['draft_model']}`, k={config['k']}, "
-        f"{config['max_tokens']} tokens per prompt (greedy, EOS ignored), {config['dtype']}{draft_dtype} "
+        f"{config['max_tokens']} tokens per prompt (greedy, EOS ignored), {precision(config)}{draft_dtype} "
         f"on {m['device']}; {config['repeats']} timed run(s) per prompt and method after a discarded "
         f"warm-up, runs interleaved, medians over prompts.",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}{features}), torch {m['torch']}, "

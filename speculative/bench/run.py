@@ -19,7 +19,14 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from speculative.bench.gguf_cache import DEFAULT_CACHE
+from speculative.bench.gguf_cache import (
+    DEFAULT_CACHE,
+    OUTTYPES,
+    QUANT_TYPES,
+    check_gguf_type,
+    expected_gguf_type,
+    gguf_type,
+)
 from speculative.bench.llamacpp import (
     LlamaCppSetup,
     llama_cpp_methods,
@@ -29,7 +36,7 @@ from speculative.bench.llamacpp import (
     skipped_entries,
 )
 from speculative.bench.measure import Advance, compare_methods, sweep_batch, sweep_k
-from speculative.bench.memory import copy_bandwidth, memory_bound, weight_bytes
+from speculative.bench.memory import copy_bandwidth, engine_bounds, gguf_weight_bytes, weight_bytes
 from speculative.bench.methods import (
     HEADS,
     HFMethod,
@@ -41,7 +48,7 @@ from speculative.bench.methods import (
     vllm_unavailable,
 )
 from speculative.bench.plots import write_plots
-from speculative.bench.prompts import BUNDLED_DIR, encode, load_jsonl
+from speculative.bench.prompts import default_sets, encode, load_jsonl, resolve_set
 from speculative.bench.report import print_tables, write_outputs
 from speculative.bench.synthetic import build_pair
 from speculative.bench.timing import bound_figures
@@ -66,7 +73,10 @@ class BenchConfig:
     model / draft_model: the pair (paths or hub ids); draft_model None skips the draft-model methods.
     eagle: an EAGLE head's checkpoint directory for the target, of layout `eagle_method` ("eagle" or
         "eagle3"); None skips the EAGLE methods (so does tensor_parallel_size > 1: heads run on one rank).
-    prompts: JSONL files, one prompt set each, named after the file's stem.
+    prompts: prompt sets, JSONL files or bundled sets' names (prompts.resolve_set), named after the
+        file's stem; None: the bundled sets for the pair's tokenizer (prompts.default_sets: the chat sets
+        where it has a chat template other than the toy demo's, the toy's code, multiturn and edit sets
+        otherwise).
     k: drafts per step of the side-by-side comparison; sweep_k: the k of the k sweep.
     tree_nodes / tree_width: the tree methods' SpeculativeConfig.tree_nodes and tree_width (k deep).
     batch_sizes: the batch-size sweep. max_tokens: tokens generated per prompt (EOS ignored).
@@ -80,6 +90,14 @@ class BenchConfig:
     llama_cpp: a llama.cpp checkout whose folder `llama_cpp_build` holds bin/llama-server (llamacpp.py);
         None skips the llama.cpp methods. The pair must then be local folders (converted to GGUF once,
         cached in `gguf_cache`, gguf_cache.py).
+    quantization: None, "int8" or "int4": ours runs target and draft weight-only quantized
+        (LLM(quantization=...); int4: bfloat16 models), llama.cpp GGUFs of the matching type made by
+        the checkout's llama-quantize (int8: Q8_0, int4: Q4_1; gguf_cache.QUANT_TYPES). HF's methods
+        run the float models, labelled so, and stay the identical column's reference; the EAGLE
+        methods skip (a head needs an unquantized target).
+    llama_cpp_target_gguf: a ready GGUF for llama.cpp's target instead of converting `model` (e.g. the
+        file a float copy was dequantized from); its type must be the run's (F32, BF16, Q8_0, Q4_1),
+        else a ValueError naming --llama-cpp-target-gguf.
     synthetic: instead of model / draft_model / eagle, a synthetic pair of that size built in process
         (synthetic.py: "1b", "7b" or "tiny"), its draft calibrated to `synthetic_acceptance`; prompts
         are tokenized by the demo pair's tokenizer. vLLM and llama.cpp need checkpoints: they skip.
@@ -89,9 +107,7 @@ class BenchConfig:
     draft_model: str | None = str(DEMO_DIR / "draft")
     eagle: str | None = str(DEMO_DIR / "eagle")
     eagle_method: str = "eagle"
-    prompts: list[str] = field(
-        default_factory=lambda: [str(BUNDLED_DIR / f"{n}.jsonl") for n in ("code", "multiturn", "edit")]
-    )
+    prompts: list[str] | None = None
     k: int = 4
     tree_nodes: int = 8
     tree_width: int = 2
@@ -111,6 +127,8 @@ class BenchConfig:
     llama_cpp: str | None = None
     llama_cpp_build: str = "build"
     gguf_cache: str = str(DEFAULT_CACHE)
+    quantization: str | None = None
+    llama_cpp_target_gguf: str | None = None
     synthetic: str | None = None
     synthetic_acceptance: float = 0.8
 
@@ -172,6 +190,7 @@ class Pair:
             seed=config.seed,
             model_impl=config.model_impl,
             tokenizer=tokenizer,
+            quantization=config.quantization,
             tensor_parallel_size=config.tensor_parallel_size,
         )
         if self.llm.tokenizer is None:
@@ -228,7 +247,7 @@ class Pair:
         config = self.config
         if config.tensor_parallel_size > 1:  # every rank loads the pair itself
             target, draft = config.model, config.draft_model
-            loading.update(dtype=config.dtype, model_impl=config.model_impl)
+            loading.update(dtype=config.dtype, model_impl=config.model_impl, quantization=config.quantization)
             loading.update(tensor_parallel_size=config.tensor_parallel_size)
             if drafter == "draft_model":
                 loading.update(draft_dtype=config.draft_dtype)
@@ -259,6 +278,10 @@ class Pair:
             adaptive=adaptive,
             tree=tree,
         )
+
+    def hf_dtype(self) -> str:
+        """The dtype of HF's target ("float32", "bfloat16", ...)."""
+        return str(next(self.hf_target.parameters()).dtype).removeprefix("torch.")
 
     def hf(self, drafter: str | None, k: int) -> HFMethod:
         """Hugging Face `generate`: greedy, assisted by the draft, or prompt lookup (these two: batch 1)."""
@@ -294,9 +317,11 @@ class Pair:
 def load_sets(
     config: BenchConfig, tokenizer, max_prompt_tokens: int, notes: list[str]
 ) -> dict[str, list[list[int]]]:
-    """Each prompt file's first `num_prompts` prompts as token ids, named after the file's stem."""
+    """Each prompt set's first `num_prompts` prompts as token ids, named after the file's stem: the
+    config's sets, else the bundled ones for the tokenizer (BenchConfig.prompts)."""
     sets = {}
-    for path in config.prompts:
+    paths = default_sets(tokenizer) if config.prompts is None else map(resolve_set, config.prompts)
+    for path in paths:
         records = load_jsonl(path)[: config.num_prompts]
         ids = [encode(tokenizer, r, max_prompt_tokens) for r in records]
         cut = sum(len(encode(tokenizer, r, 10**9)) > max_prompt_tokens for r in records)
@@ -304,6 +329,7 @@ def load_sets(
             notes.append(
                 f"{Path(path).stem}: {cut} prompt(s) cut to their last {max_prompt_tokens} tokens "
                 f"to fit the models' context"
+                + (" (chats: leading messages dropped whole, prompts.encode)" if records[0].chat else "")
             )
         sets[Path(path).stem] = ids
     return sets
@@ -386,13 +412,15 @@ SWEPT = ("draft_model", "ngram")
 
 def skipped_heads(config: BenchConfig) -> dict[str, dict]:
     """The EAGLE methods' entries as skipped (with why) where they cannot run: no head given, or the
-    target split over ranks; {} where they run."""
-    if config.eagle is not None and config.tensor_parallel_size == 1:
+    target split over ranks, or quantized; {} where they run."""
+    if config.eagle is not None and config.tensor_parallel_size == 1 and config.quantization is None:
         return {}
     note = (
         "no EAGLE head: --eagle PATH (with the demo target, its head models/demo/eagle)"
         if config.eagle is None
         else "EAGLE heads run on one rank, not with --tensor-parallel-size > 1"
+        if config.tensor_parallel_size > 1
+        else f"EAGLE heads need an unquantized target, not --quantization {config.quantization}"
     )
     labels = {"ours_eagle": "ours eagle", "ours_eagle_tree": "ours eagle, dynamic tree"}
     return {name: {"label": label, "note": note} for name, label in labels.items()}
@@ -409,6 +437,9 @@ def build_methods(
     methods: list[Method] = [pair.hf(None, 0)] + [pair.hf(d, config.k) for d in swept]
     if config.compile or pair.device.type == "cuda":
         methods.append(hf_static(pair.hf_target, pair.pad_token_id, longest_prompt + config.max_tokens))
+    if config.quantization is not None:  # HF runs the float models: its rows say so
+        for method in methods:
+            method.label = f"{method.label} ({pair.hf_dtype()} weights)"
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
     methods += [pair.ours(d, config.k, tree=TREES[d]) for d in drafters]
@@ -431,7 +462,7 @@ def build_methods(
         methods.append(vllm_method(config.model, config.draft_model, config.k, config.dtype))
     elif "vllm_draft" not in skipped:
         skipped["vllm_draft"] = {"label": "vLLM draft", "note": why_not}
-    why_not = llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build)
+    why_not = llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build, config.quantization)
     if why_not is not None:
         skipped.update(skipped_entries(why_not))
         return methods, skipped
@@ -451,9 +482,67 @@ def build_methods(
         torch.get_num_threads(),
         min(m.max_length for m in (pair.target, pair.draft) if m is not None),
         config.gguf_cache,
+        config.quantization,
+        config.llama_cpp_target_gguf,
     )
     llama_methods, llama_skipped = llama_cpp_methods(setup, servers)
     return methods + llama_methods, {**skipped, **llama_skipped}
+
+
+def check_llama_cpp(config: BenchConfig) -> None:
+    """A ValueError, before anything loads, where the llama.cpp settings cannot run: --llama-cpp
+    given but unusable (llama-quantize too, for a quantized run), --llama-cpp-target-gguf without
+    --llama-cpp, or of another type than the run's (known here when --dtype is float32 or bfloat16)."""
+    if config.llama_cpp is not None:
+        why_not = llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build, config.quantization)
+        if why_not is not None:
+            raise ValueError(why_not)
+    if config.llama_cpp_target_gguf is None:
+        return
+    if config.llama_cpp is None:
+        raise ValueError("--llama-cpp-target-gguf is llama.cpp's target: give --llama-cpp DIR with it")
+    if config.dtype in OUTTYPES and config.quantization in (None, *QUANT_TYPES):
+        expected = expected_gguf_type(config.dtype, config.quantization)
+        check_gguf_type(config.llama_cpp_target_gguf, expected, checkout=config.llama_cpp)
+
+
+def bound_weights(pair: Pair, gguf: Path | None, llama_cpp: dict | None) -> dict[str, tuple[str, int]]:
+    """What each engine's plain decoding reads per token (memory.engine_bounds' `weights`): HF the
+    float target, ours its own target (quantized or not; split over ranks, the float target's
+    bytes), llama.cpp its target GGUF where it runs."""
+    hf = (pair.hf_dtype(), weight_bytes(pair.hf_target))
+    quantization = pair.config.quantization
+    weights = {"hf": hf}
+    if pair.config.tensor_parallel_size == 1:
+        weights["ours"] = (quantization or hf[0], weight_bytes(pair.target))
+    elif quantization is None:
+        weights["ours"] = hf
+    if gguf is not None:
+        weights["llama.cpp"] = (
+            f"{llama_cpp['gguf_type']} GGUF",
+            gguf_weight_bytes(gguf, pair.config.llama_cpp),
+        )
+    return weights
+
+
+def quantization_note(quantization: str, hf_dtype: str) -> str:
+    """The results' note on a quantized run (--quantization)."""
+    return (
+        f"Quantized run (--quantization {quantization}): ours runs target and draft with weight-only "
+        f"{quantization} projections and lm_head (models/quantization.py: "
+        + (
+            "symmetric per output channel"
+            if quantization == "int8"
+            else "asymmetric, a scale and zero per group"
+        )
+        + f"); llama.cpp runs {QUANT_TYPES[quantization]} GGUFs made by its own llama-quantize with its "
+        "default choices for that type from the f32 conversion (or the given --llama-cpp-target-gguf). "
+        f"HF's methods run the {hf_dtype} models (rows labelled so) and HF generate's greedy output stays "
+        "the identical column's reference: for the quantized engines that column is their agreement with "
+        "the float model, not an exactness check (a quantized engine is exact against its own quantized "
+        "target, which tests/test_quantization.py checks). The memory bound line gives each engine's "
+        "bound from the bytes it reads."
+    )
 
 
 @contextmanager
@@ -478,8 +567,7 @@ def run_bench(config: BenchConfig, advance: Advance) -> dict:
 def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dict:
     """run_bench's work, llama.cpp's servers registered on `servers`."""
     clock = time.perf_counter()
-    if config.llama_cpp is not None and llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build):
-        raise ValueError(llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build))
+    check_llama_cpp(config)
     if config.synthetic is not None and (config.llama_cpp is not None or config.eagle is not None):
         raise ValueError("--synthetic pairs have no checkpoint for --llama-cpp and no EAGLE head (--eagle)")
     torch.manual_seed(config.seed)
@@ -495,6 +583,8 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     pair = Pair(config)
     if pair.synthetic is not None:
         notes.insert(0, pair.synthetic.describe())
+    if config.quantization is not None:
+        notes.append(quantization_note(config.quantization, pair.hf_dtype()))
     if config.compile:
         notes.append(
             "Compiled methods (torch.compile of the native forward) share the eager models' weights; "
@@ -516,10 +606,16 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     if any(m.name == "hf_static" for m in methods):
         notes.append(HF_STATIC_NOTE)
     llama_cpp = None
-    if any(m.engine == "llama.cpp" for m in methods):
+    gguf = next((m.gguf for m in methods if m.engine == "llama.cpp"), None)
+    if gguf is not None:
         notes.append(LLAMA_CPP_NOTE)
         binary = server_binary(config.llama_cpp, config.llama_cpp_build)
-        llama_cpp = {"server": display_path(str(binary)), "version": server_version(binary)}
+        llama_cpp = {
+            "server": display_path(str(binary)),
+            "version": server_version(binary),
+            "target_gguf": display_path(str(gguf)),
+            "gguf_type": gguf_type(gguf, config.llama_cpp),
+        }
     results: dict = {
         "config": _with_relative_paths(asdict(config)),
         "machine": {
@@ -529,7 +625,7 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "llama_cpp": llama_cpp,
         },
-        "memory_bound": memory_bound(weight_bytes(pair.hf_target), copy_bandwidth(pair.device)),
+        "memory_bound": engine_bounds(copy_bandwidth(pair.device), bound_weights(pair, gguf, llama_cpp)),
         "sets": {},
         "sweeps": {"k": {}},
         "notes": notes,
@@ -627,4 +723,12 @@ def _with_relative_paths(config: dict) -> dict:
     return {name: shown(value) if name in _PATH_FIELDS else value for name, value in config.items()}
 
 
-_PATH_FIELDS = ("model", "draft_model", "eagle", "prompts", "llama_cpp", "gguf_cache")
+_PATH_FIELDS = (
+    "model",
+    "draft_model",
+    "eagle",
+    "prompts",
+    "llama_cpp",
+    "gguf_cache",
+    "llama_cpp_target_gguf",
+)
