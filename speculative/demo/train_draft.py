@@ -20,16 +20,17 @@
    for this engine), and with `--package DIR` also without the embedding, which is the target's: the
    committed form, rebuilt by `assemble_draft(package, target, out)`.
 
-Training: AdamW, linear warmup and cosine decay, batches of about `--batch-tokens` tokens of answers
-of similar length, bf16 autocast where the CPU computes bf16 natively, until `--steps` or
-`--max-minutes`. The card (README.md) and training.json state the data, the held-out agreement per
-draft position and the engine's acceptance on a held-out prompt set.
+Training: AdamW, linear warmup and cosine decay over the run (its steps or its minutes, whichever
+ends it), batches of about `--batch-tokens` tokens of answers of similar length, bf16 autocast where
+the CPU computes bf16 natively. The card (README.md) and training.json state the data, the held-out
+agreement per draft position and the engine's acceptance on a held-out prompt set.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shutil
 import sys
@@ -44,7 +45,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from speculative.demo.model_card import machine
-from speculative.demo.train import lr_at, optimizer
+from speculative.demo.train import optimizer
 
 VOCABULARY_FILE = "draft_vocabulary.json"
 """Beside a draft's weights: {"token_ids": [...]}, its draft vocabulary (most frequent first)."""
@@ -215,19 +216,22 @@ def autocast():
 
 
 def train(draft: Distilled, rows: list, heldout: list, args: argparse.Namespace) -> dict:
-    """Train `draft` on `rows` for args.steps steps or args.max_minutes; returns the training record."""
+    """Train `draft` on `rows` for args.steps steps or args.max_minutes, whichever ends first; the
+    learning rate warms up over args.warmup steps, then decays along a cosine to a tenth of args.lr
+    as the run progresses (the larger of its fractions of steps and of minutes). Returns the record."""
     rng = random.Random(args.seed)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = optimizer(draft, args.lr)
-    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else None
-    start, step, recent, tokens_seen, groups = time.monotonic(), 0, [], 0, []
+    budget = 60 * args.max_minutes if args.max_minutes else None
+    start, step, recent, tokens_seen, groups, progress = time.monotonic(), 0, [], 0, [], 0.0
     bar = tqdm(total=args.steps, desc="draft", mininterval=10.0, dynamic_ncols=True)
-    while step < args.steps and (deadline is None or time.monotonic() < deadline):
+    while progress < 1:
         if not groups:
             groups = batches(rows, args.batch_tokens, rng)
         tokens, mask, labels = collate(rows, groups.pop())
+        warm = min(1.0, (step + 1) / args.warmup)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
+            group["lr"] = args.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         with autocast():
             logits = draft(tokens, mask)
         wanted = labels >= 0
@@ -237,6 +241,9 @@ def train(draft: Distilled, rows: list, heldout: list, args: argparse.Namespace)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step, tokens_seen = step + 1, tokens_seen + int(mask.sum())
+        progress = step / args.steps
+        if budget is not None:
+            progress = max(progress, (time.monotonic() - start) / budget)
         recent = (recent + [loss.item()])[-50:]
         bar.update(1)
         bar.set_postfix(loss=f"{recent[-1]:.3f}", refresh=False)
