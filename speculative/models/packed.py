@@ -88,8 +88,9 @@ STATIC_ROWS_MAX = 6
 # (round_onednn_rows): a call of more than ONEDNN_CHUNK_ROWS rows (a prefill) runs a chunk of that
 # many at a time, and each call's rows are rounded up (onednn_rows, zero-padded): up to
 # ONEDNN_EXACT_ROWS as they come, up to ONEDNN_COARSE_ROWS (decoding steps, which mostly stream the
-# weights) one of 4 counts per doubling, beyond one of 8. That is 40 counts per weight, whose kernels
-# a server makes before its first request (Scheduler.start), so that its memory stays flat. The zero
+# weights) one of 4 counts per doubling, beyond one of 8. That is 40 counts per shape of weight (a
+# kernel serves every layer of that shape), whose kernels a server's engine thread makes as soon as
+# it starts, while it has nothing else to do (Scheduler.start), so that its memory stays flat. The zero
 # rows cost throughput (the demo pair, float32, 2 threads, LLM.generate of 9 / 20 code prompts x 64
 # tokens: plain decoding 4% / 2% slower, with the draft model 7% / 7%), so offline runs, which meet a
 # bounded set of shapes, keep the exact rows.

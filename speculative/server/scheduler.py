@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,8 +25,8 @@ import torch
 from speculative.engine.outputs import Logprob, SpeculationMetrics
 from speculative.engine.sequence import Sequence
 from speculative.llm import LLM
-from speculative.models.llama import NativeCausalLM
-from speculative.models.packed import onednn_row_counts, round_onednn_rows
+from speculative.models.llama import SMALL_CALL_ROWS, NativeCausalLM
+from speculative.models.packed import PackedLinear, onednn_row_counts, round_onednn_rows
 from speculative.sampling_params import SamplingParams
 from speculative.server.memory import release_free_memory
 from speculative.server.metrics import ServerMetrics
@@ -32,6 +34,11 @@ from speculative.server.openmp import release_thread_team
 
 SHUT_DOWN = "the server shut down before this request finished (--shutdown-timeout)"
 """The error of the requests still running when the shutdown's time is up."""
+
+KERNEL_SHARE = 0.1
+"""While requests run, the engine thread makes the next oneDNN kernel (Scheduler.start) between two
+steps only as long as the time it spent making them between steps is under this share of its time
+stepping; when idle it makes them one after the other."""
 
 
 class QueueFull(Exception):
@@ -161,6 +168,9 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._kernels: tuple[KernelCall, ...] = ()  # start(): the engine thread makes them
+        self._kernels_made = 0
+        self._step_time = self._kernel_time = 0.0  # seconds of steps, of kernels made between steps
 
     @property
     def num_running(self) -> int:
@@ -175,17 +185,24 @@ class Scheduler:
 
     def start(self) -> None:
         """Start the engine thread; call from inside the event loop that will read the streams. From
-        then on this process's oneDNN matmuls meet few row counts (packed.round_onednn_rows), whose
-        kernels are made first (_make_kernels): a server meets ever new batch and prefill sizes, each a
-        kernel that oneDNN would make and keep, so its memory would grow for thousands of requests.
-        Then this thread's OpenMP team ends (openmp.release_thread_team): the engine thread's forwards
-        run at full speed only while its team is the only one."""
+        then on this process's oneDNN matmuls meet few row counts (packed.round_onednn_rows). A server
+        meets ever new batch and prefill sizes, each a kernel that oneDNN would make and keep, so its
+        memory would grow for thousands of requests: the engine thread makes the kernels of those few
+        counts itself (kernel_calls), one matmul at a time while it has nothing else to do, and while
+        requests run in at most KERNEL_SHARE of its time, so that requests are served at once and its
+        memory then stays flat. This thread's OpenMP team ends (openmp.release_thread_team): the
+        engine thread's forwards run at full speed only while its team is the only one."""
         round_onednn_rows()
-        _make_kernels(self.llm)
+        self._kernels = kernel_calls(self.llm)
         release_thread_team()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="speculative-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def kernels_left(self) -> int:
+        """oneDNN kernels the engine thread has still to make (start): 0 once it made them all."""
+        return len(self._kernels) - self._kernels_made
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         """Queue a request; call from the event loop. Raises ValueError (naming the problem) when the
@@ -281,6 +298,8 @@ class Scheduler:
                 if busy:  # the batch just emptied
                     release_free_memory()
                     busy = False
+                if self._make_kernel():  # then look for requests again
+                    continue
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -291,7 +310,34 @@ class Scheduler:
             except Exception as error:
                 self._fail_all(f"{type(error).__name__}: {error}")
                 continue
-            self._publish(list(self._running), time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            self._publish(list(self._running), elapsed)
+            self._step_time += elapsed
+            if self._kernel_time < KERNEL_SHARE * self._step_time:
+                start = time.perf_counter()
+                if self._make_kernel():
+                    self._kernel_time += time.perf_counter() - start
+
+    def _make_kernel(self) -> bool:
+        """Make the next kernel of `start`'s list (the engine is idle, or has KERNEL_SHARE of its
+        stepping time to spare); False when none is left. Once the last one is made, the heap's free
+        memory goes back to the OS (its matmuls' inputs and outputs). A kernel that fails to be made
+        ends the list, with a logged warning: the matmuls that need the rest make them as they come."""
+        if self._kernels_made >= len(self._kernels):
+            return False
+        call = self._kernels[self._kernels_made]
+        self._kernels_made += 1
+        try:
+            call.make()
+        except Exception:
+            logging.getLogger(__name__).warning(
+                "making oneDNN kernels ahead of the requests failed; the rest are made as needed",
+                exc_info=True,
+            )
+            self._kernels_made = len(self._kernels)
+        if self._kernels_made == len(self._kernels):
+            release_free_memory()
+        return True
 
     def _admit(self) -> list[Request]:
         """Move waiting requests that fit into the running batch (under the lock), oldest first."""
@@ -468,23 +514,88 @@ class Scheduler:
         self.metrics.waiting.set(self.num_waiting)
 
 
-def _make_kernels(llm: LLM) -> None:
-    """Run the eager forward of every natively run model of `llm` (target and draft; not split over
-    ranks, whose forwards every rank must make) once on each row count of onednn_row_counts (a
-    forward of that many tokens: its matmuls meet that many rows, the lm_head's too), so that oneDNN
-    makes the kernels of every count it will meet (the demo pair, float32, 2 threads: 1.3 s)."""
+@dataclass(frozen=True)
+class KernelCall:
+    """One call of a PackedLinear that makes one oneDNN kernel: `rows` zero rows (plus a zero residual
+    where `residual`, as a decoder layer's o and down projections add theirs) on `threads` OpenMP
+    threads. oneDNN keys its kernels by the call's shapes, dtypes, post-op and threads: every layer of
+    the same shape shares them. It holds the layer weakly (a layer laid out again is a new one)."""
+
+    linear: weakref.ReferenceType[PackedLinear]
+    residual: bool
+    rows: int
+    threads: int
+
+    def make(self) -> None:
+        """Call the layer (nothing if it is gone), on `threads` threads, restored afterwards."""
+        linear = self.linear()
+        if linear is None:
+            return
+        weight = linear.weight
+        previous = torch.get_num_threads()
+        if self.threads != previous:
+            torch.set_num_threads(self.threads)
+        try:
+            with torch.no_grad():
+                x = weight.new_zeros(self.rows, weight.shape[1])
+                linear(x, weight.new_zeros(self.rows, weight.shape[0]) if self.residual else None)
+        finally:
+            if self.threads != previous:
+                torch.set_num_threads(previous)
+
+
+def kernel_calls(llm: LLM) -> tuple[KernelCall, ...]:
+    """The calls that make every oneDNN kernel `llm`'s forwards meet under round_onednn_rows: each
+    distinct kind of call (linear_calls) of every natively run model (target, draft, EAGLE head; not
+    one split over ranks, whose forwards every rank must make) on each row count of
+    onednn_row_counts, on torch's threads, and where a model runs forwards of at most SMALL_CALL_ROWS
+    tokens on fewer threads (NativeCausalLM.small_call_threads), at those counts on those threads too
+    (a longer forward's last chunk, or its lm_head, meets them on torch's). One call per kernel, by
+    row count ascending (the most frequent counts first). Computes nothing."""
     if llm.tensor_parallel is not None:
-        return
-    for loaded in (llm.target, llm.draft):
-        model = getattr(loaded, "model", None)
-        while model is not None and not isinstance(model, NativeCausalLM):  # compiled, bucketed
+        return ()
+    models = []
+    for loaded in (llm.target, llm.draft, getattr(getattr(llm.engine, "proposer", None), "head", None)):
+        model = loaded
+        while model is not None and not isinstance(model, NativeCausalLM):  # loaded, compiled, bucketed
             model = getattr(model, "model", None)
-        if model is None:
-            continue
-        for rows in onednn_row_counts():
-            if rows <= model.max_length:
-                ids = torch.zeros(1, rows, dtype=torch.long, device=model.device)
-                model.forward(ids, model.new_cache(1, rows))
+        if model is not None:
+            models.append(model)
+    threads = torch.get_num_threads()
+    calls: dict[tuple, KernelCall] = {}
+    for rows in onednn_row_counts():
+        for model in models:
+            small = model.small_call_threads
+            fewer = bool(small) and small < threads and rows <= SMALL_CALL_ROWS
+            for linear, residual in linear_calls(model):
+                if linear.prepacked is None:  # not oneDNN's (quantized, not on a CPU)
+                    continue
+                for n in (small, threads) if fewer else (threads,):
+                    weight, bias = linear.weight, linear.bias
+                    key = (tuple(weight.shape), weight.dtype, bias is not None, residual, rows, n)
+                    calls.setdefault(key, KernelCall(weakref.ref(linear), residual, rows, n))
+    return tuple(calls.values())
+
+
+def linear_calls(model: NativeCausalLM) -> list[tuple[PackedLinear, bool]]:
+    """(layer, whether with a residual) for each PackedLinear call of `model`'s forward: each decoder
+    layer's q/k/v and gate/up projections alone, its o and down projections adding the residual
+    stream (llama.NativeCausalLM.run_layers), the lm_head alone, and an EAGLE head's fc alone."""
+    calls = [
+        (linear, residual)
+        for layer in model._layers
+        for linear, residual in (
+            (layer.qkv, False),
+            (layer.o, True),
+            (layer.gate_up, False),
+            (layer.down, True),
+        )
+    ]
+    calls.append((model._lm_head, False))
+    fc = getattr(model, "_fc", None)  # an EAGLE head's
+    if fc is not None:
+        calls.append((fc, False))
+    return calls
 
 
 def _reason(request: Request) -> str:
