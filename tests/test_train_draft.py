@@ -93,3 +93,17 @@ def test_draft_config_takes_the_targets_head_size_and_kv_ratio() -> None:
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (3, 1, 16)
     with pytest.raises(ValueError, match="--hidden must be a multiple of the target's head size 16"):
         train_draft.draft_config(target, hidden=40, layers=1, intermediate=64)
+
+
+def test_a_packaged_draft_goes_on_training(trained, tmp_path) -> None:
+    """--resume starts from the package's weights and vocabulary (its answers reused: --data)."""
+    root, _, _ = trained
+    argv = [
+        "--target", str(root / "target"), "--out", str(tmp_path / "more"), "--resume", str(root / "package"),
+        "--data", str(root / "draft" / "data"), "--chats", "6", "--followed", "6", "--steps", "2",
+        "--warmup", "1", "--eval-every", "5", "--batch-tokens", "512",
+    ]  # fmt: skip
+    info = train_draft.main(argv)
+    assert info["training"]["steps"] == 2
+    assert read_draft_vocabulary(tmp_path / "more").tolist() == read_draft_vocabulary(root / "draft").tolist()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "more").config.hidden_size == 32

@@ -49,11 +49,12 @@ from pathlib import Path
 import numpy as np
 
 from speculative.bench.load_report import token_range, write_load_outputs
-from speculative.bench.prompts import BUNDLED_DIR, load_jsonl
+from speculative.bench.prompts import PromptRecord, default_sets, load_jsonl, resolve_set
 from speculative.bench.server_process import ServerProcess, free_port
 from speculative.demo.model_card import machine
 from speculative.extras import needs_extra
 from speculative.models.dtypes import cpu_features
+from speculative.models.loading import load_tokenizer
 
 with needs_extra("bench", "speculative bench-serve"):
     import httpx
@@ -72,8 +73,10 @@ REQUEST_TIMEOUT = 600.0  # seconds for one request
 @dataclass
 class LoadConfig:
     """What `speculative bench-serve` runs (fields as its flags). model / draft_model: None takes the demo
-    pair; prompts: a JSONL set (None: the bundled code set), of which the first `num_prompts` are sent in
-    turn; serve_flags: more `speculative serve` flags for every server."""
+    pair; prompts: a JSONL set or a bundled set's name (None: the first bundled set for the target's
+    tokenizer, chat for an instruction-tuned model, code otherwise), of which the first `num_prompts`
+    are sent in turn (chat records to /v1/chat/completions); serve_flags: more `speculative serve`
+    flags for every server."""
 
     model: str | None = None
     draft_model: str | None = None
@@ -145,7 +148,11 @@ class Driver:
     (a time.perf_counter(); default now)."""
 
     def __init__(
-        self, client: httpx.AsyncClient, prompts: list[str], config: LoadConfig, start: float | None = None
+        self,
+        client: httpx.AsyncClient,
+        prompts: list[PromptRecord],
+        config: LoadConfig,
+        start: float | None = None,
     ) -> None:
         self.client, self.prompts, self.config = client, prompts, config
         self.start = time.perf_counter() if start is None else start
@@ -154,20 +161,25 @@ class Driver:
     def clock(self) -> float:
         return time.perf_counter() - self.start
 
-    def _body(self, max_tokens: int, spread: float) -> dict:
-        prompt = self.prompts[self.sent % len(self.prompts)]
+    def _request(self, max_tokens: int, spread: float) -> tuple[str, dict]:
+        """The next request's path and body: a chat record (its messages, or its text as a user turn) goes
+        to /v1/chat/completions, other prompts (text) to /v1/completions."""
+        record = self.prompts[self.sent % len(self.prompts)]
         if spread:
             rng = random.Random(f"{self.config.seed}-{self.sent}")
             max_tokens = rng.randint(*token_range(max_tokens, spread))
         self.sent += 1
-        return {
-            "prompt": prompt,
+        body = {
             "max_tokens": max_tokens,
             "temperature": self.config.temperature,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if record.chat:
+            messages = record.messages or [{"role": "user", "content": record.text}]
+            return "/v1/chat/completions", {"messages": messages, **body}
+        return "/v1/completions", {"prompt": record.text, **body}
 
     async def request(self, max_tokens: int, spread: float = 0.0) -> RequestRecord:
         """One streamed completion of max_tokens tokens (spread > 0: drawn from max_tokens * (1 -+
@@ -175,8 +187,8 @@ class Driver:
         record = RequestRecord(sent=self.clock())
         done = False
         try:
-            body = self._body(max_tokens, spread)
-            async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            path, body = self._request(max_tokens, spread)
+            async with self.client.stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     record.error = f"status {response.status_code}: {(await response.aread())[:200]!r}"
                     return record
@@ -190,7 +202,8 @@ class Driver:
                     if "error" in event:
                         record.error = f"error event: {event['error']}"
                         return record
-                    if any(choice.get("text") for choice in event.get("choices", [])):
+                    choices = event.get("choices", [])
+                    if any(c.get("text") or c.get("delta", {}).get("content") for c in choices):
                         record.chunks.append(self.clock())
                     if event.get("usage"):
                         record.tokens = event["usage"]["completion_tokens"]
@@ -278,7 +291,10 @@ def pooled(runs: list[tuple[float, float, list[RequestRecord]]]) -> dict:
 
 
 async def drive_servers(
-    servers: dict[str, tuple[str, int]], prompts: list[str], config: LoadConfig, api_key: str | None = None
+    servers: dict[str, tuple[str, int]],
+    prompts: list[PromptRecord],
+    config: LoadConfig,
+    api_key: str | None = None,
 ) -> dict[str, dict]:
     """Drive the servers, name -> (url, pid of its process), all up at once (module docstring): each
     one's warm-up; then `config.rounds` rounds, in which each level runs on one server after another
@@ -377,8 +393,8 @@ def run_load(config: LoadConfig, target: str, draft: str | None, out: Path) -> d
     """Every server of `config` started and driven (drive_servers): with one round, one server up at
     a time; with more, all up together (each holding its models) so that they can take turns.
     results.json, report.md and load.png written to `out` (created). Returns the results."""
-    prompt_file = Path(config.prompts) if config.prompts else BUNDLED_DIR / "code.jsonl"
-    prompts = [record.text for record in load_jsonl(prompt_file)][: config.num_prompts]
+    prompt_file = resolve_set(config.prompts) if config.prompts else default_sets(load_tokenizer(target))[0]
+    prompts = load_jsonl(prompt_file)[: config.num_prompts]
     results: dict = {
         "config": asdict(config),
         "machine": {**machine(), "cpu_features": cpu_features()},

@@ -1,7 +1,7 @@
 """The recipe for the demo model pair: `python -m speculative.demo.train --out models/demo`.
 
 Trains, on the Python standard library's source (see `speculative.demo.corpus`), a byte-level BPE
-tokenizer, a 12-layer Llama target and a 1-layer, narrower Llama draft distilled from the target (forward
+tokenizer, a 6-layer Llama target and a 1-layer, narrower Llama draft distilled from the target (forward
 KL to the target's distribution at every position; its embeddings start as the target's projected onto
 their top principal directions). Both are written as Hugging Face directories (`target/`, `draft/`:
 config, generation config, tokenizer, bf16 safetensors), with `README.md` and `training.json` beside
@@ -42,16 +42,16 @@ FULL = {
     "eval_windows": 64,
     "eval_every": 200,
     "target": {
-        "hidden_size": 384,
-        "num_hidden_layers": 12,
-        "intermediate_size": 1152,
-        "num_attention_heads": 6,
+        "hidden_size": 256,
+        "num_hidden_layers": 6,
+        "intermediate_size": 768,
+        "num_attention_heads": 4,
         "num_key_value_heads": 2,
     },
     "draft": {
-        "hidden_size": 256,
+        "hidden_size": 192,
         "num_hidden_layers": 1,
-        "intermediate_size": 768,
+        "intermediate_size": 576,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
     },

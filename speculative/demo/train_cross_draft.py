@@ -3,12 +3,17 @@ speculative.demo.train_cross_draft --pair models/demo --steps 1200`.
 
 Trains, on the demo corpus's training files (the split of `speculative.demo.corpus`), a byte-level BPE of
 `--vocab-size` tokens (4096: half the target's, so the two tokenize the same text differently) and a
-1-layer Llama of the demo draft's shape on that corpus encoded with it: next-token cross-entropy (the
-vocabularies differ, so no distillation from the target's distribution), the recipe's schedule and
-`train_loop`. It is written to `<pair>/cross-draft/` (a Hugging Face directory: config, tokenizer, bf16
-safetensors) with `training.json` (the training record and the greedy acceptance measured through the
-engine: k = 4 chains on held-out prompts, of this draft drafting across tokenizers and of the pair's
-same-vocabulary draft) and `README.md`, its card.
+1-layer Llama (SIZES: hidden 256; `--smoke`, the recipe's smoke draft) on that corpus encoded with it:
+next-token cross-entropy (the vocabularies differ, so no distillation from the target's distribution),
+the recipe's schedule and `train_loop`. Nothing of it depends on the target: only its acceptance is
+measured against it. It is written to `<pair>/cross-draft/` (a Hugging Face directory: config,
+tokenizer, bf16 safetensors) with `training.json` (the training record and the greedy acceptance
+measured through the engine: k = 4 chains on held-out prompts, of this draft drafting across
+tokenizers and of the pair's same-vocabulary draft) and `README.md`, its card.
+
+`--measure` trains nothing: it measures the saved draft's acceptance again, against the pair's target as
+it is now (after the target was retrained, say), and rewrites `training.json`'s `acceptance` and the
+card.
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ from speculative.demo.train import FULL, SMOKE, ce_loss, count_params, llama, sa
 
 VOCAB_SIZE = 4096
 SMOKE_VOCAB_SIZE = 320  # the smoke target's is 384
+# Its shape: that of the demo draft it was first trained beside (hidden 256), kept when the demo pair
+# shrank (its training does not depend on the target).
+SIZES = {
+    "hidden_size": 256,
+    "num_hidden_layers": 1,
+    "intermediate_size": 768,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def write_card(info: dict, path: Path) -> None:
@@ -36,6 +50,11 @@ def write_card(info: dict, path: Path) -> None:
     rows = "\n".join(
         f"| {name} | {a[name]['acceptance_rate']:.3f} | {a[name]['mean_accepted_length']:.2f} |"
         for name in ("cross-draft", "draft")
+    )
+    again = (
+        ", measured again against the target as it is now (`--measure`)"
+        if info.get("acceptance_measured_again")
+        else ""
     )
     path.joinpath("README.md").write_text(
         f"""# A draft with its own tokenizer, for the demo target
@@ -52,13 +71,34 @@ own vocabulary); {info["seconds"]} s of training on {info["machine"]["cpu"]}
 ({info["machine"]["nproc"]} CPUs, shared).
 
 Greedy acceptance, k = {a["k"]} chains, {a["prompts"]} held-out prompts of {a["prompt_len"]} target
-tokens, {a["new_tokens"]} new tokens each (training.json); the rate counts target tokens:
+tokens, {a["new_tokens"]} new tokens each (training.json){again}; the rate counts target tokens:
 
 | drafter | acceptance rate | mean tokens per step |
 |---|---|---|
 {rows}
 """
     )
+
+
+def measure_acceptance(pair: Path, heldout_texts: list[str], cfg: dict, count: int, seed: int) -> dict:
+    """training.json's `acceptance`: the saved cross-draft's and the pair's draft's, greedy, k = 4 chains
+    through the engine, on `count` held-out prompts of the target's tokens."""
+    target_tokenizer = corpus.PreTrainedTokenizerFast.from_pretrained(pair / "target")
+    heldout_target = corpus.encode_files(target_tokenizer, heldout_texts)
+    prompts = file_prompts(heldout_target, count, cfg["prompt_len"], seed).tolist()
+    return {
+        "prompts": count,
+        "prompt_len": cfg["prompt_len"],
+        "new_tokens": cfg["new_tokens"],
+        "k": 4,
+        **engine_acceptance(
+            pair,
+            {"cross-draft": "draft_model", "draft": "draft_model"},
+            prompts,
+            cfg["new_tokens"],
+            num_speculative_tokens=4,
+        ),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -74,6 +114,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--smoke", action="store_true", help="the recipe's tiny sizes on a few files, in seconds"
     )
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="train nothing: measure the saved draft's acceptance against the pair's target again",
+    )
     args = parser.parse_args(argv)
     cfg = dict(SMOKE if args.smoke else FULL)
     start = time.monotonic()
@@ -83,18 +128,28 @@ def main(argv: list[str] | None = None) -> dict:
     train_files, heldout_files = corpus.split_files(corpus.list_files())
     if cfg["files"] is not None:
         train_files, heldout_files = train_files[: cfg["files"][0]], heldout_files[: cfg["files"][1]]
+    heldout_texts = corpus.read_texts(heldout_files)
+    if args.measure:
+        info = json.loads((out / "training.json").read_text())
+        info["acceptance"] = measure_acceptance(args.pair, heldout_texts, cfg, args.prompts, args.seed)
+        info["acceptance_measured_again"] = True
+        (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+        write_card(info, out)
+        print(json.dumps(info["acceptance"], indent=2))
+        return info
+
     train_texts = corpus.read_texts(train_files)
     vocab_size = args.vocab_size or (SMOKE_VOCAB_SIZE if args.smoke else VOCAB_SIZE)
     tokenizer = corpus.train_tokenizer(train_texts, vocab_size)
     tokenizer.model_max_length = cfg["seq_len"]
     eos = tokenizer.eos_token_id
     train_stream = corpus.token_stream(corpus.encode_files(tokenizer, train_texts), eos)
-    heldout_texts = corpus.read_texts(heldout_files)
     heldout_stream = corpus.token_stream(corpus.encode_files(tokenizer, heldout_texts), eos)
     heldout = corpus.even_windows(heldout_stream, cfg["eval_windows"], cfg["seq_len"])
 
     torch.manual_seed(args.seed)
-    draft = llama(cfg["draft"], len(tokenizer), cfg["seq_len"], eos)
+    sizes = cfg["draft"] if args.smoke else SIZES
+    draft = llama(sizes, len(tokenizer), cfg["seq_len"], eos)
     record = train_loop(
         "cross-draft",
         draft,
@@ -109,12 +164,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     save(draft, tokenizer, out)
 
-    target_tokenizer = corpus.PreTrainedTokenizerFast.from_pretrained(args.pair / "target")
-    heldout_target = corpus.encode_files(target_tokenizer, heldout_texts)
-    prompts = file_prompts(heldout_target, args.prompts, cfg["prompt_len"], args.seed).tolist()
     info = {
         "target": str(args.pair / "target"),
-        **cfg["draft"],
+        **sizes,
         "vocab_size": len(tokenizer),
         "params": count_params(draft),
         "loss": "next-token cross-entropy on the corpus in its own tokens",
@@ -123,19 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seq_len": cfg["seq_len"],
         "max_minutes": args.max_minutes,
         **record,
-        "acceptance": {
-            "prompts": args.prompts,
-            "prompt_len": cfg["prompt_len"],
-            "new_tokens": cfg["new_tokens"],
-            "k": 4,
-            **engine_acceptance(
-                args.pair,
-                {"cross-draft": "draft_model", "draft": "draft_model"},
-                prompts,
-                cfg["new_tokens"],
-                num_speculative_tokens=4,
-            ),
-        },
+        "acceptance": measure_acceptance(args.pair, heldout_texts, cfg, args.prompts, args.seed),
         "machine": machine(),
     }
     (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")

@@ -390,6 +390,8 @@ def card(info: dict) -> str:
     held = t["heldout"]
     chain = " / ".join(f"{c:.3f}" for c in held["chain"])
     per_position = " / ".join(f"{c:.2f}" for c in e["acceptance_per_position"])
+    h = info["engine_heldout_answers"]
+    held_positions = " / ".join(f"{c:.2f}" for c in h["acceptance_per_position"])
     return f"""# A draft for {info["target_name"]}
 
 A {a["layers"]}-layer Llama of width {a["hidden"]} (MLP {a["intermediate"]}) with the target's tokenizer,
@@ -405,8 +407,8 @@ lm_head reads those rows only.
 {info["answers"]:,} answers of the target ({info["response_tokens"]:,} response tokens, greedy, at most
 {a["answer_tokens"]} tokens each) to {a["chats"]} first-turn chats made from templates
 (`speculative/demo/instructions.py`: questions, how-tos, advice, writing, code) and two follow-ups of
-each (a further question, and a summary / rewrite / proofreading request over the answer pasted in).
-No data set was downloaded. One answer in 33 is held out.
+{a["followed"]} of them (a further question, and a summary / rewrite / proofreading request over the
+answer pasted in). No data set was downloaded. One answer in 33 is held out.
 
 ## Training
 
@@ -418,9 +420,11 @@ right: {chain}.
 
 ## Acceptance and cost
 
-Through the engine ({e["prompts"]} held-out chat prompts, {e["new_tokens"]} tokens each, greedy,
-float32, chains of k = {e["k"]}): acceptance rate {e["acceptance_rate"]:.3f},
-**{e["mean_accepted_length"]:.2f} tokens a step**; per draft position {per_position}.
+Through the engine ({e["prompts"]} chat prompts written apart from the templates, the bench's chat set,
+{e["new_tokens"]} tokens each, EOS ignored, greedy, float32, chains of k = {e["k"]}): acceptance rate
+{e["acceptance_rate"]:.3f}, **{e["mean_accepted_length"]:.2f} tokens a step**; per draft position
+{per_position}. On the prompts of {h["prompts"]} held-out answers (the templates' kind):
+{h["mean_accepted_length"]:.2f} tokens a step, per draft position {held_positions}.
 One draft forward costs {e["draft_cost"]:.3f} of a target forward
 ({e["step_ms"]["draft"]:.2f} against {e["step_ms"]["target"]:.2f} ms, batch 1, eager,
 on {info["machine"]["cpu"]}, {info["machine"]["nproc"]} cores).
@@ -441,6 +445,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--init-layers", default="", help="the target's layers the draft's start as")
+    parser.add_argument(
+        "--resume", type=Path, help="go on training this packaged draft (--package's; its sizes, vocabulary)"
+    )
     parser.add_argument("--draft-vocab", type=int, default=8192, help="the draft vocabulary's size")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
@@ -451,6 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-prompts", help="a bench prompt set (JSONL) for the card's engine figures")
+    parser.add_argument("--target-name", help="the target's name in the card (default: its folder's)")
     args = parser.parse_args(argv)
     from speculative.demo.self_distill import self_distilled
     from speculative.llm import LLM
@@ -475,12 +483,22 @@ def main(argv: list[str] | None = None) -> dict:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     eos = target.generation_config.eos_token_id
     always = [eos] if isinstance(eos, int) else list(eos or [])
-    vocabulary = frequent_tokens(train_answers, args.draft_vocab, always)
-    config = draft_config(target.config, args.hidden, args.layers, args.intermediate)
-    init_layers = [int(i) for i in args.init_layers.split(",") if i.strip()]
-    model = initial_draft(target, config, init_layers)
+    if args.resume is None:
+        vocabulary = frequent_tokens(train_answers, args.draft_vocab, always)
+        config = draft_config(target.config, args.hidden, args.layers, args.intermediate)
+        init_layers = [int(i) for i in args.init_layers.split(",") if i.strip()]
+        model = initial_draft(target, config, init_layers)
+    else:  # a packaged draft goes on training: its sizes, weights and vocabulary
+        vocabulary = torch.tensor(json.loads((args.resume / VOCABULARY_FILE).read_text())["token_ids"])
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(args.resume))
+        resumed = load_file(args.resume / PACKAGE_FILE)
+        projection = resumed.pop("embedding_projection", None)
+        model.load_state_dict({k: v.float() for k, v in resumed.items()}, strict=False)
     model.generation_config = target.generation_config
     distilled = Distilled(model, target.get_input_embeddings().weight.detach(), vocabulary)
+    if args.resume is not None and projection is not None:
+        with torch.no_grad():
+            distilled.projection.copy_(projection)
     del target
     rows = training_rows(train_answers, vocabulary, args.max_length)
     heldout = training_rows([answers[i] for i in sorted(heldout_ids)], vocabulary, args.max_length)
@@ -490,7 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
     held_tokens = [t for i in sorted(heldout_ids) for t in answers[i]["response"]]
     kept = set(vocabulary.tolist())
     info = {
-        "target_name": Path(args.target).name,
+        "target_name": args.target_name or Path(args.target).name,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "command": "python -m speculative.demo.train_draft "
         + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -503,6 +521,9 @@ def main(argv: list[str] | None = None) -> dict:
         "training": record,
         "engine": engine_figures(
             args.target, args.out, eval_prompts(args, tokenizer, answers, heldout_ids), 4, 128
+        ),
+        "engine_heldout_answers": engine_figures(
+            args.target, args.out, [answers[i]["prompt"] for i in sorted(heldout_ids)[:16]], 4, 128
         ),
         "machine": machine(),
     }

@@ -132,6 +132,15 @@ def _checkpoint_dtype(config) -> torch.dtype | None:
     return named if isinstance(named, torch.dtype) else None
 
 
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer of a checkpoint: a Hugging Face folder or hub id, or a GGUF file (a `.gguf` file, or
+    a folder holding one and no config.json)."""
+    source = gguf_source(path)
+    if source is not None:
+        return AutoTokenizer.from_pretrained(source[0], gguf_file=source[1])
+    return AutoTokenizer.from_pretrained(path)
+
+
 def _try_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
     try:
         return AutoTokenizer.from_pretrained(path)

@@ -23,6 +23,7 @@ from speculative.bench.load import (
     summarize,
 )
 from speculative.bench.load_report import markdown, soak_lines, speedup_lines
+from speculative.bench.prompts import PromptRecord
 from speculative.cli import main
 
 from .conftest import API_KEY
@@ -77,7 +78,8 @@ def test_the_driver_counts_every_request_of_every_level(served) -> None:
         soak_max_tokens=2,
     )
     servers = {"draft": (served.url, os.getpid())}
-    result = asyncio.run(drive_servers(servers, ["def f(", "x = 1\n"], config, API_KEY))["draft"]
+    prompts = [PromptRecord("0", "def f("), PromptRecord("1", "x = 1\n")]
+    result = asyncio.run(drive_servers(servers, prompts, config, API_KEY))["draft"]
     assert [level["requests"] for level in result["closed"]] == [4, 6]  # at least 2 per client
     for level in result["closed"] + result["open"]:
         assert level["errors"] == 0, level["error_examples"]
@@ -103,7 +105,7 @@ def test_rounds_take_turns_and_give_each_servers_ratio_to_plain(served) -> None:
     server's ratio to plain in the same round (median and range)."""
     config = LoadConfig(concurrency=[2], rates=[30.0], requests=4, max_tokens=3, rounds=2)
     servers = {name: (served.url, os.getpid()) for name in ("plain", "adaptive")}
-    result = asyncio.run(drive_servers(servers, ["def f("], config, API_KEY))
+    result = asyncio.run(drive_servers(servers, [PromptRecord("0", "def f(")], config, API_KEY))
     for kind in ("closed", "open"):
         plain, adaptive = (result[name][kind][0] for name in ("plain", "adaptive"))
         assert plain["requests"] == adaptive["requests"] == 8 and plain["errors"] == 0
@@ -147,7 +149,7 @@ def test_request_lengths_vary_over_their_range_the_same_for_every_server(served)
     async def lengths() -> list[int]:
         headers = {"Authorization": f"Bearer {API_KEY}"}
         async with httpx.AsyncClient(base_url=served.url, headers=headers, timeout=60) as client:
-            driver = Driver(client, ["def f("], LoadConfig(seed=3))
+            driver = Driver(client, [PromptRecord("0", "def f(")], LoadConfig(seed=3))
             records = await driver.closed_loop(1, 12, max_tokens=8, spread=0.5)
         assert all(r.error is None for r in records)
         return [r.tokens for r in records]
@@ -157,10 +159,29 @@ def test_request_lengths_vary_over_their_range_the_same_for_every_server(served)
     assert asyncio.run(lengths()) == first
 
 
+def test_chat_records_are_sent_as_chats_and_their_tokens_counted(served) -> None:
+    """A chat record goes to /v1/chat/completions (its streamed deltas are the chunks), text to
+    /v1/completions; both stream their usage."""
+    chat = PromptRecord("0", "Sort a list.", True, [{"role": "user", "content": "Sort a list."}])
+
+    async def send() -> list:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=served.url, headers=headers, timeout=60) as client:
+            driver = Driver(client, [chat, PromptRecord("1", "def f(")], LoadConfig())
+            assert driver._request(8, 0.0)[0] == "/v1/chat/completions"
+            assert driver._request(8, 0.0)[0] == "/v1/completions"
+            return await driver.closed_loop(1, 2, max_tokens=6)
+
+    records = asyncio.run(send())
+    assert [(r.error, r.tokens) for r in records] == [(None, 6), (None, 6)]
+    assert all(len(r.chunks) >= 1 for r in records)
+
+
 def test_requests_the_server_refuses_are_errors(served) -> None:
     config = LoadConfig(concurrency=[2], rates=[], requests=2, max_tokens=10_000)  # past the context
     servers = {"plain": (served.url, os.getpid())}
-    level = asyncio.run(drive_servers(servers, ["def f("], config, API_KEY))["plain"]["closed"][0]
+    prompts = [PromptRecord("0", "def f(")]
+    level = asyncio.run(drive_servers(servers, prompts, config, API_KEY))["plain"]["closed"][0]
     assert level["errors"] == level["requests"] == 4
     assert level["error_examples"][0].startswith("status 400")
 
