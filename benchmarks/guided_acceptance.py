@@ -2,7 +2,7 @@
 the draft model at k = 4 at temperatures 0 to 1.2; greedy, its dynamic token trees, n-gram and suffix
 decoding. The README's guided decoding figures come from it.
 
-    python benchmarks/guided_acceptance.py [--max-tokens 96] [--out benchmarks/results-guided-epyc-f32]
+    python benchmarks/guided_acceptance.py [--max-tokens 96] [--out docs/benchmarks/results-guided-epyc-f32]
 
 Each prompt is Python code after which a dict literal fits; prompt i's guided request answers it under
 schema i % 4 (compact JSON, stopping at its end), its unguided one continues the code (EOS ignored). All
@@ -169,7 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("-k", type=int, default=4)
-    parser.add_argument("--out", default="benchmarks/results-guided-epyc-f32")
+    parser.add_argument("--out", default="docs/benchmarks/results-guided-epyc-f32")
     parser.add_argument("--note", default="", help="what code ran, for the report")
     args = parser.parse_args()
 

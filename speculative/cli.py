@@ -9,17 +9,16 @@ import shlex
 import sys
 import time
 from pathlib import Path
-
-import jinja2
-from transformers.utils import logging as transformers_logging
-from transformers.utils.chat_template_utils import render_jinja_template
+from typing import TYPE_CHECKING
 
 from speculative.config import GenerationConfig, SpeculativeConfig
 from speculative.demo import DEMO_DIR, DEMO_DIR_ENV, smollm2
 from speculative.engine.outputs import SpeculationMetrics
 from speculative.extras import needs_extra
-from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine (torch, transformers) is imported when a command runs, not for --help
+    from speculative.llm import LLM
 
 DEFAULT_PROMPT = "Give me three tips for staying healthy."
 TOY_PROMPT = "class Stack:\n    def __init__(self):\n"
@@ -459,6 +458,8 @@ def _load(
 ) -> LLM:
     """The LLM of the engine flags (and `options`, LLM's keywords); says on stderr which dtypes its models
     run in and how long loading them took ("speculative: loaded target and draft in 2.10 s")."""
+    from speculative.llm import LLM
+
     start = time.perf_counter()
     llm = LLM(
         model,
@@ -701,6 +702,9 @@ def _chat_template(value: str) -> str:
     ValueError naming the flag when it is not valid Jinja (compiled as transformers compiles chat
     templates, by rendering a one-message chat; errors that only the tokenizer's variables or real
     messages would avoid are left to the requests, which get them as 400s)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import render_jinja_template
+
     template = Path(value).read_text(encoding="utf-8") if os.path.isfile(value) else value
     try:
         render_jinja_template(
@@ -729,9 +733,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def quiet_transformers() -> None:
-    """No weight-loading bars or warnings from transformers in the CLI's output."""
-    transformers_logging.set_verbosity_error()
-    transformers_logging.disable_progress_bar()
+    """No weight-loading bars or warnings from transformers in the CLI's output: by its environment
+    variables, read when it is imported (not before a command needs it), or directly where it is."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
 
 
 def _models(model: str | None, draft: str | None, modelless: bool = False) -> tuple[str, str | None, bool]:

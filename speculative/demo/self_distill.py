@@ -8,6 +8,10 @@ that stops goes on where it left off (the lines already written are skipped by t
 
 Greedy answers are exactly what a draft must predict to be accepted under greedy decoding: every
 response token is the target's argmax given everything before it.
+
+Templates give a narrow set of requests. `sampled_requests` widens it the way Magpie does (Xu et al.
+2024, arXiv:2406.08464): given only the chat template's opening of a user turn, an instruction-tuned
+target writes a request itself, sampled, in the words and on the topics its users' requests have.
 """
 
 from __future__ import annotations
@@ -81,6 +85,70 @@ def generate_chats(
     return read_answers(path)
 
 
+def user_turn_opening(tokenizer) -> tuple[list[int], int]:
+    """The chat template's tokens before a user's words (its default system prompt included, where it
+    has one), and the token that ends the user's turn. Raises ValueError where the template does not
+    write a user's words verbatim or ends the turn with no token of its own."""
+    marker = "\u2063MARKER\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    before, found, after = text.partition(marker)
+    end = tokenizer(after, add_special_tokens=False)["input_ids"][:1]
+    if not found or not end or end[0] not in tokenizer.all_special_ids:
+        raise ValueError("the chat template does not end a user's turn with a special token")
+    return tokenizer(before, add_special_tokens=False)["input_ids"], end[0]
+
+
+@torch.inference_mode()
+def sampled_requests(
+    llm: LLM, count: int, path: str | Path, batch: int = 48, seed: int = 0, max_tokens: int = 96
+) -> list[str]:
+    """`count` distinct requests the target writes itself (module docstring), appended to `path` as
+    JSON lines {"request": text, "sample": i} and resumed after its last sample. A sample is kept
+    where it ends its turn within `max_tokens` tokens, is 12-800 characters long, mostly ASCII
+    letters, and new. Sample i is drawn with seed `seed` + i (temperature 1, top_p 0.95), `batch` at
+    once with continuous batching, so a run gives about the same requests again (which finish first
+    decides their order). Raises RuntimeError where 10 `count` samples (and a batch) gave fewer than
+    `count`."""
+    path = Path(path)
+    kept = read_answers(path)
+    done = [r["request"] for r in kept]
+    if len(done) >= count:
+        return done[:count]
+    opening, end = user_turn_opening(llm.tokenizer)
+    seen, engine, tried = set(done), llm.engine, kept[-1]["sample"] + 1 if kept else 0
+    engine.reset()
+    bar = tqdm(total=count, initial=len(done), desc="requests")
+    with path.open("a", encoding="utf-8") as out, bar:
+        while len(done) < count:  # continuous batching: a finished sample makes room for the next
+            if tried >= 10 * count + batch:
+                kept_of = f"{len(done)} usable requests of {count}"
+                raise RuntimeError(f"the target wrote {kept_of} in {tried} samples")
+            asked = []
+            while len(engine.sequences) + len(asked) < batch:
+                params = SamplingParams(
+                    temperature=1, top_p=0.95, seed=seed + tried, max_tokens=max_tokens, stop_token_ids=[end]
+                )
+                asked += llm.make_sequences(opening, params, tried)
+                tried += 1
+            for s in (engine.add(asked) if asked else []) + engine.step():
+                ids = s.output_token_ids
+                text = llm.tokenizer.decode(ids[:-1]).strip() if ids and ids[-1] == end else ""
+                if _usable(text) and text not in seen and len(done) < count:
+                    seen.add(text)
+                    done.append(text)
+                    out.write(json.dumps({"request": text, "sample": s.prompt_index}) + "\n")
+                    out.flush()
+                    bar.update(1)
+    engine.reset()
+    return done
+
+
+def _usable(request: str) -> bool:
+    """Whether a request is 12-800 characters long, at least 60% of them ASCII letters."""
+    letters = sum(c.isascii() and c.isalpha() for c in request)
+    return 12 <= len(request) <= 800 and letters >= 0.6 * len(request)
+
+
 def self_distilled(
     llm: LLM,
     folder: str | Path,
@@ -89,11 +157,13 @@ def self_distilled(
     max_tokens: int = 192,
     batch: int = 48,
     seed: int = 0,
+    sampled: int = 0,
 ) -> list[dict]:
     """The target's answers to `count` first-turn chats (`folder`/first.jsonl), then to two follow-up
     chats of each of the first `followed` (`folder`/second.jsonl: a further question in the
     conversation, and a request over the answer pasted in, whose long prompts cost more to answer
-    than first turns do); every answer, first turns first. Resumes what an earlier run left."""
+    than first turns do), then to `sampled` requests it wrote itself (`folder`/requests.jsonl and
+    sampled.jsonl); every answer, in that order. Resumes what an earlier run left."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = llm.tokenizer
@@ -105,4 +175,10 @@ def self_distilled(
     for chat, answer in zip(chats[:followed], first):
         seconds += follow_ups(chat, tokenizer.decode(answer["response"], skip_special_tokens=True), rng)
     prompts = [chat_prompt(tokenizer, c) for c in seconds]
-    return first + generate_chats(llm, prompts, folder / "second.jsonl", max_tokens, batch, "follow-ups")
+    second = generate_chats(llm, prompts, folder / "second.jsonl", max_tokens, batch, "follow-ups")
+    if not sampled:
+        return first + second
+    requests = sampled_requests(llm, sampled, folder / "requests.jsonl", batch, seed)
+    prompts = [chat_prompt(tokenizer, [{"role": "user", "content": r}]) for r in requests]
+    third = generate_chats(llm, prompts, folder / "sampled.jsonl", max_tokens, batch, "sampled requests")
+    return first + second + third

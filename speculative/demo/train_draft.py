@@ -2,7 +2,8 @@
 `python -m speculative.demo.train_draft --target DIR --out DIR`.
 
 1. Data (speculative.demo.self_distill): the target answers greedily a few thousand chats built from
-   templates (speculative.demo.instructions), then two follow-ups of each; no data set is downloaded.
+   templates (speculative.demo.instructions), two follow-ups of some, and requests it wrote itself
+   (sampled from its chat template's opening of a user turn); no data set is downloaded.
    Every response token is the target's argmax given what precedes it: what a draft must predict
    for its tokens to be accepted. A fixed 3% of the answers (by index) is held out.
 2. The draft: a Llama of `--layers` layers and width `--hidden` with the target's tokenizer. Its token
@@ -392,6 +393,13 @@ def card(info: dict) -> str:
     per_position = " / ".join(f"{c:.2f}" for c in e["acceptance_per_position"])
     h = info["engine_heldout_answers"]
     held_positions = " / ".join(f"{c:.2f}" for c in h["acceptance_per_position"])
+    sampled = (
+        f", and {a['sampled']} requests the target wrote itself (sampled from its chat template's "
+        "opening of a user turn, kept where complete and new)"
+        if a.get("sampled")
+        else ""
+    )
+    resumed = ", going on from an earlier draft of this recipe (--resume)" if a.get("resume") else ""
     return f"""# A draft for {info["target_name"]}
 
 A {a["layers"]}-layer Llama of width {a["hidden"]} (MLP {a["intermediate"]}) with the target's tokenizer,
@@ -408,11 +416,11 @@ lm_head reads those rows only.
 {a["answer_tokens"]} tokens each) to {a["chats"]} first-turn chats made from templates
 (`speculative/demo/instructions.py`: questions, how-tos, advice, writing, code) and two follow-ups of
 {a["followed"]} of them (a further question, and a summary / rewrite / proofreading request over the
-answer pasted in). No data set was downloaded. One answer in 33 is held out.
+answer pasted in){sampled}. No data set was downloaded. One answer in 33 is held out.
 
 ## Training
 
-{t["steps"]} steps of about {a["batch_tokens"]} tokens (AdamW, peak lr {a["lr"]}, cosine decay),
+{t["steps"]} steps of about {a["batch_tokens"]} tokens (AdamW, peak lr {a["lr"]}, cosine decay){resumed},
 {t["seconds"] / 60:.1f} minutes at {t["tokens_per_second"]:.0f} tokens/s; final train loss
 {t["final_train_loss"]:.3f}. Held out, teacher-forced: the draft's top token is the target's on
 {held["top1"]:.1%} of response positions; the chance that a chain's first 1 / 2 / 3 / 4 drafts are all
@@ -439,6 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", type=Path, help="where the target's answers are kept (default OUT/data)")
     parser.add_argument("--chats", type=int, default=5000, help="first-turn chats the target answers")
     parser.add_argument("--followed", type=int, default=300, help="first turns followed up (two each)")
+    parser.add_argument("--sampled", type=int, default=3000, help="requests the target writes and answers")
     parser.add_argument("--answer-tokens", type=int, default=192, help="tokens of an answer at most")
     parser.add_argument("--answer-batch", type=int, default=48, help="chats answered at once")
     parser.add_argument("--hidden", type=int, default=256)
@@ -474,6 +483,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.answer_tokens,
         args.answer_batch,
         args.seed,
+        args.sampled,
     )
     tokenizer = llm.tokenizer
     del llm

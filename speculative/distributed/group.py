@@ -5,7 +5,7 @@
 (a spawned rank, or a program that set it up itself), a group described by the environment
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: torchrun), and otherwise spawns size - 1 ranks of its own.
 Backends: gloo on CPU, NCCL on CUDA; every group has a timeout (TIMEOUT), so that a collective whose
-peers never come ends in an error, not a hang.
+peers never come ends in an error, not a hang (speculative/distributed/backend.py).
 """
 
 from __future__ import annotations
@@ -13,23 +13,13 @@ from __future__ import annotations
 import atexit
 import os
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from speculative.distributed.ranks import Ranks
-
-TIMEOUT = timedelta(minutes=5)
-"""The longest a collective waits for its peers (a rank that exits is noticed at once, by its closed
-connections; this bounds a rank that hangs)."""
-
-
-def backend(device_type: str) -> str:
-    """torch.distributed's backend for a device type: NCCL on CUDA, gloo elsewhere."""
-    return "nccl" if device_type == "cuda" else "gloo"
+from speculative.distributed import ranks
+from speculative.distributed.backend import TIMEOUT, backend
+from speculative.distributed.ranks import Ranks
 
 
 @dataclass(frozen=True)
@@ -59,8 +49,6 @@ class TensorParallelGroup:
 def connect(size: int, device: torch.device) -> TensorParallelGroup:
     """This process's place among `size` ranks (see the module docstring). ValueError where a group
     already exists with another number of ranks."""
-    from speculative.distributed import ranks  # here: ranks.py imports this module
-
     spawned = ranks.current()
     if spawned is not None and spawned.size == size and spawned.failure is None:
         return TensorParallelGroup(0, size, 0, spawned)

@@ -15,7 +15,7 @@ stay up for this process's next tensor-parallel LLM of the same size, until it e
 Failures: a child that exits (it exits on any error of an engine call, saying why first) is noticed at
 once by a thread watching it, and the ranks are stopped; a collective that meets a rank that is gone
 raises at once (gloo and NCCL notice closed connections), and one whose peer hangs after
-group.TIMEOUT. From then on every call of the LLMs on these ranks raises a RuntimeError saying what
+backend.TIMEOUT. From then on every call of the LLMs on these ranks raises a RuntimeError saying what
 happened; a new tensor-parallel LLM starts new ranks.
 """
 
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from speculative.distributed.group import TIMEOUT, backend
+from speculative.distributed.backend import TIMEOUT, backend
 
 STOP_GRACE_S = 1.0
 """How long stopping waits for the children to exit on their own (and say why) before ending them."""

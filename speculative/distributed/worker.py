@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from speculative.distributed.group import TIMEOUT, backend
+from speculative.distributed.backend import TIMEOUT, backend
 from speculative.distributed.mirror import Follower
 from speculative.distributed.ranks import receive, send
 from speculative.llm import LLM
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])  # then exit at once: the interpreter's teardown of torch takes ~2 s here
+    code = main(sys.argv[1:])  # then exit at once: the interpreter's teardown of torch is slow
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -96,7 +96,7 @@ class CompiledCausalLM:
         self._marked = lambda: None  # a weak reference to the first cache view marked dynamic (_dynamic)
         self._greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # steps -> compiled greedy_decode
         self._head_greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # head_greedy_decode's
-        self._trees: dict[tuple, Callable[..., tuple[Tensor, Tensor]]] = {}  # draft_tree's, by tree
+        self._trees: dict[tuple, Callable[..., tuple[Tensor, Tensor]]] = {}  # draft_with's, by key
 
     def _compile_options(self) -> dict:
         if self.model.device.type != "cpu" or self.mode is not None:
@@ -165,7 +165,7 @@ class CompiledCausalLM:
         (`cache`, [batch, kv_heads, max_length, head_dim] each), which are views of the cache's buffers
         made anew as rows join and leave (marked once, when the buffers were made, the views were not:
         a graph for each batch size and cache length, compiled as a batch shrank). Views are marked when
-        they are new, as their first one tells (marking all 2 x layers costs about 14 us a call). With
+        they are new, as their first one tells (marking all 2 x layers on every call costs time). With
         `few_static` (a verification, a draft's query), on CPU, a batch of one row of 2 to
         packed.STATIC_ROWS_MAX tokens is static instead: a graph for each such q, whose matmuls and
         attention unroll over the rows. (Not every call's: a short prompt's prefill would need a graph
@@ -188,8 +188,8 @@ class CompiledCausalLM:
         return tensors
 
     def _every_position(self, batch: int, q: int) -> Tensor:
-        """[batch, q] int64 = arange(q) in every row; kept for decode-sized shapes (repeat() costs ~30 us
-        a call, a draft forward ~500)."""
+        """[batch, q] int64 = arange(q) in every row; kept for decode-sized shapes (making it anew is a
+        noticeable part of a draft forward: docs/internals.md#measured-choices)."""
         indices = self._positions.get((batch, q))
         if indices is None:
             indices = torch.arange(q, device=self.device).repeat(batch, 1)
@@ -261,10 +261,10 @@ class CompiledCausalLM:
         vocab] they are the first maximal index of; the cache gains input_ids and every token but the
         last.
 
-        A draft model's k steps (its query: the tokens it has not seen) in one call instead of k (a call
-        costs dynamo's guards and the graph's wrapper, about 0.15 ms on CPU, more with its Python
-        around). One graph per `steps` and per query kind (one token or several), compiled on its first
-        use (warm_up_pair compiles the engine's). On CPU, a query of more than SMALL_CALL_ROWS tokens
+        A draft model's k steps (its query: the tokens it has not seen) in one call instead of k (each
+        call costs dynamo's guards, the graph's wrapper and its Python around: docs/models.md#fast-path).
+        One graph per `steps` and per query kind (one token or several), compiled on its first use
+        (warm_up_pair compiles the engine's). On CPU, a query of more than SMALL_CALL_ROWS tokens
         steps through `forward`, as `forward` would run it.
         """
         if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
@@ -338,39 +338,33 @@ class CompiledCausalLM:
             run, input_ids, cache, num_tokens + steps - 1, span_multiple=SPAN_MULTIPLE, written=written
         )
 
-    def draft_tree(
+    def draft_with(
         self,
+        key: tuple,
+        grow: Callable[..., tuple[Tensor, Tensor]],
         input_ids: Tensor,
         cache: StaticKVCache,
         num_tokens: Tensor,
-        depth: int,
-        shape: str,
-        width: int,
-        num_nodes: int,
+        nodes: int,
         features: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """A tree drafter's whole proposal (proposers/draft_tree.py's growth, no guided rows) in one
-        compiled call: input_ids [batch, q] fed first (with `features` [batch, q, F] when the model is
-        an EagleHead: the target's features there), num_tokens [batch] of them real (right padding
-        after), each row's last real one the root; then `depth` levels of `width` candidates a node,
-        `width` nodes fed a level but the last. Returns the tree's token_ids [batch, n] and parents
-        [batch, 1 + n] (a Proposal's); the cache gains num_tokens and the nodes fed. One graph per
-        tree (depth, shape, width, num_nodes) and kind of query; on CPU, more than SMALL_CALL_ROWS
-        query tokens run the same function eagerly.
+        """A drafter's whole proposal in one compiled call. `grow(input_ids, positions, last, keys,
+        values, key_positions[, features])` is the drafter's loop as a function of tensors over
+        `self.model` (NativeCausalLM.run's arguments; proposers/draft_tree.py's tree_run makes one for
+        trees): input_ids [batch, q] are fed first (with `features` [batch, q, F] when the model is an
+        EagleHead: the target's features there), num_tokens [batch] of them real (right padding
+        after), `last` [batch, 1] each row's last real one; `grow` then writes `nodes` more cache
+        slots a row and returns two tensors (a tree's token_ids [batch, n] and parents
+        [batch, 1 + n]). The cache gains num_tokens + nodes. One graph per `key` (the drafting's
+        shape) and kind of query; on CPU, more than SMALL_CALL_ROWS query tokens run `grow` eagerly.
 
-        Growing a level eagerly costs a compiled forward_tree call plus its masks and the growth's
-        own small operations (about 0.6 ms a level for the demo draft model on CPU, three times its
-        chain's drafting per token); here they fuse around the levels' forwards (a proposal of a
-        dynamic tree of 8, the demo pair in bfloat16 on a 2-core AMD EPYC: 1.77 ms against 2.87 for
-        the draft model, 2.39 against 3.50 for its EAGLE head)."""
-        from speculative.proposers.draft_tree import tree_run  # that module imports this one
-
-        tree = (depth, shape, width, num_nodes)
-        grow = tree_run(self.model, *tree)
+        Growing a tree's levels eagerly costs a compiled forward_tree call plus its masks and the
+        growth's own small operations a level; here they fuse around the levels' forwards
+        (docs/models.md#fast-path)."""
         if self.max_compiled_rows is None or input_ids.numel() <= self.max_compiled_rows:
-            compiled = self._trees.get(tree)
+            compiled = self._trees.get(key)
             if compiled is None:
-                compiled = self._trees[tree] = torch.compile(grow, **self._compile_options())
+                compiled = self._trees[key] = torch.compile(grow, **self._compile_options())
             grow = compiled
 
         def run(
@@ -392,7 +386,7 @@ class CompiledCausalLM:
             )
             return self._owned(grow(ids, positions, last, keys, values, key_positions, *fed))
 
-        nodes, q = width * (depth - 1), input_ids.shape[1]
+        q = input_ids.shape[1]
         return self.model.forward_with(
             run, input_ids, cache, num_tokens + nodes, span_multiple=SPAN_MULTIPLE, written=q + nodes
         )

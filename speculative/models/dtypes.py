@@ -2,9 +2,8 @@
 
 On a GPU "auto" is the checkpoint's own dtype. On a CPU it is the checkpoint's dtype only where the CPU
 computes that dtype natively, float32 otherwise: a bfloat16 matmul on a CPU without AVX512-BF16 or AMX
-runs in slow generic code (measured with the demo pair on an AVX2-only AMD EPYC: 15 tokens/s in
-bfloat16 against 72 in float32), while with them bfloat16 halves the bytes that every decoding step
-streams from memory (demo pair on an AMD EPYC with AVX512-BF16: 259 against 183 tokens/s).
+runs in slow generic code, several times slower than float32, while with them bfloat16 halves the
+bytes that every decoding step streams from memory (docs/internals.md#measured-choices).
 """
 
 from __future__ import annotations

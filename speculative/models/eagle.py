@@ -78,10 +78,8 @@ class EagleHead(NativeCausalLM):
         self.pack_weights()
 
     def pack_weights(self) -> None:
-        """NativeCausalLM.pack_weights, and `fc` as a PackedLinear too: on CPU a oneDNN prepacked copy.
-        Measured on a 2-core AMD EPYC (AVX-512, no AMX), the demo head's fc at 5 rows: 15 us a call
-        against 23 through F.linear in bfloat16, 20 against 46 in float32; the demo pair's dynamic
-        tree of 8 ran 6% faster in float32 eager (398 tokens/s against 376), 1% compiled."""
+        """NativeCausalLM.pack_weights, and `fc` as a PackedLinear too: on CPU a oneDNN prepacked copy,
+        faster than F.linear at a verification's few rows (docs/internals.md#measured-choices)."""
         super().pack_weights()
         if hasattr(self, "fc"):  # NativeCausalLM.__init__ packs before fc exists
             self._fc = PackedLinear([self.fc])

@@ -2,10 +2,8 @@
 
 A decode step multiplies one row by every weight matrix, so its cost is streaming the weights from
 memory. The BLAS kernels torch calls for one row stream them at a fraction of the machine's bandwidth,
-and how large a fraction depends on the CPU and the library: measured on a 2-core AMD EPYC (AVX-512,
-copy bandwidth 33 GB/s), the demo target's 49 matmuls of one row in float32 took 6.4 ms through MKL
-(14.8 GB/s), 4.5 ms through oneDNN (21 GB/s), and 2.9-3.3 ms as the reduction below (29-33 GB/s; the
-same under AVX2 only; bfloat16 weights 1.3-1.5 ms).
+and how large a fraction depends on the CPU and the library; the reduction below streams them at
+about the speed of a large copy (docs/internals.md#measured-choices).
 
 `GEMV_PASS`, given to torch.compile as inductor's `post_grad_custom_post_pass`, rewrites every CPU
 `mm(x, w)` / `addmm(bias, x, w)` whose x has statically one row into `sum(x[:, :, None] * w, -2)`

@@ -38,6 +38,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from speculative.kv_cache import StaticKVCache
 from speculative.models.packed import STATIC_ROWS_MAX, PackedLinear
+from speculative.models.quantization import check_quantization
 from speculative.tree import tree_ancestors, tree_query
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -120,8 +121,7 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: 
 
     Compiled for a CPU, as reductions that inductor fuses into the graph's own loops (in float32):
     for the few query tokens of a decoding call, the flash-attention kernel's fixed cost dominates
-    (demo target, one query over 128 keys: about 20 us a call in float32 and 60 in bfloat16, for
-    ~50 KB of keys and values); a few query tokens known statically, one after the other
+    (docs/internals.md#measured-choices); a few query tokens known statically, one after the other
     (packed.STATIC_ROWS_MAX). Elsewhere, scaled_dot_product_attention.
     """
     heads, kv_heads = query.shape[1], keys.shape[1]
@@ -349,8 +349,6 @@ class NativeCausalLM(nn.Module):
         A quantized model is final: state_dict(), load_state_dict() and .to() / .float() / ... raise a
         RuntimeError (the float weights are gone; save the float checkpoint, and move or cast the
         model before quantizing)."""
-        from speculative.models.quantization import check_quantization
-
         check_quantization(quantization)
         self._check_not_quantized("quantizing it again")
         if self.device.type != "cpu":

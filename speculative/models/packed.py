@@ -2,47 +2,24 @@
 
 A decode step multiplies a few rows by every weight matrix of the model, so on a CPU its cost is
 streaming the weights from memory, and which kernel streams them fastest depends on the CPU, the
-dtype, the shape and the number of rows. Measured on a 2-core AMD EPYC (AVX-512 with AVX512-BF16, no
-AMX), 2 threads, microseconds per matmul, 12 distinct weights of each of the demo target's shapes
-[out, in] (W: F.linear on the weight as stored, MKL in float32; oneDNN: mkldnn's linear on a
-prepacked copy):
-
-  float32      rows:  1     5    40   |  bfloat16     1     5    40
-  [640, 384]  W      44    83   229   |  W           27    34    77
-              oneDNN 45    48   141   |  oneDNN      19    22    59
-  [2304, 384] W     504   534   942   |  W          144   152   313
-              oneDNN 203  194   497   |  oneDNN      59    66   217
-  [8192, 384] W    1829  2594  4331   |  W          435   469  1025
-              oneDNN 858  712  1488   |  oneDNN     319   235   717
-
-(On an Intel Xeon with AMX, one thread, float32 one-row calls on the smaller shapes ran 10-30%
-faster through MKL with W.T stored contiguous than through oneDNN, whose call costs about 12 us
-whatever the size; everything else was oneDNN's, as here.) Hence: on CPU, in float32 and bfloat16,
-a oneDNN prepacked copy serves every call, except one-row calls in a compiled graph, which inductor
-compiles into a reduction over W as stored, faster still (models/gemv.py), and where oneDNN has AVX2
-only, float32 calls of a few rows too (FLOAT_REDUCTION_MAX_ROWS), and on every CPU float32 calls of
-a few rows known statically (STATIC_ROWS_MAX). Elsewhere (CUDA, other
-dtypes, no oneDNN), F.linear on W.
+dtype, the shape and the number of rows (the per-shape timings that chose what follows:
+docs/internals.md#measured-choices). On CPU, in float32 and bfloat16, a oneDNN prepacked copy serves
+every call, except one-row calls in a compiled graph, which inductor compiles into a reduction over
+W as stored, faster still (models/gemv.py), and where oneDNN has AVX2 only, float32 calls of a few
+rows too (FLOAT_REDUCTION_MAX_ROWS), and on every CPU float32 calls of a few rows known statically
+(STATIC_ROWS_MAX). Elsewhere (CUDA, other dtypes, no oneDNN), F.linear on W.
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
 
 A PackedLinear can be quantized (`quantize("int8" | "int4")`, models/quantization.py): it then holds
 the int8 (or int4-packed) weight and its scales instead of the float weight, which it frees along
 with the nn.Linear weights. Eager calls: torch's int4 kernel; in bfloat16 torch's int8 kernel (up to
-INT8_KERNEL_MAX_ROWS rows); otherwise (float32: torch's int8 kernel is a scalar loop there, 10 ms at
-1 row and 80 at 5 in the setting below) W converted a chunk of rows at a time into a buffer that
-stays in cache, and multiplied (_dequantized_mm). Compiled int8 calls of one row (and in float32 of
-up to REDUCTION_MAX_ROWS) are `F.linear(x, q.float()) * scales`, which models/gemv.py rewrites into
-a reduction that loads the int8 weight and converts it in inductor's loop, with no float copy of it;
-other compiled calls call the eager path as an opaque op. Measured on the same EPYC, 2 threads, the
-demo target's 49 matmuls with distinct weights, ms (compiled: one graph of them all):
-
-                       rows:  1 eager  1 compiled  5 eager  5 compiled  40 eager
-  float32   float (oneDNN)     5.5      4.3         4.8      -           12-13
-            int8               4.2      1.0         9.3      4.3         18
-  bfloat16  float (oneDNN)     2.3-3.0  1.7-2.4     2.4-2.7  -           6.4-7.2
-            int8               1.1-1.3  1.5-1.7     2.9-3.2  (the op)    11
-            int4 (groups 64)   0.8      (the op)    2.4-2.5  (the op)    11.6
+INT8_KERNEL_MAX_ROWS rows); otherwise (float32, where torch's int8 kernel is a scalar loop) W
+converted a chunk of rows at a time into a buffer that stays in cache, and multiplied
+(_dequantized_mm). Compiled int8 calls of one row (and in float32 of up to REDUCTION_MAX_ROWS) are
+`F.linear(x, q.float()) * scales`, which models/gemv.py rewrites into a reduction that loads the int8
+weight and converts it in inductor's loop, with no float copy of it; other compiled calls call the
+eager path as an opaque op (timings per dtype and row count: docs/internals.md#measured-choices).
 """
 
 from __future__ import annotations
@@ -57,28 +34,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from speculative.models import quantization as quant
+
 _PACKABLE = (torch.float32, torch.bfloat16)
 # dtypes whose compiled one-row int8 calls are inductor's reduction (the others call torch's kernel)
 ONE_ROW_REDUCTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Compiled float32 (and float16) int8 calls of 2 to this many rows are a reduction as well, which
-# reads each int8 row once for all rows (49 matmuls, float32, 2 threads, ms, 2 / 5 / 16 / 40 rows:
-# reduction 2.5 / 4.3 / 11.3 / 27, dequantized in chunks 6.0 / 8.9 / 11.8 / 18, float weights through
-# oneDNN 5.4 / 4.0 / 6.2 / 12); in bfloat16 torch's kernel is faster (5 rows: 2.9 against 6.0).
+# reads each int8 row once for all rows; in bfloat16 torch's kernel is faster (the crossing points:
+# docs/internals.md#measured-choices).
 REDUCTION_MAX_ROWS = 16
 # Compiled float32 calls of 2 to this many rows (a verification of k + 1 tokens) are that reduction
-# too where oneDNN has AVX2 only: there its few-row kernel streams W slowly. The demo target's compiled
-# forward of 1 / 2 / 3 / 5 / 8 tokens, float32, 2 threads, on the EPYC under AVX2 only
-# (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2), ms: oneDNN 3.2-4.0 / 7.0 / 7.8 / 8.4 / 9.3,
-# reduction 3.7-4.1 / 4.4-5.0 / 4.9-5.7 / 7.5 / 10.3. With AVX-512, oneDNN is as fast as the
-# reduction from 5 rows on (49 matmuls alone: 4.9 against 5.4 ms), so it keeps them.
+# too where oneDNN has AVX2 only: there its few-row kernel streams W slowly. With AVX-512, oneDNN is
+# as fast as the reduction from 5 rows on, so it keeps them (docs/internals.md#measured-choices).
 FLOAT_REDUCTION_MAX_ROWS = 6 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1
 # Compiled calls of at most this many rows whose row count is static (a batch-1 verification or
 # drafting: CompiledCausalLM gives each such query length a graph of its own) unroll over the rows:
 # float32 matmuls are reductions with one accumulator per row in one loop over W (models/gemv.py),
-# on every CPU, and attention runs query by query (llama.attention). Together, a compiled forward of
-# the demo target, float32, 2 threads, on the EPYC, ms for 1 / 5 tokens: AVX2 only 3.8 / 7.3 with
-# the rows dynamic, 3.9 / 6.2 static; AVX-512 (5 rows through oneDNN before) 3.7 / 6.5, 3.7 / 5.8.
-# Either change alone gained nothing measurable; bfloat16 (oneDNN's few-row calls) was unchanged.
+# on every CPU, and attention runs query by query (llama.attention): together faster at 5 rows, each
+# alone not (docs/internals.md#measured-choices); bfloat16 (oneDNN's few-row calls) is unchanged.
 STATIC_ROWS_MAX = 6
 # oneDNN makes a kernel for each shape it is called with and keeps it in a process-wide cache (up to
 # 1,024 kernels, ONEDNN_PRIMITIVE_CACHE_CAPACITY; about 0.6 MB each for the demo pair's shapes). A
@@ -91,8 +64,7 @@ STATIC_ROWS_MAX = 6
 # weights) one of 4 counts per doubling, beyond one of 8. That is 40 counts per shape of weight (a
 # kernel serves every layer of that shape), whose kernels a server's engine thread makes as soon as
 # it starts, while it has nothing else to do (Scheduler.start), so that its memory stays flat. The zero
-# rows cost throughput (the demo pair, float32, 2 threads, LLM.generate of 9 / 20 code prompts x 64
-# tokens: plain decoding 4% / 2% slower, with the draft model 7% / 7%), so offline runs, which meet a
+# rows cost throughput (2-7%: docs/internals.md#measured-choices), so offline runs, which meet a
 # bounded set of shapes, keep the exact rows.
 ONEDNN_EXACT_ROWS = 8
 ONEDNN_COARSE_ROWS = 128
@@ -210,21 +182,19 @@ class PackedLinear:
         nn.Linears' `weight` parameters (set to None; a tied lm_head's embedding stays the
         embedding's). int4 of a shape torch's int4 kernel does not take (out % 16, in % 32) is int8.
         CPU only."""
-        from speculative.models import quantization as q
-
-        q.check_quantization(quantization)
+        quant.check_quantization(quantization)
         if self.quantization is not None:
             raise RuntimeError(f"this PackedLinear is already quantized ({self.quantization})")
         if self.weight.device.type != "cpu":
             raise ValueError(f"quantization runs on CPU only; this weight is on {self.weight.device}")
         out_features, in_features = self.weight.shape
-        group_size = q.int4_group_size(out_features, in_features) if quantization == "int4" else None
+        group_size = quant.int4_group_size(out_features, in_features) if quantization == "int4" else None
         if group_size is not None:
-            packed, scales, zeros = q.quantize_int4(self.weight, group_size)
-            self.qweight, self.scales_and_zeros = q.pack_int4(packed, scales, zeros)
+            packed, scales, zeros = quant.quantize_int4(self.weight, group_size)
+            self.qweight, self.scales_and_zeros = quant.pack_int4(packed, scales, zeros)
             self.group_size, self.quantization = group_size, "int4"
         else:
-            self.qweight, self.scales = q.quantize_int8(self.weight)
+            self.qweight, self.scales = quant.quantize_int8(self.weight)
             self.quantization = "int8"
         # bfloat16 / float16: torch's vectorized int8 kernel reads 16 (AVX-512) columns at a time
         self._int8_kernel = self.quantization == "int8" and in_features % 16 == 0
@@ -396,8 +366,8 @@ def _linear_epilogue(y: Tensor, bias: Tensor | None, residual: Tensor | None) ->
 # The prepacked (or quantized) kernel of PackedLinear number `handle` as one op, for compiled graphs
 # (inductor cannot take an opaque oneDNN weight that is not one of its own frozen constants, nor call
 # torch's weight-only kernels the way PackedLinear._quantized does). Defined with
-# torch.library.Library rather than custom_op: a call then costs about 1 us more than the kernel
-# alone, against 15 us through custom_op's wrappers (a forward makes ~50 such calls).
+# torch.library.Library rather than custom_op, whose wrappers cost more than the kernel's own call
+# (a forward makes ~50 such calls; docs/internals.md#measured-choices).
 _LIBRARY = torch.library.Library("speculative", "DEF")
 _LIBRARY.define("prepacked_linear(Tensor x, Tensor? residual, int handle) -> Tensor")
 _LIBRARY.impl("prepacked_linear", lambda x, residual, handle: _REGISTRY[handle](x, residual), "CPU")

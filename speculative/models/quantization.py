@@ -116,36 +116,3 @@ def tensor_bytes(module: nn.Module) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
-
-
-def quantize_model(model, quantization: str | None, role: str = "model", dtype_name: str = "dtype"):
-    """Quantize a loaded model in place (a NativeCausalLM: `NativeCausalLM.quantize`) and return it.
-
-    ValueError for a model that does not run the native forward (model_impl="transformers", GPT-2,
-    a LanguageModel of one's own), for a device other than the CPU, and for int4 of a model that is
-    not in bfloat16 (the message names `role` and `dtype_name`). None returns the model as it is."""
-    from speculative.models.llama import NativeCausalLM
-
-    check_quantization(quantization)
-    if quantization is None:
-        return model
-    if not isinstance(model, NativeCausalLM):
-        raise ValueError(
-            f"quantization={quantization!r} needs the native forward (model types llama, mistral, "
-            f"qwen2, qwen3 with model_impl 'auto' or 'native'); the {role} runs on "
-            f"{type(model).__name__}"
-        )
-    if model.quantization == quantization:
-        return model
-    if model.device.type != "cpu":
-        raise ValueError(
-            f"quantization={quantization!r} runs on CPU only (torch's weight-only int8/int4 "
-            f"kernels used here are CPU ones); the {role} is on {model.device}"
-        )
-    if quantization == "int4" and model.dtype != torch.bfloat16:
-        raise ValueError(
-            f"quantization='int4' needs a bfloat16 {role} ({dtype_name}='bfloat16'): torch's int4 "
-            f"CPU kernel is vectorized only for bfloat16; the {role} is {model.dtype}"
-        )
-    model.quantize(quantization)
-    return model

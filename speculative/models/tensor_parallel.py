@@ -21,10 +21,9 @@ an all-reduce or an all-gather hands every rank the same result, and everything 
 replicated on identical inputs.
 
 The lm_head is split by vocabulary rather than replicated: a rank then holds 1/N of its bytes, and
-by the README's cost model the split is the cheaper one on GPUs. On the README's 2-core AMD EPYC
-(AVX-512, AVX512-BF16, no AMX; gloo, one thread a rank) the replicated head would be cheaper at
-decoding sizes: the demo target's (8192 x 384, float32) takes 0.32 ms whole against 0.65 ms for half
-of it and the all-gather at one row, the same from 40 rows (benchmarks/tensor_parallel.py).
+by the cost model of docs/parallel.md the split is the cheaper one on GPUs. On a 2-core CPU (gloo,
+one thread a rank) the replicated head would be cheaper at decoding sizes, the same from about 40
+rows (docs/internals.md#measured-choices; benchmarks/tensor_parallel.py).
 """
 
 from __future__ import annotations

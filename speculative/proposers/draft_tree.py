@@ -20,7 +20,7 @@ row's candidates are the top ones among the tokens its grammar allows after the 
 are cut from the proposal by the engine.
 
 Compiled (the drafter a CompiledCausalLM, no guided row), a proposal is one call: the query, then
-every level, the candidates chosen and the masks built in the graph (CompiledCausalLM.draft_tree).
+every level, the candidates chosen and the masks built in the graph (compiled_tree).
 
 Trees shrink with a greedy batch (tree.py's `batch_tree`: width // B and num_nodes // B for B rows).
 At width 1 the tree is the draft's top path, which the proposer hands over as a chain (no guided
@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from speculative.kv_cache import StaticKVCache
 from speculative.models.base import LanguageModel, decode_steps
 from speculative.models.compiled import CompiledCausalLM
 from speculative.models.llama import NativeCausalLM
@@ -81,7 +82,7 @@ class DraftTreeProposer(DraftModelProposer):
             return self._chain(query, need, min(num_tokens, num_nodes))
         tree = self.shape, width, num_nodes
         if isinstance(self.model, CompiledCausalLM) and not strategy.any_guided:  # one compiled call
-            token_ids, parents = self.model.draft_tree(query, self.cache, need, num_tokens, *tree)
+            token_ids, parents = compiled_tree(self.model, query, self.cache, need, num_tokens, *tree)
             return Proposal(token_ids, None, parents)
         logits = self.model.forward(query, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None])
         root = tokens.gather(1, lengths[:, None] - 1)  # [B, 1]
@@ -180,10 +181,30 @@ def grow_tree(
     return select_tree(pool_tokens, pool_parents, pool_scores, pool_depths, num_nodes)
 
 
+def compiled_tree(
+    compiled: CompiledCausalLM,
+    query: Tensor,
+    cache: StaticKVCache,
+    need: Tensor,
+    num_tokens: int,
+    shape: TreeShape,
+    width: int,
+    num_nodes: int,
+    features: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A tree proposal (no guided rows) in one compiled call of `compiled` (its draft_with, over
+    tree_run): the query [B, q] with `need` [B] real tokens a row (and an EAGLE head's `features`
+    [B, q, F]) fed first, then the tree grown from each row's last. Returns token_ids [B, n] and
+    parents [B, 1 + n]."""
+    tree = (num_tokens, shape, width, num_nodes)
+    grow = tree_run(compiled.model, *tree)
+    return compiled.draft_with(tree, grow, query, cache, need, width * (num_tokens - 1), features)
+
+
 def tree_run(
     model: NativeCausalLM, num_tokens: int, shape: TreeShape, width: int, num_nodes: int
 ) -> Callable[..., tuple[Tensor, Tensor]]:
-    """grow_tree over `model` as one function of tensors, what CompiledCausalLM.draft_tree compiles:
+    """grow_tree over `model` as one function of tensors, what CompiledCausalLM.draft_with compiles:
     `grow(input_ids [B, q], positions [B, q], last [B, 1], keys, values, key_positions, features)`
     feeds the query (NativeCausalLM.run's arguments; with `features` [B, q, F], `model` is an EagleHead
     and they are its features there), the root each row's query token at `last`, then grows the

@@ -12,7 +12,7 @@ from torch import Tensor
 from speculative.models.compiled import CompiledCausalLM
 from speculative.models.eagle import EagleHead
 from speculative.proposers.base import Proposal
-from speculative.proposers.draft_tree import TreeShape, grow_tree, row_guides
+from speculative.proposers.draft_tree import TreeShape, compiled_tree, grow_tree, row_guides
 from speculative.proposers.eagle import EagleProposer
 from speculative.sampling import SampleStrategy
 from speculative.tree import batch_tree
@@ -22,7 +22,7 @@ class EagleTreeProposer(EagleProposer):
     """Proposes a tree of `num_nodes` drafts, at most `num_tokens` deep, from an EAGLE head: the
     head's top candidates (deterministic, one-hot). shape, width, num_nodes: as DraftTreeProposer's;
     compiled: as EagleProposer's, a tree without guided rows then grown in one compiled call
-    (CompiledCausalLM.draft_tree)."""
+    (draft_tree.py's compiled_tree)."""
 
     def __init__(
         self,
@@ -44,8 +44,8 @@ class EagleTreeProposer(EagleProposer):
         tree = self.shape, width, num_nodes
         if self.compiled is not None and not strategy.any_guided:  # one compiled call
             query, features, need = self._unfed(tokens, lengths)
-            token_ids, parents = self.compiled.draft_tree(
-                query, self.cache, need, num_tokens, *tree, features
+            token_ids, parents = compiled_tree(
+                self.compiled, query, self.cache, need, num_tokens, *tree, features
             )
             return Proposal(token_ids, None, parents)
         logits, hidden = self._feed_features(tokens, lengths)

@@ -19,11 +19,9 @@ The trie (`SuffixTrie`) holds every substring of at most `max_depth` tokens of i
 number of occurrences. A substring that occurs once is not spelled out: its node is a leaf pointing at
 the occurrence (sequence, start), whose later tokens are read from the sequence, so a text of n
 tokens costs about n times the depth at which its substrings become unique nodes, not n * max_depth.
-Appending a token touches only the occurrences still on explicit (repeated) paths. Costs measured on
-this project's CPU (2 cores of an AMD EPYC, pure Python, max_depth 24, code tokens): indexing a
-2,000-token prompt once about 14 ms; a step's proposal for one row with a 2,000-token context (its
-new tokens appended, then the match, a binary search over the suffix length of walks of at most 23
-dict look-ups, and a chain of 8) about 0.1 ms, a tree of 8 about 0.3 ms.
+Appending a token touches only the occurrences still on explicit (repeated) paths. A step's proposal
+is its new tokens appended, then the match (a binary search over the suffix length of walks of at
+most max_depth - 1 dict look-ups), then the chain or tree (costs: docs/internals.md#measured-choices).
 
 Rows: `add_rows` builds each new row's trie over its context; `propose` first appends what each row
 committed since; `on_finish` adds a finished row's response (its tokens after the prompt, or after the

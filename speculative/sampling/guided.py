@@ -158,7 +158,8 @@ def _eos_key(eos_token_ids: int | Sequence[int] | None) -> tuple[int, ...] | Non
 
 
 def _ll_tokenizer(tokenizer, eos: tuple[int, ...] | None) -> llguidance.LLTokenizer:
-    """llguidance's view of a HF fast tokenizer (about 1 s for a large vocabulary: cached per tokenizer)."""
+    """llguidance's view of a HF fast tokenizer (slow to make for a large vocabulary: cached per
+    tokenizer)."""
     try:
         per_tokenizer = _ll_tokenizers.get(tokenizer)
     except TypeError:  # not weak-referenceable or not hashable: no caching

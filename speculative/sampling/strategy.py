@@ -202,7 +202,7 @@ class SampleStrategy:
         """Greedy tokens after steps 1-5: logits [B, q, V] -> [B, q] int64.
 
         `max(dim).indices` here and below: the first maximal index, as `argmax` gives it, at a third of
-        its cost on CPU (float32 [1, 5, 8192]: 16 against 39 us; [8, 5, 8192]: 78 against 244 us)."""
+        its cost on CPU (docs/internals.md#measured-choices)."""
         return self.process(logits, context).max(dim=-1).indices
 
     def sample(self, probs: Tensor) -> Tensor:

@@ -6,9 +6,8 @@ libgomp (torch's OpenMP on Linux) lets a team's idle threads spin about 300,000 
 which catches the next region of a forward, but only 100 times while it manages more threads than
 there are CPUs. A server's main thread loads the models (a team), and its engine thread then has a
 second one: on 2 CPUs that is 4 threads, every region of the engine waits for a sleeping thread to
-wake, and a forward made of hundreds of short regions slows down by half (demo target, float32, 2
-CPUs of an AMD EPYC: a plain step of 31 rows 19.1 ms in a second thread against 12.6 in the main
-one, a prompt's prefill 42 ms against 23; a region on a 200,000-float tensor 51 us against 9).
+wake, and a forward made of hundreds of short regions slows down by half
+(docs/internals.md#measured-choices).
 
 `release_thread_team()` ends the calling thread's team (OpenMP 5's omp_pause_resource_all), so that
 the engine's team is the only one. The main thread must not enter parallel regions afterwards (the
