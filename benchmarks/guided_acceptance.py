@@ -177,7 +177,9 @@ def main() -> None:
         return LLM(
             str(DEMO_DIR / "target"),
             draft_model=str(DEMO_DIR / "draft") if method == "draft_model" else None,
-            speculative_config=SpeculativeConfig(method, args.k, **options),
+            speculative_config=SpeculativeConfig.from_dict(
+                dict(method=method, num_speculative_tokens=args.k, **options)
+            ),
             dtype="float32",
         )
 

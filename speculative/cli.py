@@ -780,18 +780,23 @@ def _speculative_config(args: argparse.Namespace, draft: str | None) -> Speculat
     if not (args.ngram or args.suffix or draft):
         return None
     methods = {"ngram": args.ngram, "suffix": args.suffix, "eagle": args.eagle, "eagle3": args.eagle3}
-    return SpeculativeConfig(
-        method=next((method for method, given in methods.items() if given), "draft_model"),
-        adaptive=args.adaptive,
-        num_speculative_tokens=args.num_speculative_tokens,
-        acceptance=args.acceptance,
-        tree=args.tree,
-        tree_width=args.tree_width,
-        tree_nodes=args.tree_nodes,
-        suffix_decoding_max_tree_depth=args.suffix_max_depth,
-        suffix_decoding_max_cached_requests=args.suffix_max_cached_requests,
-        suffix_decoding_max_spec_factor=args.suffix_max_spec_factor,
-        suffix_decoding_min_token_prob=args.suffix_min_token_prob,
+    suffix = {
+        "suffix_decoding_max_tree_depth": args.suffix_max_depth,
+        "suffix_decoding_max_cached_requests": args.suffix_max_cached_requests,
+        "suffix_decoding_max_spec_factor": args.suffix_max_spec_factor,
+        "suffix_decoding_min_token_prob": args.suffix_min_token_prob,
+    }
+    return SpeculativeConfig.from_dict(
+        {
+            "method": next((method for method, given in methods.items() if given), "draft_model"),
+            "adaptive": args.adaptive,
+            "num_speculative_tokens": args.num_speculative_tokens,
+            "acceptance": args.acceptance,
+            "tree": args.tree,
+            "tree_width": args.tree_width,
+            "tree_nodes": args.tree_nodes,
+            **(suffix if args.suffix else {}),
+        }
     )
 
 

@@ -7,7 +7,9 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from speculative.fields import DictRoundTrip, check, is_int
+from speculative.fields import DictRoundTrip, check, is_int, is_number
+from speculative.methods import MethodConfig, method_config
+from speculative.methods.acceptance import RULES
 from speculative.sampling_params import SamplingParams
 
 
@@ -15,19 +17,17 @@ from speculative.sampling_params import SamplingParams
 class SpeculativeConfig:
     """How the engine speculates (vLLM's `speculative_config`).
 
-    method: "draft_model" (a small model, `LLM(draft_model=...)`), "ngram" (prompt lookup), "suffix"
-        (suffix decoding over the request and past responses, speculative/proposers/suffix.py), or
-        "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head (`LLM(draft_model=<its directory>)`) drafting a
-        chain or a tree from the target's hidden states (models/eagle.py; the native forward; with
-        `compile`, a greedy chain's or a tree's whole drafting is one compiled call of the head).
+    method: a registered speculative method (speculative/proposers/registry.py): "draft_model" (a small
+        model, `LLM(draft_model=...)`), "ngram" (prompt lookup), "suffix" (suffix decoding over the
+        request and past responses), or "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head
+        (`LLM(draft_model=<its directory>)`) drafting a chain or a tree from the target's hidden states.
     num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32.
-    acceptance: "rejection" (lossless: the output follows the target's distribution exactly) or
-        "typical" (Medusa's typical acceptance: faster at temperature > 0, NOT lossless).
+    acceptance: a registered acceptance rule (speculative/acceptance/registry.py): "rejection" (lossless:
+        the output follows the target's distribution exactly) or "typical" (Medusa's typical
+        acceptance: faster at temperature > 0, NOT lossless).
     posterior_threshold: typical acceptance's upper bound on the acceptance threshold. [0, 1].
     posterior_alpha: typical acceptance's entropy scale: threshold = min(posterior_threshold,
         posterior_alpha * exp(-entropy)). >= 0.
-    prompt_lookup_min / prompt_lookup_max: n-gram sizes tried by the "ngram" method, longest first.
-        1 <= min <= max.
     adaptive: choose k per step in [0, num_speculative_tokens] from the measured acceptance and
         step times (`speculative.engine.draft_length`); 0 switches speculation off where it does not
         pay. The output stays exact, but a seeded sampled request's text then depends on timing.
@@ -42,72 +42,54 @@ class SpeculativeConfig:
         tree_nodes // B nodes (at least the batch-1 tree's chain; tree.py's batch_tree), and chains,
         verified as such, where that leaves width 1 or no more nodes than the chain. A sampled batch
         keeps its trees, so that a seeded row's draws never depend on its neighbours.
-    suffix_decoding_max_tree_depth: the "suffix" tries' depth: a match's tokens plus its proposal's.
-        [2, 256].
-    suffix_decoding_max_cached_requests: past responses the "suffix" global cache holds (the oldest
-        evicted first); 0 disables it. >= 0. With the cache, a seeded sampled request's drafts, and
-        so its text, depend on the responses cached before it (its distribution stays exact).
-    suffix_decoding_max_spec_factor: a "suffix" proposal is at most this times its match's length
-        deep (and k). > 0.
-    suffix_decoding_min_token_prob: the least estimated probability (frequency shares multiplied down
-        the path) a "suffix" draft needs. [0, 1].
+    options: the method's own options, an instance of its MethodConfig (NgramConfig's prompt_lookup_min
+        and _max, SuffixConfig's suffix_decoding_*; the others have none); None: the method's defaults.
+
+    `from_dict` takes vLLM's flat form, the method's options beside the rest:
+    `SpeculativeConfig.from_dict({"method": "ngram", "prompt_lookup_max": 5})`, as does
+    `LLM(speculative_config=...)`.
     """
 
-    method: Literal["draft_model", "ngram", "suffix", "eagle", "eagle3"] = "draft_model"
+    method: str = "draft_model"
     num_speculative_tokens: int = 4
-    acceptance: Literal["rejection", "typical"] = "rejection"
+    acceptance: str = "rejection"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
     adaptive: bool = False
     tree: Literal["static", "dynamic"] | None = None
     tree_width: int = 2
     tree_nodes: int = 8
-    suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 10000
-    suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_min_token_prob: float = 0.1
+    options: MethodConfig | None = None
 
     def __post_init__(self) -> None:
+        options = method_config(self.method)
+        if self.options is None:
+            self.options = options()
         _check(
-            self.method in ("draft_model", "ngram", "suffix", "eagle", "eagle3"),
-            "method",
-            self.method,
-            '"draft_model", "ngram", "suffix", "eagle" or "eagle3"',
+            isinstance(self.options, options),
+            "options",
+            self.options,
+            f'a {options.__name__} (method "{self.method}"\'s options) or None',
         )
-
         k = self.num_speculative_tokens
         _check(is_int(k) and 1 <= k <= 32, "num_speculative_tokens", k, "an integer in [1, 32]")
         _check(
-            self.acceptance in ("rejection", "typical"),
+            self.acceptance in RULES,
             "acceptance",
             self.acceptance,
-            '"rejection" or "typical"',
+            "one of " + ", ".join(f'"{name}"' for name in RULES),
         )
         _check(
-            isinstance(self.posterior_threshold, (int, float)) and 0 <= self.posterior_threshold <= 1,
+            is_number(self.posterior_threshold) and 0 <= self.posterior_threshold <= 1,
             "posterior_threshold",
             self.posterior_threshold,
             "in [0, 1]",
         )
         _check(
-            isinstance(self.posterior_alpha, (int, float)) and self.posterior_alpha >= 0,
+            is_number(self.posterior_alpha) and self.posterior_alpha >= 0,
             "posterior_alpha",
             self.posterior_alpha,
             ">= 0",
-        )
-        _check(
-            is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
-            "prompt_lookup_min",
-            self.prompt_lookup_min,
-            "an integer >= 1",
-        )
-        _check(
-            is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
-            "prompt_lookup_max",
-            self.prompt_lookup_max,
-            f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})",
         )
         _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
         _check(self.tree in (None, "static", "dynamic"), "tree", self.tree, 'None, "static" or "dynamic"')
@@ -124,31 +106,27 @@ class SpeculativeConfig:
             self.tree_nodes,
             "an integer in [1, 128]",
         )
-        depth = self.suffix_decoding_max_tree_depth
-        _check(
-            is_int(depth) and 2 <= depth <= 256,
-            "suffix_decoding_max_tree_depth",
-            depth,
-            "an integer in [2, 256]",
-        )
-        cached = self.suffix_decoding_max_cached_requests
-        _check(
-            is_int(cached) and cached >= 0, "suffix_decoding_max_cached_requests", cached, "an integer >= 0"
-        )
-        factor = self.suffix_decoding_max_spec_factor
-        _check(
-            isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0,
-            "suffix_decoding_max_spec_factor",
-            factor,
-            "a number > 0",
-        )
-        prob = self.suffix_decoding_min_token_prob
-        _check(
-            isinstance(prob, (int, float)) and not isinstance(prob, bool) and 0 <= prob <= 1,
-            "suffix_decoding_min_token_prob",
-            prob,
-            "in [0, 1]",
-        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """vLLM's flat form: the fields, the method's options among them."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
+        return {**data, **self.options.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        """The inverse of to_dict: the method's options may sit beside the other fields (vLLM's form). A
+        key that is neither a field nor an option of the method is a ValueError naming it."""
+        data = dict(data)
+        options = method_config(data.get("method", "draft_model"))
+        own = {f.name for f in dataclasses.fields(options)}
+        given = options.from_dict({name: data.pop(name) for name in list(data) if name in own})
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
+        if unknown := sorted(set(data) - set(fields)):
+            raise ValueError(
+                f"SpeculativeConfig has no field(s) {unknown}: the fields are {fields}, and method "
+                f"{data.get('method', 'draft_model')!r} takes the options {sorted(own)}"
+            )
+        return cls(**data, options=given)
 
 
 _check = functools.partial(check, owner="SpeculativeConfig")

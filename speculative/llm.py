@@ -8,11 +8,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from speculative.acceptance import RejectionSampler, TypicalAcceptanceSampler
+from speculative.acceptance import RejectionSampler
 from speculative.config import GenerationConfig, ParallelConfig, SpeculativeConfig
 from speculative.distributed.draft_length import RankZeroDraftLength
 from speculative.distributed.group import TensorParallelGroup, connect
@@ -22,25 +23,14 @@ from speculative.engine.inputs import InputProcessor, PromptType
 from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.engine.sequence import Sequence
 from speculative.engine.state import SampleState, unpack_generator
+from speculative.methods.acceptance import acceptance_rule
+from speculative.methods.registry import BuildContext, Built, refuse_draft_options, require_tree_forward
 from speculative.models.base import LanguageModel
-from speculative.models.compiled import CompiledCausalLM, prepare_model, warm_up_pair
-from speculative.models.draft_vocabulary import apply_draft_vocabulary
-from speculative.models.dtypes import check_dtype
-from speculative.models.eagle_checkpoint import load_eagle_head
-from speculative.models.llama import NativeCausalLM
+from speculative.models.compiled import prepare_model, warm_up_pair
 from speculative.models.loading import ModelImpl, load_model, quantize_model
 from speculative.models.quantization import check_quantization
 from speculative.models.tensor_parallel import check_model
 from speculative.precompile import PreCompileConfig
-from speculative.proposers import (
-    CrossTokenizerProposer,
-    DraftModelProposer,
-    DraftTreeProposer,
-    EagleProposer,
-    EagleTreeProposer,
-    NgramProposer,
-    SuffixProposer,
-)
 from speculative.sampling_params import SamplingParams
 
 
@@ -93,7 +83,7 @@ class LLM:
         self,
         model: str | PreTrainedModel | LanguageModel,
         draft_model: str | PreTrainedModel | LanguageModel | None = None,
-        speculative_config: SpeculativeConfig | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
         *,
         dtype: str | torch.dtype = "auto",
         draft_dtype: str | torch.dtype | None = None,
@@ -109,32 +99,13 @@ class LLM:
         draft_tensor_parallel_size: int = 1,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name != "self"}  # for other ranks
-        if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
-            raise TypeError("speculative_config must be a SpeculativeConfig or None")
-        if speculative_config is None and draft_model is not None:
-            speculative_config = SpeculativeConfig(method="draft_model")
-        method = speculative_config.method if speculative_config else None
-        if method in ("draft_model", "eagle", "eagle3") and draft_model is None:
-            raise ValueError(f'SpeculativeConfig(method="{method}") needs LLM(draft_model=...)')
-        if method in ("eagle", "eagle3") and (not isinstance(draft_model, str) or precompile or quantization):
-            raise ValueError(
-                f'SpeculativeConfig(method="{method}") needs LLM(draft_model=<the EAGLE head\'s directory>) '
-                "and a target that is neither precompiled nor quantized"
-            )
-        if method in ("ngram", "suffix") and draft_model is not None:
-            raise ValueError(f'SpeculativeConfig(method="{method}") uses no draft model; drop draft_model')
-        if draft_dtype is not None:
-            check_dtype(draft_dtype, "draft_dtype")
-            if method != "draft_model":
-                raise ValueError("draft_dtype is the draft model's dtype: give it with a draft_model")
-        if draft_tokenizer is not None and method != "draft_model":
-            raise ValueError("draft_tokenizer is the draft model's tokenizer: give it with a draft_model")
+        speculative_config = _speculative_config(speculative_config, draft_model)
         check_quantization(quantization)
         parallel = ParallelConfig(tensor_parallel_size, draft_tensor_parallel_size)
-        if method in ("eagle", "eagle3") and parallel.tensor_parallel_size > 1:
-            raise ValueError(
-                f'SpeculativeConfig(method="{method}") does not run with tensor_parallel_size > 1 yet'
-            )
+        if speculative_config is None:
+            refuse_draft_options(arguments)
+        else:
+            speculative_config.options.check(speculative_config.method, arguments)
         self.quantization = quantization
         self.speculative_config = speculative_config
         self.precompile = precompile
@@ -153,131 +124,63 @@ class LLM:
         ranks = self.tensor_parallel.ranks if self.tensor_parallel is not None else None
         with ranks.building(arguments) if ranks is not None else nullcontext() as handle:
             engine = Engine if ranks is None else functools.partial(LeaderEngine, ranks, handle)
-            self._build(
-                model,
-                draft_model,
-                dtype,
-                draft_dtype,
-                seed,
-                model_impl,
-                (tokenizer, draft_tokenizer),
-                compile,
-                parallel,
-                engine,
-            )
+            self._build(arguments, engine)
         if ranks is not None:
             weakref.finalize(self, ranks.drop, handle)
 
-    def _build(
-        self,
-        model: str | PreTrainedModel | LanguageModel,
-        draft_model: str | PreTrainedModel | LanguageModel | None,
-        dtype: str | torch.dtype,
-        draft_dtype: str | torch.dtype | None,
-        seed: int,
-        model_impl: ModelImpl,
-        tokenizers: tuple[PreTrainedTokenizerBase | str | None, PreTrainedTokenizerBase | str | None],
-        compile: bool,
-        parallel: ParallelConfig,
-        engine: Callable[..., Engine],
-    ) -> None:
+    def _build(self, arguments: dict[str, Any], engine: Callable[..., Engine]) -> None:
         """Load the models (this rank's share of them), make the proposer, the engine (with `engine`:
         Engine, or rank 0's LeaderEngine) and the inputs' checker, and warm up the precompile shapes
-        (__init__'s arguments, checked; `tokenizers`: tokenizer and draft_tokenizer)."""
-        speculative_config = self.speculative_config
-        quantization, precompile = self.quantization, self.precompile
-        method = speculative_config.method if speculative_config else None
-        group = self.tensor_parallel
-        tokenizer, draft_tokenizer = tokenizers
-        self.target = load_model(model, dtype, self.device, model_impl, tokenizer, tensor_parallel=group)
-        quantize_model(self.target.model, quantization, "target")
-        self.target.model = prepare_model(self.target.model, compile, precompile)
+        (`arguments`: __init__'s, by name, checked)."""
+        config, precompile = self.speculative_config, self.precompile
+        self.target = load_model(
+            arguments["model"],
+            arguments["dtype"],
+            self.device,
+            arguments["model_impl"],
+            arguments["tokenizer"],
+            tensor_parallel=self.tensor_parallel,
+        )
+        quantize_model(self.target.model, self.quantization, "target")
+        self.target.model = prepare_model(self.target.model, arguments["compile"], precompile)
         self.tokenizer = self.target.tokenizer
-        self.draft = None
-        proposer = None
-        if method == "draft_model":
-            self.draft = load_model(
-                draft_model,
-                dtype if draft_dtype is None else draft_dtype,
-                self.device,
-                model_impl,
-                draft_tokenizer,
-                dtype_name="dtype" if draft_dtype is None else "draft_dtype",
-                tensor_parallel=group if parallel.draft_tensor_parallel_size > 1 else None,
-                tensor_parallel_name="draft_tensor_parallel_size",
-            )
-            apply_draft_vocabulary(self.draft.model, draft_model)
-            quantize_model(
-                self.draft.model,
-                quantization,
-                "draft model",
-                "dtype" if draft_dtype is None else "draft_dtype",
-            )
-            self.draft.model = prepare_model(self.draft.model, compile, precompile)
-            if _same_vocabulary(self.target, self.draft):
-                proposer = _draft_proposer(self.draft.model, speculative_config)
-            else:
-                proposer = _cross_tokenizer_proposer(self.target, self.draft, speculative_config)
-                _check_cross_tokenizer(compile, precompile, group)
-        elif method in ("eagle", "eagle3"):
-            native = self.target.model
-            native = native.model if isinstance(native, CompiledCausalLM) else native  # the head shares it
-            if not isinstance(native, NativeCausalLM):
-                raise ValueError(
-                    f'SpeculativeConfig(method="{method}") needs the native forward for the target '
-                    f"(model types llama, mistral, qwen2, qwen3); got {type(native).__name__}"
-                )
-            head = load_eagle_head(draft_model, method, native)
-            compiled = CompiledCausalLM(head) if compile else None  # a greedy chain's, a tree's drafting
-            proposer = EagleProposer(head, compiled)
-            if speculative_config.tree:
-                c = speculative_config
-                proposer = EagleTreeProposer(head, c.tree, c.tree_width, c.tree_nodes, compiled)
-        elif method == "ngram":
-            proposer = NgramProposer(
-                speculative_config.prompt_lookup_min,
-                speculative_config.prompt_lookup_max,
-                speculative_config.tree_nodes if speculative_config.tree else None,
-            )
-        elif method == "suffix":
-            proposer = SuffixProposer(
-                speculative_config.suffix_decoding_max_tree_depth,
-                speculative_config.suffix_decoding_max_cached_requests,
-                speculative_config.suffix_decoding_max_spec_factor,
-                speculative_config.suffix_decoding_min_token_prob,
-                speculative_config.tree_nodes if speculative_config.tree else None,
-            )
-        if speculative_config is not None and speculative_config.tree:
-            _check_tree_forward(self.target.model)
-        rule = RejectionSampler()
-        if speculative_config is not None and speculative_config.acceptance == "typical":
-            rule = TypicalAcceptanceSampler(
-                speculative_config.posterior_threshold, speculative_config.posterior_alpha
-            )
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        k = speculative_config.num_speculative_tokens if speculative_config else 0
-        adaptive = bool(speculative_config and speculative_config.adaptive)
+        built = Built(None)
+        if config is not None:
+            if config.tree:
+                require_tree_forward(self.target.model)
+            context = BuildContext(config, self.target, arguments, self.device, self.tensor_parallel)
+            built = config.options.build(context)
+        self.draft = built.draft
+        self.generator = torch.Generator(device=self.device).manual_seed(arguments["seed"])
+        k = config.num_speculative_tokens if config else 0
+        adaptive = bool(config and config.adaptive)
         self.engine = engine(
             self.target.model,
-            proposer,
+            built.proposer,
             k,
             self.target.eos_token_ids,
             self.generator,
-            rule,
+            acceptance_rule(config) if config is not None else RejectionSampler(),
             self.detokenize if self.tokenizer is not None else None,
             adaptive=adaptive,
-            room=_room(speculative_config),
+            room=_room(config),
         )
-        if group is not None and adaptive:  # every rank drafts rank 0's choice
+        if self.tensor_parallel is not None and adaptive:  # every rank drafts rank 0's choice
             self.engine.draft_length = RankZeroDraftLength(k, self.device)
-        same_tokens = self.draft is not None and not isinstance(proposer, CrossTokenizerProposer)
-        context = min(m.model.max_length for m in (self.target, self.draft if same_tokens else None) if m)
+        shared = self.draft if built.shares_tokens else None
+        context_length = min(m.model.max_length for m in (self.target, shared) if m)
         self.inputs = InputProcessor(
-            self.tokenizer, self.target.model.vocab_size, context, self.device, precompile
+            self.tokenizer, self.target.model.vocab_size, context_length, self.device, precompile
         )
         if precompile is not None:
-            draft = self.draft.model if same_tokens else None
-            warm_up_pair(self.target.model, draft, precompile, k, every_width=method in ("ngram", "suffix"))
+            draft = shared.model if shared else None
+            warm_up_pair(
+                self.target.model,
+                draft,
+                precompile,
+                k,
+                every_width=bool(config and config.options.model_free),
+            )
 
     def generate(
         self,
@@ -398,12 +301,20 @@ class LLM:
         )
 
 
-def _draft_proposer(model: LanguageModel, config: SpeculativeConfig) -> DraftModelProposer:
-    """The draft model's proposer: a chain of k tokens, or the config's tree."""
-    if config.tree is None:
-        return DraftModelProposer(model)
-    _check_tree_forward(model, "draft model")
-    return DraftTreeProposer(model, config.tree, config.tree_width, config.tree_nodes)
+def _speculative_config(
+    config: SpeculativeConfig | dict | None, draft_model: object
+) -> SpeculativeConfig | None:
+    """LLM's speculative_config: a SpeculativeConfig, vLLM's flat dict of one (SpeculativeConfig.from_dict),
+    or None: plain decoding, or SpeculativeConfig()'s draft model where a draft_model is given."""
+    if isinstance(config, dict):
+        return SpeculativeConfig.from_dict(config)
+    if config is not None and not isinstance(config, SpeculativeConfig):
+        raise TypeError(
+            f"speculative_config must be a SpeculativeConfig, a dict or None; got {type(config).__name__}"
+        )
+    if config is None and draft_model is not None:
+        return SpeculativeConfig(method="draft_model")
+    return config
 
 
 def _room(config: SpeculativeConfig | None) -> int | None:
@@ -412,53 +323,3 @@ def _room(config: SpeculativeConfig | None) -> int | None:
     if config is None or config.tree is None:
         return None
     return max(config.tree_nodes, config.tree_width * config.num_speculative_tokens)
-
-
-def _check_tree_forward(model: LanguageModel, which: str = "model") -> None:
-    """Trees need a forward that takes them (the native one); a ValueError naming `tree` otherwise."""
-    if getattr(model, "forward_tree", None) is None:
-        raise ValueError(
-            f"SpeculativeConfig.tree needs the native forward for the {which} (model types llama, mistral, "
-            f"qwen2, qwen3; model_impl 'native' or 'auto'); {type(model).__name__} verifies chains only"
-        )
-
-
-def _same_vocabulary(target, draft) -> bool:
-    """Whether the draft shares the target's vocabulary: the same size and, where both have a tokenizer,
-    the same tokenizer vocabulary (a draft of another size where one has no tokenizer is a ValueError:
-    it cannot draft across tokenizers)."""
-    vt, vd = target.model.vocab_size, draft.model.vocab_size
-    if target.tokenizer is not None and draft.tokenizer is not None:
-        return vt == vd and target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
-    if vt != vd:
-        raise ValueError(
-            f"the draft model's vocabulary ({vd} tokens) differs from the target's ({vt}) and the "
-            f"{'draft' if draft.tokenizer is None else 'target'} has no tokenizer: drafting across "
-            "tokenizers needs both (give LLM(tokenizer=...) or a draft directory with its tokenizer)"
-        )
-    return True
-
-
-def _cross_tokenizer_proposer(target, draft, config: SpeculativeConfig) -> CrossTokenizerProposer:
-    """The proposer of a draft with its own tokenizer: a chain only (a ValueError naming `tree`)."""
-    if config.tree is not None:
-        raise ValueError(
-            "SpeculativeConfig.tree is not supported with a draft model that has its own tokenizer "
-            "(drafting across tokenizers proposes chains); use tree=None"
-        )
-    return CrossTokenizerProposer(draft.model, draft.tokenizer, target.tokenizer)
-
-
-def _check_cross_tokenizer(compile: bool, precompile, group) -> None:
-    """compile, precompile and tensor parallelism do not run with a draft of its own tokenizer (a
-    ValueError naming the argument)."""
-    for name, given in (
-        ("compile", compile),
-        ("precompile", precompile is not None),
-        ("tensor_parallel_size", group is not None),
-    ):
-        if given:
-            raise ValueError(
-                f"{name} is not supported with a draft model that has its own tokenizer (drafting across "
-                "tokenizers)"
-            )

@@ -101,8 +101,8 @@ def test_mismatched_params_list(no_work) -> None:
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("method", "medusa", 'method must be "draft_model", "ngram", "suffix", "eagle" or "eagle3"'),
-        ("acceptance", "maybe", 'acceptance must be "rejection" or "typical"'),
+        ("method", "medusa", 'method must be one of "draft_model", "eagle", "eagle3", "ngram", "suffix"'),
+        ("acceptance", "maybe", 'acceptance must be one of "rejection", "typical"'),
         ("posterior_threshold", 1.5, r"posterior_threshold must be in \[0, 1\]"),
         ("posterior_alpha", -1.0, "posterior_alpha must be >= 0"),
         ("prompt_lookup_min", 0, "prompt_lookup_min must be an integer >= 1"),
@@ -110,5 +110,6 @@ def test_mismatched_params_list(no_work) -> None:
     ],
 )
 def test_speculative_config_validation(field, value, message) -> None:
-    with pytest.raises(ValueError, match=f"SpeculativeConfig.{message}"):
-        SpeculativeConfig(**{field: value})
+    owner = "NgramConfig" if field.startswith("prompt_lookup") else "SpeculativeConfig"
+    with pytest.raises(ValueError, match=f"{owner}.{message}"):
+        SpeculativeConfig.from_dict({"method": "ngram", field: value})

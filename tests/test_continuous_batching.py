@@ -30,8 +30,8 @@ def _llm(model_impl: str, method: str | None, tree: str | None = None, **options
     target = tiny_model("llama", num_layers=2)
     draft = noisy_copy(target, 0.03) if method == "draft_model" else None
     config = (
-        SpeculativeConfig(
-            method=method, num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6, **options
+        SpeculativeConfig.from_dict(
+            dict(method=method, num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6, **options)
         )
         if method
         else None

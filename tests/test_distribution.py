@@ -16,6 +16,7 @@ from scipy.stats import chi2
 import speculative.acceptance.rejection as rejection_module
 import speculative.acceptance.tree as tree_module
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.methods import NgramConfig
 
 VOCAB = 8
 LENGTH = 3
@@ -132,7 +133,9 @@ def test_ngram_sampling_matches_target(pair) -> None:
     prompt = [2, 3, 2, 3, 2, 3, 2]
     llm = LLM(
         target,
-        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=2),
+        speculative_config=SpeculativeConfig(
+            method="ngram", num_speculative_tokens=2, options=NgramConfig(prompt_lookup_max=2)
+        ),
         seed=3,
     )
     params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)

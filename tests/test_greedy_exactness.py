@@ -39,7 +39,7 @@ def test_greedy_matches_target_alone(family: str, drafter: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     for k in (1, 3, 8):
         method = "ngram" if drafter == "ngram" else "draft_model"
-        config = SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_max=3)
+        config = SpeculativeConfig(method=method, num_speculative_tokens=k)
         llm = LLM(target, speculative_config=config, **_drafter(drafter, family, target))
         for batch in (PROMPTS[:1], PROMPTS):
             outputs = llm.generate(batch, params)

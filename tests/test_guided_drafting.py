@@ -215,7 +215,7 @@ def guided_p_value(char_pair, method: str) -> float:
         target,
         draft_model=draft if method == "draft_model" else None,
         tokenizer=char_tokenizer(CHARS),
-        speculative_config=SpeculativeConfig(method, num_speculative_tokens=2, prompt_lookup_min=1),
+        speculative_config=SpeculativeConfig(method, num_speculative_tokens=2),
         seed=21,
     )
     params = SamplingParams(

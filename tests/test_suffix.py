@@ -15,6 +15,7 @@ from scipy.stats import chi2
 from test_distribution import LENGTH, SAMPLES, VOCAB, chi_square, exact_probs
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.methods import SuffixConfig
 from speculative.proposers import SuffixProposer
 from speculative.proposers.suffix import SuffixCache, SuffixTrie
 from speculative.sampling import SampleStrategy
@@ -74,8 +75,10 @@ def test_trie_counts_every_substring_through_appends_and_removals() -> None:
         assert _counts(trie) == _substrings(list(texts.values()), depth)
 
 
-def _proposer(context: list[int], **options) -> SuffixProposer:
-    proposer = SuffixProposer(**options)
+def _proposer(context: list[int], tree_nodes: int | None = None, **options) -> SuffixProposer:
+    """A SuffixProposer over `context`, options by SuffixConfig's names without `suffix_decoding_`."""
+    config = SuffixConfig(**{f"suffix_decoding_{name}": value for name, value in options.items()})
+    proposer = config.proposer(tree_nodes)
     proposer.add_rows(torch.tensor([context]), torch.tensor([len(context)]))
     return proposer
 
@@ -98,7 +101,7 @@ CONTEXT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]  # "1 2" was followed by 3 twice; "1 2 
         ({"max_spec_factor": 2.0, "min_token_prob": 0.6}, [3]),  # 4's 0.5 is below the bound
         ({"max_spec_factor": 0.5}, [3]),
         # In a 3-deep trie the match "1 2" leaves room for 1 token, the shorter "2" for 2: 3, then 4 or 5.
-        ({"max_depth": 3, "max_spec_factor": 4.0}, [3, 4]),
+        ({"max_tree_depth": 3, "max_spec_factor": 4.0}, [3, 4]),
     ],
 )
 def test_chain_follows_the_most_frequent_continuation_within_the_limits(options, expected) -> None:
@@ -117,7 +120,7 @@ def test_tree_takes_the_most_probable_nodes_best_first() -> None:
 
 
 def test_nothing_is_proposed_without_a_match_and_rows_follow_select_rows() -> None:
-    proposer = SuffixProposer()
+    proposer = SuffixConfig().proposer()
     contexts = [[7, 8, 9, 10], CONTEXT]
     proposer.add_rows(torch.tensor([c + [0] * 6 for c in contexts[:1]] + [CONTEXT]), torch.tensor([4, 10]))
     assert _propose(proposer, contexts).token_ids.tolist() == [[-1, -1], [3, 4]]
@@ -136,7 +139,7 @@ def test_committed_tokens_extend_the_rows_trie() -> None:
 
 
 def test_finished_responses_feed_the_global_cache_which_keeps_the_newest() -> None:
-    proposer = SuffixProposer(max_cached_requests=2)
+    proposer = SuffixConfig(suffix_decoding_max_cached_requests=2).proposer()
     responses = [[10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33]]
     for response in responses:  # each a prompt [1] and its response, finishing
         context = [1, *response]
@@ -175,8 +178,8 @@ def test_config_rejects_suffix_options_out_of_range() -> None:
         ("suffix_decoding_max_spec_factor", 0.0),
         ("suffix_decoding_min_token_prob", 1.5),
     ]:
-        with pytest.raises(ValueError, match=f"SpeculativeConfig.{field} must be"):
-            SpeculativeConfig(method="suffix", **{field: value})
+        with pytest.raises(ValueError, match=f"SuffixConfig.{field} must be"):
+            SpeculativeConfig.from_dict({"method": "suffix", field: value})
     with pytest.raises(ValueError, match="uses no draft model"):
         LLM(
             tiny_model("llama"),
@@ -223,7 +226,7 @@ def test_rows_joining_mid_run_give_their_tokens_alone(tree: str | None) -> None:
         num_speculative_tokens=3,
         tree=tree,
         tree_nodes=5,
-        suffix_decoding_max_cached_requests=0,
+        options=SuffixConfig(suffix_decoding_max_cached_requests=0),
     )
     params = [
         SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
@@ -251,7 +254,9 @@ def test_rows_joining_mid_run_give_their_tokens_alone(tree: str | None) -> None:
 def test_sampled_output_follows_the_target_distribution() -> None:
     target = tiny_model("llama", vocab_size=VOCAB, hidden_size=32, seed=0)
     prompt = [2, 3, 2, 3, 2, 3, 2]
-    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=2, suffix_decoding_max_spec_factor=4.0)
+    spec = SpeculativeConfig(
+        method="suffix", num_speculative_tokens=2, options=SuffixConfig(suffix_decoding_max_spec_factor=4.0)
+    )
     llm = LLM(target, speculative_config=spec, seed=3)
     params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
     outputs = llm.generate([prompt] * (SAMPLES // 2), params)  # enough to catch a broken rule

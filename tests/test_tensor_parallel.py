@@ -67,7 +67,9 @@ def _pair(setup: str, tensor_parallel_size: int) -> LLM:
         _LLMS[key] = LLM(
             target,
             draft_model=draft,
-            speculative_config=SpeculativeConfig(method=drafter, num_speculative_tokens=3, **options),
+            speculative_config=SpeculativeConfig.from_dict(
+                dict(method=drafter, num_speculative_tokens=3, **options)
+            ),
             seed=5,
             tensor_parallel_size=tensor_parallel_size,
             draft_tensor_parallel_size=tensor_parallel_size if split_draft else 1,

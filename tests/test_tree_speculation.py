@@ -10,13 +10,13 @@ from exactness import assert_greedy_equal, hf_greedy
 from test_eagle import write_head
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.methods import SuffixConfig
 from speculative.models.eagle_checkpoint import load_eagle_head
 from speculative.models.llama import NativeCausalLM
 from speculative.proposers import DraftTreeProposer
 from speculative.proposers.base import Proposal
 from speculative.proposers.eagle_tree import EagleTreeProposer
 from speculative.proposers.ngram import NgramProposer, _merge
-from speculative.proposers.suffix import SuffixProposer
 from speculative.sampling import SampleStrategy
 from speculative.tree import batch_tree, check_tree, tree_depths
 
@@ -166,7 +166,7 @@ def test_ngram_and_suffix_tries_shrink_with_a_greedy_batch(proposer: str) -> Non
         if proposer == "ngram":
             made = NgramProposer(1, 3, tree_nodes=nodes)
         else:
-            made = SuffixProposer(max_cached_requests=0, tree_nodes=nodes)
+            made = SuffixConfig(suffix_decoding_max_cached_requests=0).proposer(nodes)
         made.add_rows(tokens[rows], lengths[rows])
         return made.propose(tokens[rows], lengths[rows], 4, strategy)
 

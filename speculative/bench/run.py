@@ -57,6 +57,7 @@ from speculative.demo import DEMO_DIR
 from speculative.demo.model_card import machine
 from speculative.extras import needs_extra
 from speculative.llm import LLM
+from speculative.methods import NgramConfig
 from speculative.models.compiled import CompiledCausalLM, warm_up_pair
 from speculative.models.dtypes import cpu_features
 from speculative.precompile import PreCompileConfig
@@ -259,7 +260,9 @@ class Pair:
         llm = LLM(
             target,
             draft_model=draft if drafter == "draft_model" else config.eagle if drafter in HEADS else None,
-            speculative_config=SpeculativeConfig(drafter, k, adaptive=adaptive, tree=tree, **options),
+            speculative_config=SpeculativeConfig.from_dict(
+                dict(method=drafter, num_speculative_tokens=k, adaptive=adaptive, tree=tree, **options)
+            ),
             seed=config.seed,
             **loading,
         )
@@ -299,7 +302,7 @@ class Pair:
             name, label = "hf_prompt_lookup", "HF prompt lookup"
             options = {
                 "prompt_lookup_num_tokens": k,
-                "max_matching_ngram_size": SpeculativeConfig().prompt_lookup_max,
+                "max_matching_ngram_size": NgramConfig().prompt_lookup_max,
             }
         return HFMethod(
             name,

@@ -52,7 +52,7 @@ from speculative.engine.sequence import NoTokenAllowed, Sequence, StopStrings
 from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
-from speculative.proposers.base import Proposal, Proposer
+from speculative.proposers.base import FeatureProposer, LearningProposer, Proposal, Proposer
 from speculative.proposers.grammar import cut_to_grammar
 from speculative.sampling_params import SamplingParams
 from speculative.tree import tree_depths
@@ -106,7 +106,7 @@ class Engine:
         self.draft_length = DraftLength(self.k, adaptive)
         self.room = self.k if room is None or proposer is None else room
         # what a proposer that reads the target's hidden states wants of its forward (EagleProposer)
-        self.hidden_layers: tuple[int, ...] | None = getattr(proposer, "hidden_layers", None)
+        self.hidden_layers = proposer.hidden_layers if isinstance(proposer, FeatureProposer) else None
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
         self.stop_strings: dict[int, StopStrings] = {}
@@ -160,9 +160,8 @@ class Engine:
     def clear_proposer_cache(self) -> None:
         """Forget what earlier generations taught the proposer (suffix decoding's cache of past
         responses): a benchmark's new pass over prompts it has answered."""
-        clear = getattr(self.proposer, "clear_cache", None)
-        if clear is not None:
-            clear()
+        if isinstance(self.proposer, LearningProposer):
+            self.proposer.clear_cache()
 
     @contextmanager
     def recording_steps(self) -> Iterator[list[StepStats]]:

@@ -1,6 +1,6 @@
 """Proposers: whatever proposes draft tokens, behind one interface."""
 
-from speculative.proposers.base import Proposal, Proposer
+from speculative.proposers.base import FeatureProposer, LearningProposer, Proposal, Proposer
 from speculative.proposers.cross_tokenizer import CrossTokenizerProposer
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.draft_tree import DraftTreeProposer
@@ -18,6 +18,8 @@ __all__ = [
     "Drafter",
     "EagleProposer",
     "EagleTreeProposer",
+    "FeatureProposer",
+    "LearningProposer",
     "NgramProposer",
     "Proposal",
     "Proposer",

@@ -37,10 +37,8 @@ class Proposer(Protocol):
     The context of the batch is `tokens` [batch, capacity] int64 with `lengths` [batch]: row b's
     context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
 
-    A proposer that reads the target's hidden states (EagleProposer) also has `hidden_layers` (the
-    target forward's argument of that name) and `observe(features)`: the engine runs the target with
-    them and hands over the features of the prefill (before add_rows) and of every step (before
-    select_rows and on_commit).
+    What a proposer can do beyond this is declared by the protocols below (FeatureProposer,
+    LearningProposer), which the engine checks once, at construction.
     """
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
@@ -71,4 +69,29 @@ class Proposer(Protocol):
 
     def select_rows(self, rows: Tensor) -> None:
         """Keep only `rows` ([n] int64), in that order."""
+        ...
+
+
+@runtime_checkable
+class FeatureProposer(Proposer, Protocol):
+    """A proposer that drafts from the target's hidden states (EagleProposer).
+
+    hidden_layers: the target forward's argument of that name: the layers whose hidden states it reads.
+    The engine runs the target with them and hands over (`observe`) the features of the prefill (before
+    add_rows) and of every step (before select_rows and on_commit).
+    """
+
+    hidden_layers: tuple[int, ...]
+
+    def observe(self, features: Tensor) -> None:
+        """The target forward's features [B, q, F] (EagleProposer.observe says which positions)."""
+        ...
+
+
+@runtime_checkable
+class LearningProposer(Proposer, Protocol):
+    """A proposer that learns from past responses across generations (SuffixProposer's global cache)."""
+
+    def clear_cache(self) -> None:
+        """Forget every past response (a benchmark's new pass over prompts it has answered)."""
         ...

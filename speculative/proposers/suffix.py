@@ -212,20 +212,16 @@ class _Row:
 
 class SuffixProposer:
     """Suffix-decoding proposer (module docstring): a chain, or (tree_nodes given) a tree of at most
-    tree_nodes drafts, per row.
-
-    max_depth: the tries' depth (match plus proposal tokens). >= 2.
-    max_cached_requests: responses in the global cache; 0 disables it.
-    max_spec_factor: a proposal is at most this times the match's length deep.
-    min_token_prob: the least probability (product of frequency shares down the path) a draft needs.
-    """
+    tree_nodes drafts, per row. The options are SuffixConfig's (speculative/methods/suffix.py), which
+    says their ranges: max_depth (the tries' depth), max_cached_requests (the global cache's size),
+    max_spec_factor, min_token_prob."""
 
     def __init__(
         self,
-        max_depth: int = 24,
-        max_cached_requests: int = 10000,
-        max_spec_factor: float = 1.0,
-        min_token_prob: float = 0.1,
+        max_depth: int,
+        max_cached_requests: int,
+        max_spec_factor: float,
+        min_token_prob: float,
         tree_nodes: int | None = None,
     ) -> None:
         self.max_depth = max_depth

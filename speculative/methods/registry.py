@@ -1,0 +1,135 @@
+"""The registry of speculative methods: name -> the method's MethodConfig.
+
+Imports nothing heavy (no torch), so that the CLI can make flags of every method's options before
+anything loads; a method imports its proposers and models in `build`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from speculative.fields import DictRoundTrip
+
+if TYPE_CHECKING:
+    import torch
+
+    from speculative.models.base import LanguageModel
+    from speculative.models.loading import LoadedModel
+    from speculative.proposers.base import Proposer
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a method builds its proposer from.
+
+    config: the SpeculativeConfig (its method: the registered name asked for, one MethodConfig may
+        serve several, as EagleConfig serves "eagle" and "eagle3"; num_speculative_tokens, tree,
+        tree_width, tree_nodes: the shape of the proposals).
+    target: the loaded target (its model already quantized and wrapped for compile/precompile).
+    arguments: LLM.__init__'s arguments by name, checked (draft_model as given, dtype, draft_dtype,
+        model_impl, draft_tokenizer, compile, precompile, quantization, draft_tensor_parallel_size, ...).
+    device: the device the models run on (this rank's). group: this rank's tensor-parallel group (None:
+        one process).
+    """
+
+    config: Any
+    target: LoadedModel
+    arguments: dict[str, Any]
+    device: torch.device
+    group: Any
+
+
+@dataclass
+class Built:
+    """A method's proposer and its draft model. draft: the loaded draft model (None: the method has
+    none); shares_tokens: whether the draft reads the target's token ids (then its context length
+    bounds the requests', and precompile warms it up with the target)."""
+
+    proposer: Proposer
+    draft: LoadedModel | None = None
+    shares_tokens: bool = False
+
+
+class MethodConfig(DictRoundTrip):
+    """The options of one speculative method (a dataclass whose fields are the options), with what the
+    method needs (class variables) and how it builds its proposer.
+
+    uses_draft_model: LLM(draft_model=...) is required (True) or refused (False).
+    reads_hidden_states: the proposer drafts from the target's hidden states (EAGLE heads): its first
+        proposal after a prefill feeds the prompt's features.
+    model_free: proposals may come narrower than k on a CPU (n-gram, suffix): a precompiled target
+        warms up every width.
+    suited_tree: the tree kind that suits the method ("static" or "dynamic"), the benchmark's choice.
+    """
+
+    uses_draft_model: ClassVar[bool] = False
+    reads_hidden_states: ClassVar[bool] = False
+    model_free: ClassVar[bool] = False
+    suited_tree: ClassVar[str] = "dynamic"
+
+    def check(self, method: str, arguments: dict[str, Any]) -> None:
+        """Refuse LLM arguments the method cannot run with, before anything loads (a ValueError naming
+        the argument). `arguments`: LLM.__init__'s, by name. The base checks that a draft model is given
+        where it is used, and refuses the draft model's own dtype and tokenizer (DraftModelConfig takes
+        them)."""
+        check_draft_model(method, self.uses_draft_model, arguments.get("draft_model"))
+        refuse_draft_options(arguments)
+
+    def build(self, context: BuildContext) -> Built:
+        """The method's proposer (and draft model) for the LLM being built."""
+        raise NotImplementedError
+
+
+def check_draft_model(method: str, used: bool, draft: object) -> None:
+    """A ValueError unless LLM(draft_model=...) is given exactly when the method uses one."""
+    if used and draft is None:
+        raise ValueError(f'SpeculativeConfig(method="{method}") needs LLM(draft_model=...)')
+    if not used and draft is not None:
+        raise ValueError(f'SpeculativeConfig(method="{method}") uses no draft model; drop draft_model')
+
+
+def refuse_draft_options(arguments: dict[str, Any]) -> None:
+    """A ValueError where LLM's arguments give a draft model's dtype or tokenizer without one."""
+    for name, what in (("draft_dtype", "dtype"), ("draft_tokenizer", "tokenizer")):
+        if arguments.get(name) is not None:
+            raise ValueError(f"{name} is the draft model's {what}: give it with a draft_model")
+
+
+def require_tree_forward(model: LanguageModel, which: str = "model") -> None:
+    """Trees need a forward that takes them (the native one); a ValueError naming `tree` otherwise."""
+    if getattr(model, "forward_tree", None) is None:
+        raise ValueError(
+            f"SpeculativeConfig.tree needs the native forward for the {which} (model types llama, mistral, "
+            f"qwen2, qwen3; model_impl 'native' or 'auto'); {type(model).__name__} verifies chains only"
+        )
+
+
+METHODS: dict[str, type[MethodConfig]] = {}
+"""The registered methods: name -> MethodConfig subclass (in registration order)."""
+
+
+def register(*names: str) -> Callable[[type[MethodConfig]], type[MethodConfig]]:
+    """Class decorator: register a MethodConfig dataclass under `names` (a name taken twice is a
+    ValueError)."""
+
+    def add(cls: type[MethodConfig]) -> type[MethodConfig]:
+        if not (dataclasses.is_dataclass(cls) and issubclass(cls, MethodConfig)):
+            raise TypeError(f"{cls.__name__} must be a dataclass subclassing MethodConfig")
+        for name in names:
+            if name in METHODS:
+                raise ValueError(f"speculative method {name!r} is registered twice")
+            METHODS[name] = cls
+        return cls
+
+    return add
+
+
+def method_config(name: str) -> type[MethodConfig]:
+    """The MethodConfig class registered as `name`; a ValueError naming the method and the allowed ones."""
+    if name not in METHODS:
+        allowed = ", ".join(f'"{m}"' for m in METHODS)
+        raise ValueError(f"SpeculativeConfig.method must be one of {allowed}; got {name!r}")
+    return METHODS[name]
