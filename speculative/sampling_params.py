@@ -9,21 +9,103 @@ before any work starts.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from speculative.extras import needs_extra
 from speculative.fields import DictRoundTrip, check, is_int, is_number
-
-if TYPE_CHECKING:
-    from speculative.sampling.guided import GuidedDecodingParams
 
 _check = functools.partial(check, owner="SamplingParams")
 
 LogitsProcessor = Callable[..., Any]
 """vLLM's signatures: fn(output_token_ids, logits) or fn(prompt_token_ids, output_token_ids, logits),
 with logits [vocab] for one position; returns the new logits [vocab]."""
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """vLLM's guided decoding parameters: exactly one of json, regex, choice, grammar, json_object.
+
+    json: a JSON schema (a dict or its JSON text); the output is a JSON value valid under it. Object
+        properties come out in the schema's order; compact (no free whitespace) unless the schema's
+        "x-guidance" options say otherwise. regex: the whole output matches it (Rust `regex` syntax, as
+        llguidance reads it).
+    choice: the output is exactly one of these strings. grammar: a Lark grammar in llguidance's syntax
+        (or GBNF, which is converted). json_object: the output is any JSON object.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = self._set_fields()
+        if len(chosen) != 1:
+            raise ValueError(
+                f"exactly one of {', '.join(_KINDS)} must be set; got "
+                f"{', '.join(chosen) if chosen else 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"json must be a dict or a JSON string, not {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, not {type(value).__name__}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("choice must be a list of strings")
+            if len(self.choice) == 0:
+                raise ValueError("choice must list at least one string")
+
+    def _set_fields(self) -> list[str]:
+        chosen = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            chosen.append("json_object")
+        return chosen
+
+    def kind(self) -> str:
+        """The field that is set: 'json', 'regex', 'choice', 'grammar' or 'json_object'."""
+        return self._set_fields()[0]
+
+    def key(self) -> tuple[str, str]:
+        """A hashable, canonical description of the constraint (for caches)."""
+        kind = self.kind()
+        if kind == "json":
+            return kind, _schema_text(self.json)
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice), ensure_ascii=False)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+
+def _schema_text(schema: dict | str) -> str:
+    """The schema as compact JSON text, keys in their given order (it sets the order of properties)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    try:
+        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"json schema is not JSON-serializable: {e}") from None
+
+
+def _needs_guided() -> None:
+    """Guided decoding runs on llguidance (speculative/sampling/guided.py, where GuidedDecodingParams is
+    also found): a request for it without the guided extra is refused at once, naming the extra."""
+    with needs_extra("guided", "guided decoding"):
+        import llguidance  # noqa: F401
 
 
 @dataclass
@@ -178,7 +260,7 @@ class SamplingParams(DictRoundTrip):
             "None or an integer >= 1",
         )
         if self.guided_decoding is not None:
-            from speculative.sampling.guided import GuidedDecodingParams
+            _needs_guided()
         _check(
             self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
             "guided_decoding",
@@ -254,8 +336,7 @@ class SamplingParams(DictRoundTrip):
         """The inverse of to_dict."""
         data = dict(data)
         if data.get("guided_decoding") is not None:
-            from speculative.sampling.guided import GuidedDecodingParams
-
+            _needs_guided()
             data["guided_decoding"] = GuidedDecodingParams(**data["guided_decoding"])
         if data.get("logit_bias"):
             data["logit_bias"] = {int(t): b for t, b in data["logit_bias"].items()}

@@ -29,14 +29,8 @@ def batch_tree(width: int, num_nodes: int, batch: int, depth: int) -> tuple[int,
     breadth is its matches', passes width = num_nodes.)
 
     Proposers shrink a greedy batch's trees only: a sampled row's draws, and so a seeded row's output,
-    must not depend on its neighbours (so they pass batch = 1 for a sampled batch).
-
-    Measured on a 2-core AMD EPYC (AVX-512, no AMX), demo pair, float32 eager, 8 code prompts, k = 4,
-    tokens/s against plain decoding at batch 1 / 2 / 4 / 8: draft-model chains 1.79 / 1.55 / 1.35 /
-    1.15x, trees of 8 (width 2) 1.51 / 1.31 / 1.07 / 0.93x, of 4 (width 2) 1.33 / 1.25 / 1.08 / 0.98x,
-    a chain-shaped tree (width 1) verified as a tree 1.55 / 1.38 / 1.18 / 1.06x (EAGLE head alike);
-    trees of 8 shrinking with the batch (another run) 1.67 / 1.46 / 1.21x at batch 2 / 4 / 8, chains
-    1.70 / 1.45 / 1.22x.
+    must not depend on its neighbours (they pass SampleStrategy.tree_rows). Why trees shrink:
+    docs/internals.md#measured-choices.
     """
     nodes = max(min(num_nodes, depth), num_nodes // batch)
     shrunk = width // batch

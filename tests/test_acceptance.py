@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from acceptance_rules import GreedyAcceptance
 from scipy.stats import chisquare
 
 from speculative.acceptance import (
     AcceptanceRule,
-    GreedyAcceptance,
     RejectionSampler,
     TypicalAcceptanceSampler,
     greedy_accept,

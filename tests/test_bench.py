@@ -17,7 +17,7 @@ from conftest import byte_tokenizer, tiny_model
 from speculative import cli
 from speculative.bench import run as bench_run
 from speculative.bench.memory import copy_bandwidth, memory_bound, weight_bytes
-from speculative.bench.prompts import BUNDLED_DIR, PromptRecord, encode, load_jsonl
+from speculative.bench.prompts import BUNDLED_DIR
 from speculative.bench.report import memory_bound_line
 from speculative.bench.run import skipped_heads
 from speculative.bench.timing import (
@@ -27,6 +27,7 @@ from speculative.bench.timing import (
     speedup_bound,
 )
 from speculative.demo import DEMO_DIR, corpus
+from speculative.prompts import PromptRecord, encode, load_jsonl
 
 SKIPPED = {"vllm_draft", "llamacpp", "llamacpp_draft", "llamacpp_draft_default"}  # no vLLM, no --llama-cpp
 METHODS = {

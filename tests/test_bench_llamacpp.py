@@ -42,9 +42,10 @@ from speculative.bench.llamacpp import (
 from speculative.bench.measure import engine_timings, speculation_stats
 from speculative.bench.memory import gguf_weight_bytes
 from speculative.bench.methods import Generation, Method
-from speculative.bench.prompts import BUNDLED_DIR, encode, load_jsonl
+from speculative.bench.prompts import BUNDLED_DIR
 from speculative.bench.server_process import ServerProcess
 from speculative.demo import DEMO_DIR
+from speculative.prompts import encode, load_jsonl
 
 # /completion's answer from llama-server (build 10470, commit 34af94cd9): the first code prompt, the demo pair
 # in f32, draft k=4, 8 tokens (on a loaded machine: slow timings); generation_settings and prompt left out

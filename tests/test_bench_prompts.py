@@ -15,14 +15,12 @@ from speculative.bench.prompts import (
     BUNDLED_DIR,
     CHAT_SETS,
     TOY_SETS,
-    PromptRecord,
     default_sets,
-    encode,
-    load_jsonl,
     resolve_set,
 )
 from speculative.bench.run import BenchConfig, load_sets
 from speculative.demo import DEMO_DIR, corpus, instructions
+from speculative.prompts import PromptRecord, encode, load_jsonl
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "

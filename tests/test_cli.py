@@ -45,9 +45,13 @@ def test_readme_generate_command(model_dirs) -> None:
         r"acceptance rate \d\.\d\d \(\d+/\d+ drafts\), mean accepted length \d\.\d\d",
         result.stdout,
     )
-    # what the first call costs once, apart from the figures above
+    # what the first call costs once, apart from the figures above, each wait announced before it
     once = (
-        r"^speculative: loaded target and draft in \d+\.\d\d s\n"
+        r"^speculative: loading target target \(model\.safetensors, \d+\.\d MB\) and draft model draft "
+        r"\(model\.safetensors, \d+\.\d MB\)\.\.\.\n"
+        r"speculative: target and draft in float32.*\n"
+        r"speculative: loaded target and draft in \d+\.\d\d s\n"
+        r"speculative: warming up on the prompts \(8 tokens\)\.\.\.\n"
         r"speculative: first call \(8 tokens, warm-up\) in \d+\.\d\d s$"
     )
     assert re.search(once, result.stderr, re.MULTILINE), result.stderr
@@ -77,7 +81,9 @@ def test_readme_tensor_parallel_command_on_the_demo_pair() -> None:
 def test_ngram_suffix_and_plain(model_dirs) -> None:
     for extra, tag in (
         (["--ngram", "-k", "3"], "[ngram, k=3]"),
-        (["--suffix", "-k", "6", "--suffix-max-cached-requests", "0"], "[suffix, k=6]"),
+        (["--method", "ngram", "--prompt-lookup-max", "2"], "[ngram, k=4]"),
+        (["--suffix", "-k", "6", "--suffix-max-cached-requests", "0"], "[suffix, k=6]"),  # the earlier name
+        (["--method", "suffix", "--suffix-decoding-max-tree-depth", "8"], "[suffix, k=4]"),
         ([], "[autoregressive]"),
     ):
         result = run(
@@ -138,6 +144,75 @@ def test_tree_flags(model_dirs) -> None:
     assert result.returncode == 2 and "suffix_decoding_min_token_prob must be in [0, 1]" in result.stderr
     result = run([*base, "--suffix", "--ngram"])
     assert result.returncode == 2 and "not allowed with argument" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--ngram", "--tree", "static", "--tree-nodes", "0"],
+            "tree_nodes must be an integer in [1, 128]; got 0 (--tree-nodes)",
+        ),
+        (["--suffix", "--suffix-min-token-prob", "2"], "(--suffix-decoding-min-token-prob)"),
+        (
+            ["--ngram", "--suffix-max-depth", "8"],
+            "--suffix-decoding-max-tree-depth is an option of --method suffix",
+        ),
+        (["--prompt-lookup-max", "2"], "the method here is none (plain decoding)"),
+        (["--method", "suffix", "--ngram"], "--ngram and --method suffix name two methods"),
+        (
+            ["--method", "ngram", "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"],
+            "prompt_lookup_max must be",
+        ),
+    ],
+)
+def test_speculative_flag_errors_name_the_flag_before_anything_loads(capsys, flags, message) -> None:
+    assert cli.main(["generate", "--model", "no/such-model", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_registered_method_gets_its_flags() -> None:
+    """A method registered by name is reachable by --method, its options by generated flags, without an
+    edit of the CLI (in a process of its own: the registry is global)."""
+    code = (
+        "from dataclasses import dataclass, field\n"
+        "from speculative.methods import MethodConfig, register\n"
+        "@register('toy_method')\n"
+        "@dataclass\n"
+        "class ToyConfig(MethodConfig):\n"
+        "    toy_depth: int = field(default=2, metadata={'help': 'how deep'})\n"
+        "from speculative.cli import build_parser\n"
+        "from speculative.engine_args import EngineArgs\n"
+        "parser = build_parser()\n"
+        "serve = parser._subparsers._group_actions[0].choices['serve']\n"
+        "assert '--method toy_method: how deep (default: 2)' in ' '.join(serve.format_help().split())\n"
+        "args = parser.parse_args(['serve', '--method', 'toy_method', '--toy-depth', '5', '-k', '2'])\n"
+        "config = EngineArgs.from_cli_args(args).speculative_config()\n"
+        "print(config.method, config.num_speculative_tokens, config.options.toy_depth)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["toy_method", "2", "5"]
+
+
+def test_engine_args_make_what_llm_takes() -> None:
+    from speculative.engine_args import EngineArgs
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--model", "t", "--eagle3", "head", "-k", "3", "--tree", "dynamic"])
+    engine = EngineArgs.from_cli_args(args)
+    kwargs = engine.llm_kwargs()
+    assert (kwargs["model"], kwargs["draft_model"], kwargs["seed"], kwargs["dtype"]) == (
+        "t",
+        "head",
+        0,
+        "auto",
+    )
+    config = kwargs["speculative_config"]
+    assert (config.method, config.num_speculative_tokens, config.tree) == ("eagle3", 3, "dynamic")
+    plain = EngineArgs.from_cli_args(parser.parse_args(["generate", "--model", "t"]))
+    assert plain.speculative_config() is None and plain.seed == 0  # generate's --seed is the request's
+    assert parser.parse_args(["generate", "--seed", "7"]).request_seed == 7
 
 
 def test_python_dash_m_speculative_is_the_command() -> None:
@@ -201,7 +276,7 @@ def test_eagle_head_flags(model_dirs, capsys) -> None:
         assert cli.main(base + flags) == 0
         out, err = capsys.readouterr()
         assert out.split("\n[")[0] == plain and tag in out and "acceptance rate" in out
-        assert "speculative: loaded target and EAGLE head in" in err
+        assert "speculative: loaded target and eagle head in" in err
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ def test_flat_dicts_route_options_to_the_method_and_name_what_does_not_belong() 
         SpeculativeConfig.from_dict({"method": "suffix", "prompt_lookup_max": 4})
     with pytest.raises(ValueError, match="options must be a SuffixConfig"):
         SpeculativeConfig(method="suffix", options=NgramConfig())
-    with pytest.raises(ValueError, match=r"method must be one of \"draft_model\", .*; got .medusa."):
+    with pytest.raises(ValueError, match=r"method must be one of \"dflash\", \"draft_model\", .*; got .medu"):
         SpeculativeConfig(method="medusa")
     llm = LLM(tiny_model("llama"), speculative_config={"method": "ngram", "prompt_lookup_max": 2})
     assert llm.speculative_config.options == NgramConfig(prompt_lookup_max=2)

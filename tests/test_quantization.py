@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 from conftest import noisy_copy, tiny_model
+from torch import Tensor
 from torch._dynamo.utils import counters
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -25,6 +26,22 @@ from speculative.models.packed import PackedLinear
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 3, [3, 4, 5] * 6 + [8]]
 
 
+# The inverses of the quantizers: what the kernels compute with (the references of these tests).
+def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
+    """q [out, in] int8, scales [out] -> the float weight [out, in] (float32) the kernels compute with."""
+    return q.float() * scales.float()[:, None]
+
+
+def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
+    """quantize_int4's output -> the float weight [out, in] (float32) the kernel computes with."""
+    out_features, in_features = q.shape
+    groups = scales.shape[1]
+    w = (q.float().reshape(out_features, groups, -1) - 8) * scales.float()[..., None] + zeros.float()[
+        ..., None
+    ]
+    return w.reshape(out_features, in_features)
+
+
 def _dequantized(hf: torch.nn.Module, quantization: str) -> torch.nn.Module:
     """A copy of an HF model whose projection weights are their quantize-dequantize round trip, as
     NativeCausalLM.quantize computes them (per output row, or per group of a row: the same whether
@@ -37,9 +54,9 @@ def _dequantized(hf: torch.nn.Module, quantization: str) -> torch.nn.Module:
             weight = module.weight
             group = q.int4_group_size(*weight.shape) if quantization == "int4" else None
             if group is None:
-                dequantized = q.dequantize_int8(*q.quantize_int8(weight))
+                dequantized = dequantize_int8(*q.quantize_int8(weight))
             else:
-                dequantized = q.dequantize_int4(*q.quantize_int4(weight, group))
+                dequantized = dequantize_int4(*q.quantize_int4(weight, group))
             module.weight.copy_(dequantized.to(weight.dtype))
     return hf
 
@@ -97,7 +114,7 @@ def test_bfloat16_int8_kernel_takes_unaligned_and_strided_rows() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
     packed = PackedLinear([linear])
-    weight, bias = q.dequantize_int8(*q.quantize_int8(linear.weight)), linear.bias.float()
+    weight, bias = dequantize_int8(*q.quantize_int8(linear.weight)), linear.bias.float()
     packed.quantize("int8")
     big = torch.randn(4, 80, dtype=torch.bfloat16)
     for x in (big.flatten()[3:67].view(1, 64), big[:, 5:69], big[:, :64].contiguous()):
@@ -112,7 +129,7 @@ def test_float32_int8_matmul_dequantizes_in_chunks(monkeypatch, chunk: int) -> N
     torch.manual_seed(0)
     linears = [torch.nn.Linear(64, out) for out in (200, 100)]
     packed = PackedLinear(linears)
-    weight = q.dequantize_int8(*q.quantize_int8(torch.cat([lin.weight for lin in linears])))
+    weight = dequantize_int8(*q.quantize_int8(torch.cat([lin.weight for lin in linears])))
     bias = torch.cat([lin.bias for lin in linears]).detach()
     packed.quantize("int8")
     for rows in (1, 5):
@@ -195,7 +212,7 @@ def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(rows: int, kin
     weight = torch.randn(300, 72, generator=generator)  # [out, in]: sizes off any vector width
     qweight, scales = q.quantize_int8(weight)
     x = torch.randn(rows, 72, generator=generator)
-    want = torch.nn.functional.linear(torch.nn.functional.silu(x), q.dequantize_int8(qweight, scales))
+    want = torch.nn.functional.linear(torch.nn.functional.silu(x), dequantize_int8(qweight, scales))
     torch._dynamo.reset()
     with inductor_config.patch(force_disable_caches=True):  # a cached graph would skip the pass
         counters.clear()

@@ -5,7 +5,6 @@ sequences, the global cache's bound, and outputs exact: greedy token-identical t
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
@@ -158,17 +157,15 @@ def test_no_cached_requests_disables_the_global_cache() -> None:
     assert len(cache) == 0 and cache.trie.texts == {}
 
 
-def test_a_proposal_for_a_long_context_is_cheap() -> None:
+def test_a_long_context_that_repeats_itself_proposes_its_latest_match() -> None:
+    # What a proposal costs is the benchmark's to say (docs/internals.md#measured-choices), not a test's.
     rng = random.Random(1)
     words = [rng.randrange(1000) for _ in range(1000)]
     context = words + words[200:800] + words[100:500]  # 2,000 tokens that repeat themselves
     proposer = _proposer(context[:-1])
-    _propose(proposer, [context], k=8)
-    start = time.perf_counter()
-    for _ in range(100):
+    for _ in range(3):  # proposing again, with nothing committed in between, proposes the same
         proposal = _propose(proposer, [context], k=8)
-    assert (time.perf_counter() - start) / 100 < 1e-3
-    assert proposal.token_ids.tolist() == [words[500:508]]
+        assert proposal.token_ids.tolist() == [words[500:508]]
 
 
 def test_config_rejects_suffix_options_out_of_range() -> None:

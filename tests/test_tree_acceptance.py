@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from acceptance_rules import GreedyAcceptance
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chi2
@@ -18,7 +19,6 @@ from scipy.stats import chi2
 import speculative.acceptance.tree as tree_module
 from speculative.acceptance import (
     AcceptanceRule,
-    GreedyAcceptance,
     RejectionSampler,
     TypicalAcceptanceSampler,
     greedy_accept,

@@ -1,11 +1,12 @@
-"""Acceptance rules for speculative decoding: greedy, lossless rejection sampling,
-and typical acceptance (not lossless), each an AcceptanceRule (`verify`) over a pure
-tensor function. Token-id outputs are int64 [B, k+1]: accepted drafts, one more token,
-then -1 padding. Over token trees (`verify_tree`; speculative.acceptance.tree) the same
-layout at width M, with the accepted path's node indices beside it."""
+"""Acceptance rules for speculative decoding: lossless rejection sampling (greedy acceptance on
+greedy rows) and typical acceptance (not lossless), each an AcceptanceRule (`verify`) over a pure
+tensor function (greedy_accept, rejection_sample, typical_accept). Token-id outputs are int64
+[B, k+1]: accepted drafts, one more token, then -1 padding. Over token trees (`verify_tree`;
+speculative.acceptance.tree) the same layout at width M, with the accepted path's node indices
+beside it."""
 
 from .base import AcceptanceRule
-from .greedy import GreedyAcceptance, greedy_accept
+from .greedy import greedy_accept
 from .rejection import RejectionSampler, rejection_sample
 from .tree import (
     assemble_tree_output,
@@ -18,7 +19,6 @@ from .typical import TypicalAcceptanceSampler, typical_accept
 
 __all__ = [
     "AcceptanceRule",
-    "GreedyAcceptance",
     "RejectionSampler",
     "TypicalAcceptanceSampler",
     "assemble_tree_output",

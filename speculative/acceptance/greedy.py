@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from speculative.sampling import SampleStrategy
-from speculative.sampling.context import TokenContext
-
-from .tree import tree_greedy_accept
-
 
 def count_accepted(accepted: torch.Tensor) -> torch.Tensor:  # [B, k] bool -> [B, 1] int64
     """Length of the all-True prefix of each row (acceptance stops at the first rejection)."""
@@ -52,42 +47,3 @@ def greedy_accept(
     # the accepted drafts are the target's own tokens there: the output is its tokens up to the next one
     positions = torch.arange(k + 1, device=target_token_ids.device)
     return torch.where(positions <= num_accepted, target_token_ids, -1)
-
-
-class GreedyAcceptance:
-    """The AcceptanceRule of a batch that decodes greedily: `greedy_accept` on the target's argmax
-    after every processor of each row (a row with temperature > 0 is a ValueError: use
-    RejectionSampler, which does the same for greedy batches and samples exactly otherwise)."""
-
-    lossless = True
-
-    def verify(
-        self,
-        logits: torch.Tensor,
-        draft_token_ids: torch.Tensor,
-        draft_probs: torch.Tensor | None,
-        strategy: SampleStrategy,
-        context: TokenContext | None,
-    ) -> torch.Tensor:  # [B, k+1]
-        """See AcceptanceRule.verify."""
-        if not strategy.all_greedy:
-            raise ValueError(
-                "GreedyAcceptance needs temperature 0 in every row; RejectionSampler samples exactly"
-            )
-        return greedy_accept(strategy.argmax(logits, context), draft_token_ids)
-
-    def verify_tree(
-        self,
-        logits: torch.Tensor,
-        tokens: torch.Tensor,
-        parents: torch.Tensor,
-        draft_probs: torch.Tensor | None,
-        strategy: SampleStrategy,
-        context: TokenContext | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, M], [B, M]
-        """See AcceptanceRule.verify_tree: `tree_greedy_accept` on the processed argmax at each node."""
-        if not strategy.all_greedy:
-            raise ValueError(
-                "GreedyAcceptance needs temperature 0 in every row; RejectionSampler samples exactly"
-            )
-        return tree_greedy_accept(strategy.argmax(logits, context), tokens, parents)

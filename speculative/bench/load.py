@@ -49,12 +49,13 @@ from pathlib import Path
 import numpy as np
 
 from speculative.bench.load_report import token_range, write_load_outputs
-from speculative.bench.prompts import PromptRecord, default_sets, load_jsonl, resolve_set
+from speculative.bench.prompts import default_sets, resolve_set
 from speculative.bench.server_process import ServerProcess, free_port
-from speculative.demo.model_card import machine
 from speculative.extras import needs_extra
+from speculative.machine import machine
 from speculative.models.dtypes import cpu_features
 from speculative.models.loading import load_tokenizer
+from speculative.prompts import PromptRecord, load_jsonl
 
 with needs_extra("bench", "speculative bench-serve"):
     import httpx
@@ -78,24 +79,56 @@ class LoadConfig:
     are sent in turn (chat records to /v1/chat/completions); serve_flags: more `speculative serve`
     flags for every server."""
 
-    model: str | None = None
-    draft_model: str | None = None
-    prompts: str | None = None
-    num_prompts: int = 32
-    max_tokens: int = 64
-    max_tokens_range: float = 0.5
-    k: int = 4
-    servers: list[str] = field(default_factory=lambda: list(SERVERS))
-    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
-    rates: list[float] = field(default_factory=lambda: [4.0])
-    requests: int = 64
-    rounds: int = 1
-    soak_requests: int = 0
-    soak_max_tokens: int = 8
-    dtype: str = "float32"
-    compile: bool = False
-    temperature: float = 0.0
-    seed: int = 0
+    model: str | None = field(
+        default=None, metadata={"engine": "model", "help": "target model", "default_text": "the demo model"}
+    )
+    draft_model: str | None = field(
+        default=None,
+        metadata={"engine": "draft_model", "help": "draft model", "default_text": "the demo model's draft"},
+    )
+    prompts: str | None = field(
+        default=None,
+        metadata={
+            "help": "a JSONL prompt set or a bundled set's name",
+            "default_text": "chat, or code for the toy",
+        },
+    )
+    num_prompts: int = field(default=32, metadata={"help": "prompts sent in turn, the first ones"})
+    max_tokens: int = field(default=64, metadata={"help": "tokens per request, EOS ignored"})
+    max_tokens_range: float = field(
+        default=0.5,
+        metadata={"help": "each request's tokens drawn from max-tokens * (1 -+ this); 0: all max-tokens"},
+    )
+    k: int = field(default=4, metadata={"engine": "num_speculative_tokens"})
+    servers: list[str] = field(
+        default_factory=lambda: list(SERVERS),
+        metadata={
+            "help": "server variants: plain (no speculation), draft (k drafts), adaptive (k chosen per step)"
+        },
+    )
+    concurrency: list[int] = field(
+        default_factory=lambda: [1, 8, 32], metadata={"help": "closed-loop clients"}
+    )
+    rates: list[float] = field(
+        default_factory=lambda: [4.0],
+        metadata={"help": "open-loop req/s", "flags": ("--rate",), "nargs": "*"},
+    )
+    requests: int = field(default=64, metadata={"help": "requests per level, at least 2 per client"})
+    rounds: int = field(
+        default=1,
+        metadata={
+            "help": "rounds of every level, the servers taking turns in each (all up together): ratios to "
+            "plain over the rounds (1: one server up at a time)"
+        },
+    )
+    soak_requests: int = field(default=0, metadata={"help": "soak requests (0: none)", "flags": ("--soak",)})
+    soak_max_tokens: int = field(default=8, metadata={"help": "tokens per soak request"})
+    dtype: str = field(default="float32", metadata={"engine": "dtype", "help": "the servers' --dtype"})
+    compile: bool = field(
+        default=False, metadata={"engine": "compile", "help": "the servers run compiled (--compile)"}
+    )
+    temperature: float = field(default=0.0, metadata={"help": "0 is greedy"})
+    seed: int = field(default=0, metadata={"engine": "seed", "help": "the servers' --seed"})
     serve_flags: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from speculative.bench import exactness
 from speculative.bench.clock import run_step_times
 from speculative.bench.methods import Generation, Method, OursMethod
 from speculative.bench.timing import acceptance_for_tokens_per_step
 
-if TYPE_CHECKING:
-    from speculative.bench.run import Pair
-
 Advance = Callable[[str, int], None]  # (phase description, total runs of the phase): one run done
+
+
+class Pair(Protocol):
+    """What the measurements take of run.py's Pair (run.py imports this module, not the reverse): its
+    BenchConfig (`config`: max_tokens, repeats, sweep_k, batch_sizes), HF's target (`hf_target`, the
+    exactness reference) and our engine with a drafter at k (`ours`)."""
+
+    config: Any
+    hf_target: Any
+
+    def ours(self, drafter: str | None, k: int) -> OursMethod: ...
 
 
 def interleaved(

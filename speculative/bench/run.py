@@ -48,19 +48,20 @@ from speculative.bench.methods import (
     vllm_unavailable,
 )
 from speculative.bench.plots import write_plots
-from speculative.bench.prompts import default_sets, encode, load_jsonl, resolve_set
+from speculative.bench.prompts import default_sets, resolve_set
 from speculative.bench.report import print_tables, write_outputs
 from speculative.bench.synthetic import build_pair
 from speculative.bench.timing import bound_figures
 from speculative.config import SpeculativeConfig
 from speculative.demo import DEMO_DIR
-from speculative.demo.model_card import machine
 from speculative.extras import needs_extra
 from speculative.llm import LLM
+from speculative.machine import machine
 from speculative.methods import NgramConfig
 from speculative.models.compiled import CompiledCausalLM, warm_up_pair
 from speculative.models.dtypes import cpu_features
 from speculative.precompile import PreCompileConfig
+from speculative.prompts import encode, load_jsonl
 
 with needs_extra("bench", "speculative.bench"):
     from rich.console import Console
@@ -104,34 +105,106 @@ class BenchConfig:
         are tokenized by the demo pair's tokenizer. vLLM and llama.cpp need checkpoints: they skip.
     """
 
-    model: str = str(DEMO_DIR / "target")
-    draft_model: str | None = str(DEMO_DIR / "draft")
+    model: str = field(
+        default=str(DEMO_DIR / "target"),
+        metadata={"engine": "model", "help": "target model", "default_text": "the demo model"},
+    )
+    draft_model: str | None = field(
+        default=str(DEMO_DIR / "draft"),
+        metadata={"engine": "draft_model", "help": "draft model", "default_text": "the demo model's draft"},
+    )
     eagle: str | None = str(DEMO_DIR / "eagle")
     eagle_method: str = "eagle"
-    prompts: list[str] | None = None
-    k: int = 4
-    tree_nodes: int = 8
-    tree_width: int = 2
-    sweep_k: list[int] = field(default_factory=lambda: list(range(1, 9)))
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 8])
-    max_tokens: int = 128
-    num_prompts: int | None = 12
-    sweep_prompts: int = 4
-    repeats: int = 1
-    dtype: str = "float32"
-    draft_dtype: str | None = None
-    device: str = "cpu"
-    model_impl: str = "auto"
-    seed: int = 0
-    compile: bool = False
-    tensor_parallel_size: int = 1
-    llama_cpp: str | None = None
-    llama_cpp_build: str = "build"
-    gguf_cache: str = str(DEFAULT_CACHE)
-    quantization: str | None = None
-    llama_cpp_target_gguf: str | None = None
-    synthetic: str | None = None
-    synthetic_acceptance: float = 0.8
+    prompts: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "a prompt set: a bundled one's name or a JSONL file (repeat; default: the chat, "
+            "code-chat, summarize and chat-multiturn sets for an instruction-tuned model; for the toy pair "
+            "code, multiturn and edit)",
+            "action": "append",
+            "nargs": None,
+        },
+    )
+    k: int = field(default=4, metadata={"engine": "num_speculative_tokens"})
+    tree_nodes: int = field(
+        default=8, metadata={"engine": "tree_nodes", "help": "drafts per tree of the tree methods"}
+    )
+    tree_width: int = field(default=2, metadata={"engine": "tree_width"})
+    sweep_k: list[int] = field(
+        default_factory=lambda: list(range(1, 9)), metadata={"help": "k values of the k sweep"}
+    )
+    batch_sizes: list[int] = field(
+        default_factory=lambda: [1, 4, 8], metadata={"help": "batch sizes", "flags": ("--batch-size",)}
+    )
+    max_tokens: int = field(default=128, metadata={"help": "tokens generated per prompt, EOS ignored"})
+    num_prompts: int | None = field(default=12, metadata={"help": "prompts per set, the first ones"})
+    sweep_prompts: int = field(default=4, metadata={"help": "prompts per k-sweep point"})
+    repeats: int = field(default=1, metadata={"help": "timed runs per prompt and method"})
+    dtype: str = field(default="float32", metadata={"engine": "dtype"})
+    draft_dtype: str | None = field(
+        default=None,
+        metadata={
+            "engine": "draft_dtype",
+            "help": "the draft's dtype, ours and HF's assistant",
+            "default_text": "--dtype",
+        },
+    )
+    device: str = field(default="cpu", metadata={"engine": "device"})
+    model_impl: str = field(default="auto", metadata={"engine": "model_impl"})
+    seed: int = field(default=0, metadata={"engine": "seed", "help": "seeds the prompts' sampling"})
+    compile: bool = field(
+        default=False,
+        metadata={
+            "engine": "compile",
+            "help": "also measure ours compiled (torch.compile): autoregressive, each drafter at k",
+        },
+    )
+    tensor_parallel_size: int = field(default=1, metadata={"engine": "tensor_parallel_size"})
+    llama_cpp: str | None = field(
+        default=None,
+        metadata={
+            "help": "also measure llama.cpp: a llama.cpp checkout whose --llama-cpp-build folder holds "
+            "bin/llama-server (without it the llama.cpp methods are skipped); the pair must be local folders",
+            "metavar": "DIR",
+        },
+    )
+    llama_cpp_build: str = field(
+        default="build",
+        metadata={"help": "build folder under --llama-cpp, or an absolute path", "metavar": "NAME"},
+    )
+    gguf_cache: str = field(
+        default=str(DEFAULT_CACHE),
+        metadata={"help": "where the pair's GGUF files for llama.cpp are kept", "metavar": "DIR"},
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "engine": "quantization",
+            "help": "compare quantized weights: ours runs target and draft weight-only quantized (int4: "
+            "bfloat16 models), llama.cpp GGUFs its llama-quantize makes (int8: Q8_0, int4: Q4_1); HF stays "
+            "unquantized",
+        },
+    )
+    llama_cpp_target_gguf: str | None = field(
+        default=None,
+        metadata={
+            "help": "a ready GGUF for llama.cpp's target instead of converting --model (its type must be "
+            "the run's: F32, BF16, or Q8_0 / Q4_1 with --quantization)",
+            "metavar": "PATH",
+        },
+    )
+    synthetic: str | None = field(
+        default=None,
+        metadata={
+            "help": "instead of --model: a synthetic Llama-shaped pair of that size, random weights, built "
+            "in process, its draft the target's first layers (for speed at real sizes without a model hub)",
+            "choices": ("1b", "7b", "tiny"),
+        },
+    )
+    synthetic_acceptance: float = field(
+        default=0.8,
+        metadata={"help": "--synthetic: the draft's greedy agreement with the target it is calibrated to"},
+    )
 
     def quick(self) -> BenchConfig:
         """The CI smoke test's settings: 2 prompts a set, 24 tokens, k sweep [1, k] on 1 prompt, batch

@@ -11,16 +11,13 @@ single-token forward at batch 1.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
-import tokenizers
 import torch
-import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
+
+from speculative.machine import machine
 
 
 def file_prompts(encoded: list[list[int]], count: int, length: int, seed: int) -> torch.Tensor:
@@ -69,7 +66,9 @@ def engine_acceptance(
     """Greedy acceptance through the engine on `prompts` (the target's token ids) of each drafter
     `pair/<name>` run as SpeculativeConfig method `drafters[name]` with the fields `speculative` (say
     num_speculative_tokens, tree): per name, the acceptance rate and the mean tokens per step."""
-    from speculative import LLM, SamplingParams, SpeculativeConfig
+    from speculative.config import SpeculativeConfig
+    from speculative.llm import LLM
+    from speculative.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     result = {}
@@ -101,32 +100,6 @@ def decode_step_ms(model, context: int, steps: int) -> float:
             start = time.perf_counter()
         token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     return (time.perf_counter() - start) / steps * 1e3
-
-
-def machine() -> dict:
-    """nproc, CPU model (its name, and its family and model numbers: a name such as "AMD EPYC" covers
-    several generations) and library versions of this machine."""
-    cpu = "unknown"
-    if Path("/proc/cpuinfo").exists():
-        fields = {
-            key.strip(): value.strip()
-            for key, _, value in (ln.partition(":") for ln in Path("/proc/cpuinfo").read_text().splitlines())
-            if key.strip() in ("model name", "cpu family", "model")
-        }
-        cpu = fields.get("model name", cpu)
-        if "cpu family" in fields:
-            cpu += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-        "platform": platform.platform(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-    }
 
 
 def measure_and_write_card(

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 from speculative.demo import corpus
-from speculative.demo.model_card import engine_acceptance, file_prompts, machine
+from speculative.demo.model_card import engine_acceptance, file_prompts
 from speculative.demo.train import FULL, SMOKE, ce_loss, count_params, llama, save, train_loop
+from speculative.machine import machine
 
 VOCAB_SIZE = 4096
 SMOKE_VOCAB_SIZE = 320  # the smoke target's is 384

@@ -45,9 +45,14 @@ from torch import Tensor, nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from speculative.demo.model_card import machine
 from speculative.demo.train import optimizer
+from speculative.machine import machine
 
+ANSWER_FILES = ("first.jsonl", "second.jsonl", "sampled.jsonl")
+"""The answers files self_distilled writes in its folder, in the order it returns their answers
+(requests.jsonl beside them holds the sampled requests, not answers)."""
+HELDOUT_EVERY = 33
+"""Answer i (in that order) is held out where i % HELDOUT_EVERY == 0."""
 VOCABULARY_FILE = "draft_vocabulary.json"
 """Beside a draft's weights: {"token_ids": [...]}, its draft vocabulary (most frequent first)."""
 PACKAGE_FILE = "draft.safetensors"
@@ -90,6 +95,18 @@ def principal_projection(embedding: Tensor, width: int) -> Tensor:
     projection = vh[:width].T.contiguous()
     scale = embedding.float().norm(dim=1).mean() / (embedding.float() @ projection).norm(dim=1).mean()
     return projection * scale
+
+
+def stored_answers(folder: str | Path) -> list[dict]:
+    """The answers self_distilled wrote to `folder` (ANSWER_FILES), in its order, without a model."""
+    from speculative.demo.self_distill import read_answers
+
+    return [answer for name in ANSWER_FILES for answer in read_answers(Path(folder) / name)]
+
+
+def heldout_indices(count: int) -> set[int]:
+    """The indices of the held-out answers among `count` (one in HELDOUT_EVERY, by index)."""
+    return {i for i in range(count) if i % HELDOUT_EVERY == 0}
 
 
 def frequent_tokens(answers: list[dict], size: int, always: list[int]) -> Tensor:
@@ -343,7 +360,9 @@ def engine_figures(
     k: acceptance rate, mean accepted length, acceptance per position; and its cost: the draft's
     one-token forward against the target's (ms, batch 1, context of the first prompt), as the engine
     runs them (native forward, eager; a figure of the training machine, not a benchmark)."""
-    from speculative import LLM, SamplingParams, SpeculativeConfig
+    from speculative.config import SpeculativeConfig
+    from speculative.llm import LLM
+    from speculative.sampling_params import SamplingParams
 
     llm = LLM(
         str(target),
@@ -488,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = llm.tokenizer
     del llm
     data_seconds = time.monotonic() - started
-    heldout_ids = {i for i in range(len(answers)) if i % 33 == 0}
+    heldout_ids = heldout_indices(len(answers))
     train_answers = [a for i, a in enumerate(answers) if i not in heldout_ids]
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     eos = target.generation_config.eos_token_id
@@ -554,7 +573,7 @@ def eval_prompts(
     prompts of the first 16 held-out answers."""
     if args.eval_prompts is None:
         return [answers[i]["prompt"] for i in sorted(heldout)[:16]]
-    from speculative.bench.prompts import encode, load_jsonl
+    from speculative.prompts import encode, load_jsonl
 
     return [encode(tokenizer, record, args.max_length) for record in load_jsonl(args.eval_prompts)]
 

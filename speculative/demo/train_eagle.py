@@ -192,7 +192,8 @@ GENERATION_BATCH = 64  # prompts the target continues at once
 def target_continuations(pair: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Each prompt (the target's token ids) followed by the target's greedy continuation of
     `new_tokens` tokens, through the engine (float32), GENERATION_BATCH prompts at a time."""
-    from speculative import LLM, SamplingParams
+    from speculative.llm import LLM
+    from speculative.sampling_params import SamplingParams
 
     llm = LLM(str(pair / "target"), dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)

@@ -19,9 +19,9 @@ from measurements, adaptive k (from step times, which differ between ranks), is 
 
 Two ways to start the ranks (group.py):
   spawned  `LLM(..., tensor_parallel_size=N)` in a plain process: it becomes rank 0, spawns ranks
-           1 .. N-1 (ranks.py, worker.py), and sends them every engine call it makes (mirror.py);
-           results come back to the caller on rank 0. The ranks stay up for the process's next
-           tensor-parallel LLM of that size; `shutdown()` ends them.
+           1 .. N-1 (ranks.py; each runs speculative/rank_worker.py), and sends them every engine call it
+           makes (mirror.py); results come back to the caller on rank 0. The ranks stay up for the
+           process's next tensor-parallel LLM of that size; `shutdown()` ends them.
   torchrun with RANK / WORLD_SIZE in the environment (or torch.distributed already initialized) the LLM
            joins that group, and every rank runs the caller's program: make the same calls on every
            rank (each gets the same results).

@@ -1,6 +1,6 @@
 """Tensor-parallel ranks spawned by this process: it is rank 0, its children ranks 1 .. N-1.
 
-Each child is `python -m speculative.distributed.worker`, started with subprocess (so a script needs
+Each child is `python -m speculative.rank_worker` (RANK_PROGRAM), started with subprocess (so a script needs
 no `if __name__ == "__main__"` guard), talking to rank 0 over a socket pair in pickled messages
 (kind, handle, payload), and joined with it in torch.distributed's default group. For each
 tensor-parallel LLM built here (handle h), every child builds the same LLM from the same arguments
@@ -42,6 +42,9 @@ import torch.distributed as dist
 
 from speculative.distributed.backend import TIMEOUT, backend
 
+RANK_PROGRAM = "speculative.rank_worker"
+"""The module each child runs (`python -m`): it builds LLMs, a layer above this package, so it is named
+here, not imported."""
 STOP_GRACE_S = 1.0
 """How long stopping waits for the children to exit on their own (and say why) before ending them."""
 
@@ -99,7 +102,7 @@ class _Child:
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[2])  # the folder that holds the package
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        command = [sys.executable, "-m", "speculative.distributed.worker", str(theirs.fileno())]
+        command = [sys.executable, "-m", RANK_PROGRAM, str(theirs.fileno())]
         command += [str(rank), str(size), str(port), str(threads), device_type]
         # LOCAL_RANK as torchrun sets it: transformers' tensor parallelism takes its GPU from it
         environment = {**os.environ, "PYTHONPATH": path, "LOCAL_RANK": str(rank)}

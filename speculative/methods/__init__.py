@@ -6,6 +6,7 @@ A new drafter is its proposer (speculative/proposers/) and one file here holding
 imported below; `speculative generate/serve/bench` and SpeculativeConfig then take its name.
 """
 
+from speculative.methods.dflash import DFlashConfig
 from speculative.methods.draft_model import DraftModelConfig
 from speculative.methods.eagle import EagleConfig
 from speculative.methods.ngram import NgramConfig
@@ -16,6 +17,7 @@ __all__ = [
     "METHODS",
     "BuildContext",
     "Built",
+    "DFlashConfig",
     "DraftModelConfig",
     "EagleConfig",
     "MethodConfig",

@@ -37,6 +37,7 @@ class EagleConfig(MethodConfig):
             )
 
     def build(self, context: BuildContext) -> Built:
+        from speculative.models.base import CompiledDrafting
         from speculative.models.compiled import CompiledCausalLM
         from speculative.models.eagle_checkpoint import load_eagle_head
         from speculative.models.llama import NativeCausalLM
@@ -44,7 +45,7 @@ class EagleConfig(MethodConfig):
         from speculative.proposers.eagle_tree import EagleTreeProposer
 
         config, native = context.config, context.target.model
-        native = native.model if isinstance(native, CompiledCausalLM) else native  # the head shares it
+        native = native.model if isinstance(native, CompiledDrafting) else native  # the head shares it
         if not isinstance(native, NativeCausalLM):
             raise ValueError(
                 f'SpeculativeConfig(method="{config.method}") needs the native forward for the target '

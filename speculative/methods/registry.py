@@ -100,11 +100,9 @@ def refuse_draft_options(arguments: dict[str, Any]) -> None:
 
 def require_tree_forward(model: LanguageModel, which: str = "model") -> None:
     """Trees need a forward that takes them (the native one); a ValueError naming `tree` otherwise."""
-    if getattr(model, "forward_tree", None) is None:
-        raise ValueError(
-            f"SpeculativeConfig.tree needs the native forward for the {which} (model types llama, mistral, "
-            f"qwen2, qwen3; model_impl 'native' or 'auto'); {type(model).__name__} verifies chains only"
-        )
+    from speculative.models.base import TreeForward, require
+
+    require(model, TreeForward, "SpeculativeConfig.tree", which)
 
 
 METHODS: dict[str, type[MethodConfig]] = {}
@@ -130,6 +128,6 @@ def register(*names: str) -> Callable[[type[MethodConfig]], type[MethodConfig]]:
 def method_config(name: str) -> type[MethodConfig]:
     """The MethodConfig class registered as `name`; a ValueError naming the method and the allowed ones."""
     if name not in METHODS:
-        allowed = ", ".join(f'"{m}"' for m in METHODS)
+        allowed = ", ".join(f'"{m}"' for m in sorted(METHODS))
         raise ValueError(f"SpeculativeConfig.method must be one of {allowed}; got {name!r}")
     return METHODS[name]

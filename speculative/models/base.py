@@ -1,9 +1,26 @@
-"""The one protocol every model of the engine speaks, native or Hugging Face."""
+"""The one protocol every model of the engine speaks, native or Hugging Face, and the capabilities a
+model may have beyond it.
+
+Capabilities are `runtime_checkable` protocols, and a model has one exactly when it has its members:
+`isinstance(model, TreeForward)` is the whole check, made once where a model is built or taken
+(`require` raises the ValueError that names the parameter asking for it), never probed per call. A
+wrapper (CompiledCausalLM, BucketedModel) defines a capability's methods only when it provides them:
+BucketedModel is made of the class whose methods its inner model's capabilities allow.
+
+  TreeForward       forward_tree(input_ids, cache, parents): token trees scored in one forward
+                    (NativeCausalLM, compiled or bucketed; not transformers' models)
+  HiddenStates      forward(..., hidden_layers=) and forward_tree(..., hidden_layers=) also return
+                    layers' hidden states (EAGLE heads read them); check_hidden_layers(indices)
+  GreedyDecoding    greedy_decode(input_ids, cache, steps): several greedy steps in one call
+                    (CompiledCausalLM, and a BucketedModel of one)
+  CompiledDrafting  draft_with(key, grow, ...): a drafter's whole proposal as one compiled call over
+                    `model`, the NativeCausalLM (or EAGLE head) it compiles (CompiledCausalLM)
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -41,6 +58,87 @@ class LanguageModel(Protocol):
         num_tokens: Tensor | None = None,
         logits_indices: Tensor | None = None,
     ) -> Tensor: ...
+
+
+@runtime_checkable
+class TreeForward(Protocol):
+    """Scores token trees (speculative/tree.py's convention) in one forward; see
+    NativeCausalLM.forward_tree: input_ids [batch, q] (the tree's last q nodes), parents [batch, M]
+    -> logits [batch, q, vocab] float32; the cache's lengths advance by q."""
+
+    def forward_tree(self, input_ids: Tensor, cache: KVCache, parents: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class HiddenStates(Protocol):
+    """Returns hidden states with the logits: `forward(..., hidden_layers=(i, ...))` and
+    `forward_tree(..., hidden_layers=...)` give (logits, hidden [batch, q, len(hidden_layers) *
+    hidden_size]) (NativeCausalLM.forward says which layers the indices name);
+    `check_hidden_layers(indices)` raises the ValueError a forward would for indices it cannot give."""
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: KVCache,
+        num_tokens: Tensor | None = None,
+        logits_indices: Tensor | None = None,
+        hidden_layers: tuple[int, ...] | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]: ...
+
+    def forward_tree(
+        self, input_ids: Tensor, cache: KVCache, parents: Tensor, hidden_layers: tuple[int, ...] | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]: ...
+
+    def check_hidden_layers(self, hidden_layers: tuple[int, ...]) -> None: ...
+
+
+@runtime_checkable
+class GreedyDecoding(Protocol):
+    """`greedy_decode(input_ids [batch, q], cache, steps)` -> (tokens [batch, steps], float32 logits
+    [batch, steps, vocab]): what `decode(model, input_ids, cache, steps)` returns, in one call."""
+
+    def greedy_decode(self, input_ids: Tensor, cache: KVCache, steps: int) -> tuple[Tensor, Tensor]: ...
+
+
+@runtime_checkable
+class CompiledDrafting(Protocol):
+    """A drafter's whole proposal as one compiled call: `draft_with(key, grow, input_ids, cache,
+    num_tokens, nodes, features=None)` runs `grow`, a function of tensors over `model` (the
+    NativeCausalLM, or EAGLE head, it compiles), as CompiledCausalLM.draft_with says."""
+
+    model: Any
+
+    def draft_with(
+        self,
+        key: tuple,
+        grow: Callable[..., tuple[Tensor, Tensor]],
+        input_ids: Tensor,
+        cache: KVCache,
+        num_tokens: Tensor,
+        nodes: int,
+        features: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+# What `require` says a model without the capability lacks: (what it needs, what the model does instead)
+_NATIVE = (
+    "the native forward for the {which} (model types llama, mistral, qwen2, qwen3; "
+    "model_impl 'native' or 'auto')"
+)
+_MISSING: dict[type, tuple[str, str]] = {
+    TreeForward: (_NATIVE, "verifies chains only"),
+    HiddenStates: (_NATIVE, "returns no hidden states"),
+    GreedyDecoding: ("a compiled {which} (compile=True)", "decodes a step a call"),
+    CompiledDrafting: ("a compiled {which} (compile=True)", "drafts a forward a call"),
+}
+
+
+def require(model: object, capability: type, parameter: str, which: str = "model") -> None:
+    """A ValueError naming `parameter` (what asked for it, e.g. "SpeculativeConfig.tree") unless `model`
+    (the `which`: "model", "draft model", ...) has `capability`, one of this module's protocols."""
+    if not isinstance(model, capability):
+        needs, instead = _MISSING[capability]
+        raise ValueError(f"{parameter} needs {needs.format(which=which)}; {type(model).__name__} {instead}")
 
 
 def first_argmax(logits: Tensor) -> Tensor:  # [batch, vocab] -> [batch]

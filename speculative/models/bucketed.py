@@ -16,20 +16,24 @@ compiled (when compiling) and warm before the first request.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from speculative.kv_cache import KVCache
-from speculative.models.base import LanguageModel
+from speculative.models.base import GreedyDecoding, LanguageModel, TreeForward
 from speculative.precompile import PreCompileConfig
 
 WARM_UP_PROMPT = 8  # prompt length of a warm-up without prefill buckets
 
 
 class BucketedModel:
-    """A LanguageModel whose prefills are padded to the prefill buckets of `config` (module docstring)."""
+    """A LanguageModel whose prefills are padded to the prefill buckets of `config` (module docstring).
+    It has `forward_tree` (TreeForward) and `greedy_decode` (GreedyDecoding) where `model` has them."""
+
+    forward_tree: Callable[[Tensor, KVCache, Tensor], Tensor]  # set in __init__ where the model has it
+    greedy_decode: Callable[[Tensor, KVCache, int], tuple[Tensor, Tensor]]  # the same
 
     def __init__(self, model: LanguageModel, config: PreCompileConfig) -> None:
         if not isinstance(config, PreCompileConfig):
@@ -38,6 +42,13 @@ class BucketedModel:
         self.config = config
         self.buckets = sorted({s.prefill_length for s in config.get_standalones()} - {None})
         self._fresh: weakref.WeakSet = weakref.WeakSet()  # caches no forward has written yet
+        # the capabilities (models/base.py) of the wrapped model that a bucketed one keeps, as attributes
+        # only where it has them: TreeForward (trees are never padded) and GreedyDecoding (decoding is
+        # never padded); not HiddenStates (its forward does not pass hidden_layers)
+        if isinstance(model, TreeForward):
+            self.forward_tree = self._forward_tree
+        if isinstance(model, GreedyDecoding):
+            self.greedy_decode = model.greedy_decode
 
     vocab_size = property(lambda self: self.model.vocab_size)
     max_length = property(lambda self: self.model.max_length)
@@ -74,24 +85,10 @@ class BucketedModel:
 
     __call__ = forward
 
-    @property
-    def forward_tree(self):
-        """The wrapped model's `forward_tree` (a tree is never a prefill, never padded), None if it has
-        none."""
-        forward_tree = getattr(self.model, "forward_tree", None)
-        if forward_tree is None:
-            return None
-
-        def tree(input_ids: Tensor, cache: KVCache, parents: Tensor) -> Tensor:
-            self._fresh.discard(cache)
-            return forward_tree(input_ids, cache, parents)
-
-        return tree
-
-    @property
-    def greedy_decode(self):
-        """The wrapped model's `greedy_decode` (decoding is never padded), None if it has none."""
-        return getattr(self.model, "greedy_decode", None)
+    def _forward_tree(self, input_ids: Tensor, cache: KVCache, parents: Tensor) -> Tensor:
+        """The wrapped model's `forward_tree` (a tree is never a prefill, never padded)."""
+        self._fresh.discard(cache)
+        return self.model.forward_tree(input_ids, cache, parents)
 
 
 @torch.inference_mode()
@@ -104,12 +101,11 @@ def warm_up(
     """Run every standalone shape of `config` once: a prefill of batch_size rows of prefill_length tokens
     (WARM_UP_PROMPT without buckets; fewer where the model's context leaves no room for the steps, the
     padding of a BucketedModel still making it the bucket's width), then one forward per
-    (q, wants_last_logits) of `steps`, then, if the model has a `greedy_decode` (CompiledCausalLM),
+    (q, wants_last_logits) of `steps`, then, if the model has GreedyDecoding (CompiledCausalLM),
     one greedy decode per (query tokens, steps) of `greedy`. Returns the (batch_size, prompt length)
     pairs run."""
     done = []
-    greedy_decode = getattr(model, "greedy_decode", None)
-    greedy = [(q, n) for q, n in greedy if n > 0] if greedy_decode is not None else []
+    greedy = [(q, n) for q, n in greedy if n > 0] if isinstance(model, GreedyDecoding) else []
     written = sum(q for q, _ in steps) + sum(q + n - 1 for q, n in greedy)
     room = model.max_length - written
     for standalone in config.get_standalones():
@@ -128,7 +124,7 @@ def warm_up(
             model.forward(ids[:, start : start + q], cache, logits_indices=indices)
             start += q
         for q, n in greedy:
-            greedy_decode(ids[:, start : start + q], cache, n)
+            model.greedy_decode(ids[:, start : start + q], cache, n)
             start += q + n - 1
         done.append((batch, length))
     return done

@@ -18,7 +18,7 @@ head's whole token tree, its levels' attention masks built in the graph. Token-t
 attention masks built eagerly and passed in.
 
 CPU: the decode-sized calls (at most SMALL_CALL_ROWS query tokens, which NativeCausalLM may run on
-one thread: llama.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
+one thread: cpu_tuning.small_call_threads) are compiled; longer ones (prefills) run eagerly on every
 thread: they are compute-bound, compiling them gains little, and dynamo guards on the thread count,
 so they could need graphs of their own. Inductor (C++) fuses the norms, RoPE, the K/V writes and the
 gating between the matmuls; the matmuls stay PackedLinear's, its prepacked oneDNN kernels called as
@@ -45,8 +45,9 @@ from torch import Tensor
 from speculative.kv_cache import StaticKVCache
 from speculative.models.base import LanguageModel, decode, decode_steps
 from speculative.models.bucketed import BucketedModel, warm_up
+from speculative.models.cpu_tuning import SMALL_CALL_ROWS
 from speculative.models.gemv import GEMV_PASS
-from speculative.models.llama import SMALL_CALL_ROWS, NativeCausalLM
+from speculative.models.llama import NativeCausalLM
 from speculative.models.packed import STATIC_ROWS_MAX
 from speculative.precompile import PreCompileConfig
 
@@ -78,6 +79,9 @@ class CompiledCausalLM:
     weights, so the same model can also run eagerly elsewhere.
 
     mode: torch.compile's mode; None picks `default_mode(model.device)`.
+    Capabilities (models/base.py): TreeForward, HiddenStates, GreedyDecoding and CompiledDrafting; over
+    an EAGLE head (an EagleHead is a NativeCausalLM whose forwards read features) only its drafting calls
+    apply: draft_with and head_greedy_decode.
     """
 
     def __init__(self, model: NativeCausalLM, mode: str | None = None) -> None:
@@ -211,11 +215,15 @@ class CompiledCausalLM:
             return self.model.forward(input_ids, cache, num_tokens, logits_indices, hidden_layers)
         run = self._run
         if hidden_layers is not None:
-            self.model.check_hidden_layers(hidden_layers)
+            self.check_hidden_layers(hidden_layers)
             run = functools.partial(self._run, hidden_layers=tuple(hidden_layers))
         return self.model.forward_with(run, input_ids, cache, num_tokens, logits_indices, SPAN_MULTIPLE)
 
     __call__ = forward
+
+    def check_hidden_layers(self, hidden_layers: tuple[int, ...]) -> None:
+        """The model's check_hidden_layers (HiddenStates)."""
+        self.model.check_hidden_layers(hidden_layers)
 
     def forward_tree(
         self,

@@ -13,8 +13,10 @@ the head's own output hidden state at p (its guess of the target's). Two publish
       concatenated (3H, low, middle and high: the residual streams entering those layers), which
       `fc` (no bias) maps to H; the head's own feature (H) is taken as it is. The attention reads
       [input_layernorm(embed(x)) ; hidden_norm(hidden)] (2H: its q/k/v projections take 2H), the
-      residual stream is `hidden`; the layer's output is the head's hidden state, and its own `norm`
-      and `lm_head` give logits over a draft vocabulary, whose token i is target token i + d2t[i].
+      residual stream is `hidden` (hidden_norm(hidden) with `norm_before_residual`, the speculators
+      library's option); the layer's output is the head's hidden state (its `norm`'s output with
+      `norm_output`, the library's EAGLE 3.1 option), and its own `norm` and `lm_head` give logits
+      over a draft vocabulary, whose token i is target token i + d2t[i].
 
 Draft vocabulary: an "eagle3" head's lm_head may cover only part of the target's vocabulary (its
 `d2t` says which tokens), and so may an "eagle" head's: its lm_head is then the target's rows of the
@@ -37,7 +39,8 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.llama import DecoderLayer, NativeCausalLM, RMSNorm, rms_norm
+from speculative.models.llama import DecoderLayer, NativeCausalLM
+from speculative.models.norms import RMSNorm, rms_norm
 from speculative.models.packed import PackedLinear
 
 EagleLayout = Literal["eagle", "eagle3"]
@@ -66,6 +69,8 @@ class EagleHead(NativeCausalLM):
         super().__init__(config)
         hidden = config.hidden_size
         self.layout, self.target_layers = layout, target_layers
+        self.norm_before_residual = False  # "eagle3": the residual stream is hidden_norm(hidden) when set
+        self.norm_output = False  # "eagle3": the head's hidden state is its norm's output when set
         if layout == "eagle3":
             layer = self.model.layers[0] = DecoderLayer(config, 0, input_size=2 * hidden)
             layer.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
@@ -158,18 +163,17 @@ class EagleHead(NativeCausalLM):
         else:
             hidden = features if features.shape[-1] == hidden_size else self._fc(features)
             layer = self.model.layers[0]
-            first = torch.cat(
-                [
-                    rms_norm(embeds, layer.input_layernorm.weight, eps),
-                    rms_norm(hidden, layer.hidden_norm.weight, eps),
-                ],
-                dim=-1,
-            )
+            normed = rms_norm(hidden, layer.hidden_norm.weight, eps)
+            first = torch.cat([rms_norm(embeds, layer.input_layernorm.weight, eps), normed], dim=-1)
+            if self.norm_before_residual:
+                hidden = normed
         hidden, _ = self.run_layers(
             hidden, first, batch, positions, keys, values, key_positions, slots, tree_masks
         )
         hidden = hidden.view(batch, q, -1)
         if logits_indices is not None:
             hidden = hidden.gather(1, logits_indices[..., None].expand(-1, -1, hidden_size))
-        logits = self.logits(hidden, None, None if self.layout == "eagle" else self.model.norm.weight)
-        return logits, hidden
+        if self.norm_output:  # the speculators library's EAGLE 3.1 option: the normed state is fed back
+            hidden = rms_norm(hidden, self.model.norm.weight, eps)
+        norm = None if self.layout == "eagle" or self.norm_output else self.model.norm.weight
+        return self.logits(hidden, None, norm), hidden

@@ -21,18 +21,25 @@ EAGLE-3 releases (SafeAILab/EAGLE, SpecForge) and vLLM read them:
       optional, embed_tokens.weight optional.
 A leading "model." is accepted on any name. Without embed_tokens the head shares the target's
 embedding; an "eagle" head always uses the target's lm_head (a copy of its d2t rows where it has a
-draft vocabulary).
+draft vocabulary). An "eagle3" config may say norm_before_residual and norm_output (as vLLM and the
+speculators library read them, models/eagle.py; default false).
+
+A directory in vLLM's speculators format (config.json with `speculators_model_type`) loads as well:
+models/speculators.py maps its config and weight names onto the head; save_speculators writes one.
+Weights may also be sharded (model.safetensors.index.json).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig
 
+from speculative.models import speculators
 from speculative.models.eagle import EagleHead, EagleLayout
 from speculative.models.llama import NativeCausalLM
 
@@ -50,9 +57,11 @@ _OPTIONAL_FIELDS = (
 )
 # checkpoint prefix -> the head's parameter prefix
 _PREFIXES = {"eagle": {"layers.0.": "model.layers.0."}, "eagle3": {"midlayer.": "model.layers.0."}}
+# head parameters a checkpoint may leave out (fc.bias exists in a head only where its checkpoint has one
+# or its speculators config says fusion_bias)
 _OPTIONAL_WEIGHTS = {
-    "eagle": {"fc.bias", "embed_tokens.weight", "layers.0.input_layernorm.weight", "d2t"},
-    "eagle3": {"d2t", "t2d", "embed_tokens.weight"},
+    "eagle": {"model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "d2t"},
+    "eagle3": {"d2t", "model.embed_tokens.weight"},
 }
 
 
@@ -65,11 +74,24 @@ def load_eagle_head(path: str | Path, layout: EagleLayout, target: NativeCausalL
     if not config_path.is_file():
         raise ValueError(f"EAGLE head {str(path)!r}: no config.json in that directory")
     raw = json.loads(config_path.read_text())
+    in_speculators = speculators.is_speculators(raw)
+    if in_speculators:
+        raw = speculators.read_config(raw, layout, target, config_path)
     config, feature_size, target_layers = _head_config(raw, layout, target, config_path)
-    weights = _read_weights(directory)
-    fc_bias = layout == "eagle" and "fc.bias" in _strip(weights)
+    weights, prefixes = _weights(directory, layout, in_speculators)
+    mapped = {_head_name(name, prefixes) for name in weights}
+    fc_bias = layout == "eagle" and (bool(raw.get("fusion_bias")) or "fc.bias" in mapped)
     head = EagleHead(config, layout, feature_size, target_layers, raw.get("draft_vocab_size"), fc_bias)
-    state = _head_state(_strip(weights), layout, head, directory)
+    head.norm_before_residual = layout == "eagle3" and bool(raw.get("norm_before_residual", False))
+    head.norm_output = layout == "eagle3" and bool(raw.get("norm_output", False))
+    state = _head_state(weights, layout, head, directory, prefixes, in_speculators)
+    if in_speculators:
+        speculators.check_vocabulary_maps(weights.get("d2t"), weights.get("t2d"), head.vocab_size, directory)
+    if "model.embed_tokens.weight" not in state and config.hidden_size != target.config.hidden_size:
+        raise ValueError(
+            f"{directory}: the head's hidden_size {config.hidden_size} is not the target's "
+            f"({target.config.hidden_size}), so it needs an embed_tokens.weight of its own"
+        )
     head.load_state_dict(state, strict=False)
     head = head.to(target.device, target.dtype).eval()
     if "model.embed_tokens.weight" not in state:
@@ -87,9 +109,11 @@ def load_head_weights(head: EagleHead, path: str | Path) -> None:
     load_eagle_head checks them) into `head`, a head of the same layout and shapes, to train it further;
     the weights it shares with its target are left as they are."""
     directory = Path(path)
-    head.load_state_dict(
-        _head_state(_strip(_read_weights(directory)), head.layout, head, directory), strict=False
-    )
+    config_path = directory / "config.json"
+    in_speculators = config_path.is_file() and speculators.is_speculators(json.loads(config_path.read_text()))
+    weights, prefixes = _weights(directory, head.layout, in_speculators)
+    state = _head_state(weights, head.layout, head, directory, prefixes, in_speculators)
+    head.load_state_dict(state, strict=False)
     head.pack_weights()
 
 
@@ -113,14 +137,62 @@ def save_eagle_head(head: EagleHead, path: str | Path) -> None:
         config["draft_vocab_size"] = head.lm_head.out_features
     if head.layout == "eagle3":
         config["eagle_aux_hidden_state_layer_ids"] = list(head.target_layers)
+        config.update({name: True for name in ("norm_before_residual", "norm_output") if getattr(head, name)})
     shared = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
     if head.layout == "eagle3":
         shared = {"model.embed_tokens.weight"}
     weights = {
-        _checkpoint_name(name, head.layout).removeprefix("model."): tensor.detach().contiguous().cpu()
+        _checkpoint_name(name, _PREFIXES[head.layout]): tensor.detach().contiguous().cpu()
         for name, tensor in head.state_dict().items()
         if name not in shared
     }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(weights, str(directory / "model.safetensors"))
+
+
+def save_speculators(
+    head: EagleHead,
+    path: str | Path,
+    verifier_name: str | None,
+    *,
+    verifier_architectures: Sequence[str] = (),
+    num_speculative_tokens: int = 3,
+    num_target_layers: int | None = None,
+    embedding: bool = False,
+) -> None:
+    """Write `head` as a checkpoint directory in vLLM's speculators format (models/speculators.py):
+    config.json (speculators_model_type, transformer_layer_config, speculators_config with the
+    verifier `verifier_name` and its `verifier_architectures`, a greedy proposal of
+    `num_speculative_tokens`) and model.safetensors under the speculators names. vLLM serves an
+    "eagle3" one (`--speculative-config '{"model": PATH}'`); its adapter does not read "eagle" ones
+    (the library's former EAGLE-1 layout), which load back here. The weights shared with the target
+    are left out (with `embedding`, the head's embed_tokens is written too). `num_target_layers`, the
+    target's layer count where known, refuses an "eagle3" head that reads the target's final norm
+    output (layer id L: vLLM captures only the streams entering layers 0 .. L - 1)."""
+    from safetensors.torch import save_file
+
+    if num_target_layers is not None and head.layout == "eagle3":
+        if any(i >= num_target_layers for i in head.target_layers):
+            raise ValueError(
+                f"the head reads target layers {list(head.target_layers)}; vLLM reads only the streams "
+                f"entering layers 0 .. {num_target_layers - 1}, not the final norm's output"
+            )
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = speculators.write_config(head, verifier_name, verifier_architectures, num_speculative_tokens)
+    skipped = {"model.embed_tokens.weight"} - ({"model.embed_tokens.weight"} if embedding else set())
+    if head.layout == "eagle":
+        skipped |= {"lm_head.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"}
+    draft_vocabulary = head.draft_vocabulary if head.lm_head.out_features < head.vocab_size else None
+    skipped.add("d2t")
+    prefixes = speculators.WEIGHT_PREFIXES[head.layout]
+    weights = {
+        _checkpoint_name(name, prefixes): tensor.detach().contiguous().cpu()
+        for name, tensor in head.state_dict().items()
+        if name not in skipped
+    }
+    if draft_vocabulary is not None:
+        weights["d2t"], weights["t2d"] = speculators.vocabulary_maps(draft_vocabulary, head.vocab_size)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file(weights, str(directory / "model.safetensors"))
 
@@ -188,6 +260,14 @@ def _read_weights(directory: Path) -> dict[str, Tensor]:
         from safetensors.torch import load_file
 
         return load_file(directory / "model.safetensors")
+    if (directory / "model.safetensors.index.json").is_file():  # sharded, as save_pretrained shards
+        from safetensors.torch import load_file
+
+        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        weights: dict[str, Tensor] = {}
+        for shard in sorted(set(index.get("weight_map", {}).values())):
+            weights.update(load_file(directory / shard))
+        return weights
     if (directory / "pytorch_model.bin").is_file():
         return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise ValueError(f"EAGLE head {str(directory)!r}: no model.safetensors or pytorch_model.bin")
@@ -197,15 +277,34 @@ def _strip(weights: dict[str, Tensor]) -> dict[str, Tensor]:
     return {name.removeprefix("model."): tensor for name, tensor in weights.items()}
 
 
+def _weights(
+    directory: Path, layout: EagleLayout, in_speculators: bool
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The checkpoint's weights (no "model." prefix, the speculators library's training-only ones
+    left out) and its name map (checkpoint prefix -> the head's)."""
+    weights = _strip(_read_weights(directory))
+    if not in_speculators:
+        return weights, _PREFIXES[layout]
+    kept = {name: tensor for name, tensor in weights.items() if name not in speculators.TRAINING_WEIGHTS}
+    return kept, speculators.WEIGHT_PREFIXES[layout]
+
+
 def _head_state(
-    weights: dict[str, Tensor], layout: EagleLayout, head: EagleHead, where: Path
+    weights: dict[str, Tensor],
+    layout: EagleLayout,
+    head: EagleHead,
+    where: Path,
+    prefixes: dict[str, str],
+    in_speculators: bool = False,
 ) -> dict[str, Tensor]:
-    """The checkpoint's weights under the head's names, each checked against the head's shape."""
+    """The checkpoint's weights (names mapped by `prefixes`) under the head's names, each checked
+    against the head's shape; t2d (checked, not needed to draft) in "eagle3" and speculators ones."""
     expected = {**head.state_dict()}
     own = {"model.embed_tokens.weight"}  # the target's unless the checkpoint has its own
     if layout == "eagle":
         own |= {"lm_head.weight", "model.norm.weight"}  # the target's lm_head; no final norm
-    names = {name: _head_name(name, layout) for name in weights if (name, layout) != ("t2d", "eagle3")}
+    with_t2d = layout == "eagle3" or in_speculators
+    names = {name: _head_name(name, prefixes) for name in weights if not (name == "t2d" and with_t2d)}
     for name, mapped in names.items():  # names first: a head of the other layout fails here
         if mapped not in expected or (mapped in own and name != "embed_tokens.weight"):
             raise ValueError(
@@ -213,15 +312,14 @@ def _head_state(
                 f'method="eagle", an EAGLE-3 one method="eagle3")'
             )
     shapes = {name: (weights[name].shape, expected[mapped].shape) for name, mapped in names.items()}
-    if "t2d" in weights and layout == "eagle3":
+    if "t2d" in weights and with_t2d:
         shapes["t2d"] = (weights["t2d"].shape, torch.Size([head.vocab_size]))
     for name, (theirs, ours) in shapes.items():
         if theirs != ours:
             raise ValueError(f"{where}: weight {name!r} has shape {tuple(theirs)}, expected {tuple(ours)}")
     state = {mapped: weights[name] for name, mapped in names.items()}
-    seen = set(weights)
-    required = {_checkpoint_name(name, layout) for name in expected if name not in own}
-    missing = sorted(required - seen - _OPTIONAL_WEIGHTS[layout])
+    required = set(expected) - own - _OPTIONAL_WEIGHTS[layout]
+    missing = sorted(_checkpoint_name(name, prefixes) for name in required - set(state))
     if missing:
         raise ValueError(f"{where}: the {layout!r} head's checkpoint lacks weights {missing}")
     if head.draft_vocabulary is not None:
@@ -243,21 +341,25 @@ def _check_d2t(d2t: Tensor | None, head: EagleHead, where: Path) -> None:
         )
 
 
-def _head_name(name: str, layout: EagleLayout) -> str:
+def _head_name(name: str, prefixes: dict[str, str]) -> str:
+    """A checkpoint's weight name (no "model.") as the head's; `prefixes`: checkpoint -> head prefix."""
     if name == "embed_tokens.weight":
         return "model.embed_tokens.weight"
     if name == "norm.weight":
         return "model.norm.weight"
-    for theirs, ours in _PREFIXES[layout].items():
+    for theirs, ours in prefixes.items():
         if name.startswith(theirs):
             return ours + name.removeprefix(theirs)
     return name
 
 
-def _checkpoint_name(name: str, layout: EagleLayout) -> str:
+def _checkpoint_name(name: str, prefixes: dict[str, str]) -> str:
+    """A head's parameter name as the checkpoint's (no "model.")."""
     if name == "model.norm.weight":
         return "norm.weight"
-    for theirs, ours in _PREFIXES[layout].items():
+    if name == "model.embed_tokens.weight":
+        return "embed_tokens.weight"
+    for theirs, ours in prefixes.items():
         if name.startswith(ours):
             return theirs + name.removeprefix(ours)
     return name

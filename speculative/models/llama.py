@@ -14,151 +14,61 @@ Attention runs against a StaticKVCache with per-row lengths: row b's q tokens si
 `cache.lengths[b] + arange(q)`, and RoPE, the K/V writes and the causal mask all use those per-row
 positions, so rows of one batch may hold contexts of different lengths.
 
+This module assembles a model from its layers: RoPE (models/rope.py), RMSNorm (models/norms.py), the
+projections as PackedLinears (models/packed.py: float, int8 or int4 weights behind one call), and
+attention through the model's AttentionBackend (models/attention.py: the K/V writes, the masks and
+attention itself; `attention_backend`, FusedAttention by default). The threads of small forwards are
+models/cpu_tuning.py's.
+
 The forward is one function of tensors (`NativeCausalLM.run`, which torch.compile can compile:
 models/compiled.py), written for few ops per layer, since a decode step on a CPU is the weights'
-streaming plus per-op overhead: q/k/v and gate/up as single matmuls (models/packed.py), residual
-adds fused into the matmuls, RoPE of queries and keys at once from tables built once, one mask per
-forward, the K/V written with one index_put per cache. The modules below only hold the parameters.
+streaming plus per-op overhead: q/k/v and gate/up as single matmuls, residual adds fused into the
+matmuls, RoPE of queries and keys at once from tables built once, one mask per window per forward,
+the K/V written with one index_put per cache. The modules below only hold the parameters.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.packed import STATIC_ROWS_MAX, PackedLinear
+from speculative.models.attention import AttentionBackend, FusedAttention
+from speculative.models.cpu_tuning import SMALL_CALL_ROWS, small_call_threads
+from speculative.models.norms import RMSNorm, rms_norm
+from speculative.models.packed import PackedLinear
 from speculative.models.quantization import check_quantization
+from speculative.models.rope import (
+    UNSUPPORTED_ROPE_TYPES,
+    apply_rope,
+    attention_head_dim,
+    rope_init,
+    rope_tables,
+    rope_type,
+)
 from speculative.tree import tree_ancestors, tree_query
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # NativeCausalLM.quantize's default: quantize the lm_head too (see the README's Quantization section).
 QUANTIZE_LM_HEAD = True
-# Forwards of at most this many query tokens (batch * q) run on NativeCausalLM.small_call_threads
-# threads (on CPU), see small_call_threads().
-SMALL_CALL_ROWS = 64
-# RoPE types whose frequencies HF recomputes from the batch's longest sequence: not per-row safe.
-_UNSUPPORTED_ROPE_TYPES = frozenset({"longrope"})
-
-
-def _rope_type(config: PretrainedConfig) -> str:
-    rope = getattr(config, "rope_parameters", None) or {}
-    return rope.get("rope_type", "default")
 
 
 def supports(config: PretrainedConfig) -> bool:
     """Whether NativeCausalLM can run a model of this config."""
-    return config.model_type in SUPPORTED_MODEL_TYPES and _rope_type(config) not in _UNSUPPORTED_ROPE_TYPES
+    return config.model_type in SUPPORTED_MODEL_TYPES and rope_type(config) not in UNSUPPORTED_ROPE_TYPES
 
 
 def runs_natively(config: PretrainedConfig, model_impl: str) -> bool:
     """Whether a model of this config runs on NativeCausalLM under `model_impl` ("auto", "native" or
     "transformers"; "native" where it cannot is the loader's error)."""
     return model_impl != "transformers" and supports(config)
-
-
-def _head_dim(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _rope_init(config: PretrainedConfig) -> tuple[Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention_scaling), as the HF rotary embedding computes them.
-
-    "dynamic" RoPE is taken at its initial (unscaled) frequencies, which is what HF uses for every
-    sequence of at most max_position_embeddings tokens.
-    """
-    rope_type = _rope_type(config)
-    if rope_type in _UNSUPPORTED_ROPE_TYPES:
-        raise NotImplementedError(f"RoPE type {rope_type!r} is not supported by NativeCausalLM")
-    with torch.device("cpu"):  # also under an enclosing meta-device context (from_hf)
-        if rope_type != "default":
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-            return inv_freq.float(), scaling
-        dim = _head_dim(config)
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (config.rope_parameters["rope_theta"] ** exponents), 1.0
-
-
-def small_call_threads() -> int | None:
-    """The threads a small forward (at most SMALL_CALL_ROWS tokens) runs on: 1 when OpenMP's threads
-    sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE), None (torch's setting) otherwise.
-
-    Asleep, a thread is woken for each of a forward's ~100 matmuls, which costs more than it gives.
-    Measured on the project's 2-core CPU, demo target, fp32, ms per forward of 1 / 5 tokens: PASSIVE,
-    1 thread 10.7 / 15.2, 2 threads 16.0 / 16.1 (40 tokens: 26.3 against 27.0; 256: 117 against 88);
-    default policy (threads spin a while), 2 threads 6.5 / 9.4.
-    """
-    return 1 if os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE" else None
-
-
-def attention_mask(positions: Tensor, keys: Tensor, window: int | None) -> Tensor:
-    """Boolean mask [batch, 1, q, span]: key j is visible to query i of row b iff
-    j <= positions[b, i] and, with a sliding window W, positions[b, i] - j < W.
-
-    positions: [batch, q] absolute positions of the query tokens; keys: [span] those of the keys.
-    """
-    distance = positions[:, None, :, None] - keys  # [batch, 1, q, span]
-    mask = distance >= 0
-    if window is not None:
-        mask &= distance < window
-    return mask
-
-
-def attention(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """softmax(query @ keys^T * scale + mask) @ values, with grouped-query heads: query [batch, heads,
-    q, head_dim], keys and values [batch, kv_heads, span, head_dim], mask [batch, 1, q, span] additive.
-    Returns [batch, heads, q, head_dim] in the query's dtype.
-
-    Compiled for a CPU, as reductions that inductor fuses into the graph's own loops (in float32):
-    for the few query tokens of a decoding call, the flash-attention kernel's fixed cost dominates
-    (docs/internals.md#measured-choices); a few query tokens known statically, one after the other
-    (packed.STATIC_ROWS_MAX). Elsewhere, scaled_dot_product_attention.
-    """
-    heads, kv_heads = query.shape[1], keys.shape[1]
-    if not (torch.compiler.is_compiling() and query.device.type == "cpu"):
-        return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
-        )
-    batch, _, q, head_dim = query.shape
-    if q != 1 and statically_known_true(q <= STATIC_ROWS_MAX):  # static and few: query by query (packed.py)
-        return torch.cat(
-            [attention(query[:, :, i, None], keys, values, mask[:, :, i, None], scale) for i in range(q)],
-            dim=2,
-        )
-    grouped = query.float().view(batch, kv_heads, heads // kv_heads, q, 1, head_dim)
-    keys, values = keys.float()[:, :, None, None], values.float()[:, :, None, None]  # [b, kv, 1, 1, span, d]
-    scores = (grouped * keys).sum(-1) * scale + mask.float()[:, :, None]  # [batch, kv_heads, group, q, span]
-    out = (scores.softmax(-1)[..., None] * values).sum(-2)  # [batch, kv_heads, group, q, head_dim]
-    return out.view(batch, heads, q, head_dim).to(query.dtype)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension, computed in float32 like HF's LlamaRMSNorm."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: Tensor) -> Tensor:  # [..., size]
-        return rms_norm(x, self.weight, self.variance_epsilon)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:  # x [..., size], weight [size] or [..., size]
-    """weight * x / sqrt(mean(x^2) + eps), computed in float32, in HF's order of operations."""
-    if x.dtype == torch.float32 and weight.dim() == 1:
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
-    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -184,7 +94,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = attention_head_dim(config)
         self.scaling = self.head_dim**-0.5
         attention_bias = getattr(config, "attention_bias", False)
         qkv_bias = {"llama": attention_bias, "mistral": False, "qwen2": True, "qwen3": attention_bias}[family]
@@ -266,12 +176,13 @@ class NativeCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq, self.attention_scaling = _rope_init(config)
+        inv_freq, self.attention_scaling = rope_init(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 2]
         attn = self.model.layers[0].self_attn
         self._num_heads, self._num_kv_heads, self._head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self._inner, self._eps = config.intermediate_size, config.rms_norm_eps
-        self.small_call_threads = small_call_threads()  # None: torch's setting throughout
+        self.small_call_threads = small_call_threads()  # None: torch's setting throughout (cpu_tuning)
+        self.attention_backend: AttentionBackend = FusedAttention()
         self.pack_weights()
         self.register_load_state_dict_post_hook(lambda module, _: module.pack_weights())
 
@@ -445,7 +356,9 @@ class NativeCausalLM(nn.Module):
         RoPE tables and key positions up to `span`, and the packed weights after an in-place change."""
         if span > self._rope_cos.shape[0]:
             length = max(span, 2 * self._rope_cos.shape[0])
-            self._rope_cos, self._rope_sin = self._rope_tables(length)
+            self._rope_cos, self._rope_sin = rope_tables(
+                self.inv_freq, self.attention_scaling, length, self.dtype
+            )
             self._arange = torch.arange(length, device=self.inv_freq.device)
         if sum(t._version for t in self._versioned) != self._version:  # one sum: this runs every call
             if self.quantization is None:
@@ -461,16 +374,6 @@ class NativeCausalLM(nn.Module):
         """Remember the version counters of the weights behind the prepacked copies (prepare)."""
         self._versioned = [t for p in self._prepacked for t in p.versioned]
         self._version = sum(t._version for t in self._versioned)
-
-    def _rope_tables(self, length: int) -> tuple[Tensor, Tensor]:
-        """cos, sin [length, head_dim] in the model's dtype, computed in float32 as HF does; sin's first
-        half is negated, so that rotate_half(x) * sin == x.roll(head_dim // 2, -1) * (signed sin)."""
-        positions = torch.arange(length, device=self.inv_freq.device).float()
-        freqs = positions[:, None] * self.inv_freq.float()[None]  # [length, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-        sin = torch.cat((-sin[:, : freqs.shape[1]], sin[:, freqs.shape[1] :]), dim=-1)
-        return cos.to(self.dtype), sin.to(self.dtype)
 
     @torch.no_grad()
     def forward(
@@ -681,12 +584,13 @@ class NativeCausalLM(nn.Module):
         `wanted` below the number of layers, the stream entering layer i ([rows, hidden])."""
         q = positions.shape[1]
         rows, heads, kv_heads, head_dim = batch * q, self._num_heads, self._num_kv_heads, self._head_dim
-        eps, span = self._eps, key_positions.shape[0]
+        eps, span, backend = self._eps, key_positions.shape[0], self.attention_backend
         taps: dict[int, Tensor] = {}
         cos = self._rope_cos[positions][:, :, None]  # [batch, q, 1, head_dim]
         sin = self._rope_sin[positions][:, :, None]
         batch_index = torch.arange(batch, device=positions.device)[:, None]  # [batch, 1]
-        masks: dict[int | None, Tensor] = {}  # window -> additive mask [batch, 1, q, span]
+        write = positions if slots is None else slots
+        masks: dict[int | None, Any] = {}  # window -> the backend's mask
         for i, (layer, key_cache, value_cache) in enumerate(zip(self._layers, keys, values)):
             if i in wanted:
                 taps[i] = hidden
@@ -700,25 +604,16 @@ class NativeCausalLM(nn.Module):
             if attn.qk_norm:
                 norms = (attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1))
                 qk = rms_norm(qk, torch.cat(norms), eps)  # [batch, q, heads + kv_heads, head_dim]
-            qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # RoPE of queries and keys at once
-            # index_put_ (not scatter_): inductor then writes into the cache in place, not into a copy
-            write = positions if slots is None else slots
-            key_cache[batch_index, :, write] = qk[:, :, heads:]  # [batch, q, kv_heads, head_dim]
-            value_cache[batch_index, :, write] = qkv[:, :, heads + kv_heads :]
-            mask = masks.get(attn.sliding_window)
-            if mask is None:
-                if tree_masks is None:
-                    allowed = attention_mask(positions, key_positions, attn.sliding_window)
-                else:
-                    allowed = tree_masks[attn.sliding_window]
-                mask = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
-                mask = masks[attn.sliding_window] = mask.masked_fill_(~allowed, -torch.inf)
-            out = attention(
-                qk[:, :, :heads].transpose(1, 2),
-                key_cache[:, :, :span],
-                value_cache[:, :, :span],
-                mask,
-                attn.scaling,
+            qk = apply_rope(qk, cos, sin)  # queries and keys at once
+            backend.write(
+                key_cache, value_cache, batch_index, write, qk[:, :, heads:], qkv[:, :, heads + kv_heads :]
+            )
+            window = attn.sliding_window
+            if window not in masks:
+                tree_mask = None if tree_masks is None else tree_masks[window]
+                masks[window] = backend.mask(positions, key_positions, window, tree_mask, hidden.dtype)
+            out = backend.attend(
+                qk[:, :, :heads].transpose(1, 2), key_cache, value_cache, span, masks[window], attn.scaling
             )  # [batch, heads, q, head_dim]
             hidden = layer.o(out.transpose(1, 2).reshape(rows, heads * head_dim), hidden)  # + residual
             gate_up = layer.gate_up(rms_norm(hidden, layer.post_norm.weight, eps))  # [rows, 2 * inner]

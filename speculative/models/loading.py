@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from transformers import (
@@ -20,10 +20,7 @@ from speculative.models.dtypes import DtypeChoice, check_dtype, resolve_dtype
 from speculative.models.gguf import check_not_split, gguf_dtype, gguf_source, load_gguf
 from speculative.models.hf import HFCausalLM
 from speculative.models.quantization import check_quantization
-from speculative.models.tensor_parallel import TensorParallelCausalLM, check_model
-
-if TYPE_CHECKING:
-    from speculative.distributed.group import TensorParallelGroup
+from speculative.models.tensor_parallel import RankGroup, TensorParallelCausalLM, check_model
 
 ModelImpl = Literal["auto", "native", "transformers"]
 
@@ -47,7 +44,7 @@ def load_model(
     model_impl: ModelImpl = "auto",
     tokenizer: PreTrainedTokenizerBase | str | None = None,
     dtype_name: str = "dtype",
-    tensor_parallel: TensorParallelGroup | None = None,
+    tensor_parallel: RankGroup | None = None,
     tensor_parallel_name: str = "tensor_parallel_size",
 ) -> LoadedModel:
     """Load `model` (hub id, local path, a transformers model, or a LanguageModel as it is).

@@ -50,7 +50,7 @@ FLOAT_REDUCTION_MAX_ROWS = 6 if torch.backends.cpu.get_cpu_capability() == "AVX2
 # Compiled calls of at most this many rows whose row count is static (a batch-1 verification or
 # drafting: CompiledCausalLM gives each such query length a graph of its own) unroll over the rows:
 # float32 matmuls are reductions with one accumulator per row in one loop over W (models/gemv.py),
-# on every CPU, and attention runs query by query (llama.attention): together faster at 5 rows, each
+# on every CPU, and attention runs query by query (attention.FusedAttention): together faster at 5 rows, each
 # alone not (docs/internals.md#measured-choices); bfloat16 (oneDNN's few-row calls) is unchanged.
 STATIC_ROWS_MAX = 6
 # oneDNN makes a kernel for each shape it is called with and keeps it in a process-wide cache (up to
@@ -77,8 +77,8 @@ _handles = itertools.count()
 def round_onednn_rows(enabled: bool = True) -> None:
     """From now on, in this process, make PackedLinear's oneDNN calls with few row counts (True: at most
     ONEDNN_CHUNK_ROWS rows a call, rounded up by onednn_rows and zero-padded) or with the rows given
-    (False, the default). A server's scheduler turns it on (the comment above ONEDNN_EXACT_ROWS says
-    why)."""
+    (False, the default). cpu_tuning.tune(serving=True) turns it on, for a server's engine (the
+    comment above ONEDNN_EXACT_ROWS says why)."""
     global _row_rounding
     _row_rounding = enabled
 
@@ -309,14 +309,10 @@ class PackedLinear:
 
 
 # Elements of the buffer a quantized weight is dequantized into, a chunk of rows at a time: 4 MiB in
-# float32, which stays in cache between the conversion and the matmul. Measured (the demo target's 49
-# matmuls, float32, 1 thread, ms; 1 / 5 / 40 rows): chunks of 1M elements 4.8 / 9.5 / 26, of 256K 5.7 /
-# 12 / 30, of 4M 5.5 / 11 / 28, a whole fresh dequantized copy 22 / 30 / 55, torch's int8 kernel
-# 20 / 102 / 819; the float weights through oneDNN 9.2 / 7.8 / 23.
+# float32, which stays in cache between the conversion and the matmul (docs/internals.md#measured-choices).
 DEQUANTIZE_CHUNK = 1 << 20
-# bfloat16 calls of more rows than this dequantize too: torch's int8 kernel does not block for many
-# rows (49 matmuls, bfloat16, 2 threads, ms, at 1 / 5 / 16 / 24 / 40 / 200 rows: kernel 1.3 / 3.2 /
-# 6.3 / 9.5 / 16 / 73, dequantized in chunks 5.0 / 5.4 / 7.0 / 8.3 / 11 / 34).
+# bfloat16 calls of more rows than this dequantize too: torch's int8 kernel does not block for many rows
+# (docs/internals.md#measured-choices).
 INT8_KERNEL_MAX_ROWS = 16
 _scratch = threading.local()
 

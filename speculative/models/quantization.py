@@ -32,6 +32,8 @@ to the model's dtype, so that dequantization reproduces the nearest representabl
 
 from __future__ import annotations
 
+from typing import Any, Protocol, runtime_checkable
+
 import torch
 from torch import Tensor, nn
 
@@ -53,11 +55,6 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
     q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scales.contiguous()
-
-
-def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
-    """q [out, in] int8, scales [out] -> the float weight [out, in] (float32) the kernels compute with."""
-    return q.float() * scales.float()[:, None]
 
 
 def int4_group_size(out_features: int, in_features: int) -> int | None:
@@ -82,16 +79,6 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tens
     return q.to(torch.int32).reshape(out_features, in_features), scales, zeros
 
 
-def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor) -> Tensor:
-    """quantize_int4's output -> the float weight [out, in] (float32) the kernel computes with."""
-    out_features, in_features = q.shape
-    groups = scales.shape[1]
-    w = (q.float().reshape(out_features, groups, -1) - 8) * scales.float()[..., None] + zeros.float()[
-        ..., None
-    ]
-    return w.reshape(out_features, in_features)
-
-
 def pack_int4(q: Tensor, scales: Tensor, zeros: Tensor) -> tuple[Tensor, Tensor]:
     """quantize_int4's output in the layouts of torch's CPU kernel: (packed [out, in / 2] uint8,
     scales_and_zeros [in / group, out, 2] in the scales' dtype)."""
@@ -100,11 +87,18 @@ def pack_int4(q: Tensor, scales: Tensor, zeros: Tensor) -> tuple[Tensor, Tensor]
     return packed, scales_and_zeros
 
 
+@runtime_checkable
+class PackedLayers(Protocol):
+    """A module whose forward runs PackedLinears (NativeCausalLM): `packed_linears()` lists them."""
+
+    def packed_linears(self) -> list[Any]: ...
+
+
 def tensor_bytes(module: nn.Module) -> int:
     """Bytes of the distinct tensor storages a module holds: its parameters and buffers, and for a
-    NativeCausalLM its PackedLinears' weights, prepacked copies and quantized weights."""
+    NativeCausalLM (PackedLayers) its PackedLinears' weights, prepacked copies and quantized weights."""
     tensors = [*module.parameters(), *module.buffers()]
-    for packed in getattr(module, "packed_linears", lambda: [])():
+    for packed in module.packed_linears() if isinstance(module, PackedLayers) else []:
         tensors.extend(packed.tensors())
     seen, total = set(), 0
     for tensor in tensors:

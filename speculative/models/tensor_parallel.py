@@ -29,6 +29,7 @@ rows (docs/internals.md#measured-choices; benchmarks/tensor_parallel.py).
 from __future__ import annotations
 
 import copy
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from speculative.distributed.group import TensorParallelGroup
 from speculative.models import hf_tensor_parallel, llama
 from speculative.models.gguf import check_not_split
 from speculative.models.packed import PackedLinear
+from speculative.models.rope import attention_head_dim
+
+
+class RankGroup(Protocol):
+    """What a shard needs of its tensor-parallel group: this process's `rank` in [0, size) and the
+    number of ranks, `size`. The collectives (all_reduce, all_gather_single) are torch.distributed's,
+    on its default group, which must be these ranks (speculative.distributed.group.TensorParallelGroup
+    is one such group, structurally: models/ never imports distributed/)."""
+
+    rank: int
+    size: int
+
 
 # The layers (their names within a decoder layer) split by output rows, by input columns, and the
 # parameters split by vocabulary rows
@@ -106,7 +118,7 @@ def shard_state_dict(state_dict: dict[str, Tensor], config: PretrainedConfig, ra
     """Rank `rank`'s share of a HF-named state dict (see the module docstring): split parameters as
     contiguous copies (the whole ones can then be freed), replicated ones as they are; the
     row-parallel biases on rank 0 only."""
-    head_dim = llama._head_dim(config)
+    head_dim = attention_head_dim(config)
     lengths = {
         "self_attn.q_proj": config.num_attention_heads // size * head_dim,
         "self_attn.k_proj": config.num_key_value_heads // size * head_dim,
@@ -137,7 +149,7 @@ def shard_state_dict(state_dict: dict[str, Tensor], config: PretrainedConfig, ra
 def _rank_config(config: PretrainedConfig, size: int) -> PretrainedConfig:
     """The config of one rank's layers: 1/size of the heads, key/value heads and MLP columns."""
     local = copy.deepcopy(config)
-    local.head_dim = llama._head_dim(config)
+    local.head_dim = attention_head_dim(config)
     local.num_attention_heads //= size
     local.num_key_value_heads //= size
     local.intermediate_size //= size
@@ -151,7 +163,7 @@ class TensorParallelCausalLM(llama.NativeCausalLM):
     the same order: each forward meets the others in its collectives. Its state_dict is the rank's
     share. Build it with `from_hf`."""
 
-    def __init__(self, config: PretrainedConfig, group: TensorParallelGroup) -> None:
+    def __init__(self, config: PretrainedConfig, group: RankGroup) -> None:
         self.group = group  # before NativeCausalLM.__init__, whose pack_weights reads it
         super().__init__(_rank_config(config, group.size))
         shard = -(-config.vocab_size // group.size)
@@ -167,7 +179,7 @@ class TensorParallelCausalLM(llama.NativeCausalLM):
         self.pack_weights()
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module, group: TensorParallelGroup) -> TensorParallelCausalLM:
+    def from_hf(cls, hf_model: nn.Module, group: RankGroup) -> TensorParallelCausalLM:
         """This rank's shard of a HF `*ForCausalLM` (check_model's conditions hold), on its device and
         dtype: split parameters are copies, replicated ones shared."""
         with torch.device("meta"):
@@ -195,7 +207,7 @@ class RowParallelLinear(PackedLinear):
     over the ranks of x_r @ W_r.T, plus the bias and `residual` ([rows, out]), which rank 0 alone
     adds before the all-reduce: [rows, out], the same on every rank."""
 
-    def __init__(self, linear: nn.Linear, group: TensorParallelGroup) -> None:
+    def __init__(self, linear: nn.Linear, group: RankGroup) -> None:
         self.group = group
         super().__init__([linear])
 
@@ -209,7 +221,7 @@ class VocabParallelHead(PackedLinear):
     """The lm_head on one rank: x [rows, hidden] -> logits [rows, vocab_size] of the whole vocabulary,
     this rank's shard computed here and the others' all-gathered."""
 
-    def __init__(self, lm_head: nn.Linear, group: TensorParallelGroup, vocab_size: int) -> None:
+    def __init__(self, lm_head: nn.Linear, group: RankGroup, vocab_size: int) -> None:
         self.group, self.vocab_size = group, vocab_size
         super().__init__([lm_head])
 

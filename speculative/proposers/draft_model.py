@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from speculative.kv_cache import KVCache
-from speculative.models.base import LanguageModel, decode
+from speculative.models.base import GreedyDecoding, LanguageModel, decode
 from speculative.proposers.base import Proposal
 from speculative.proposers.grammar import GrammarWalk
 from speculative.sampling import SampleStrategy
@@ -33,11 +33,12 @@ class DraftModelProposer:
     min_p, top-k, top-p: the rule only needs the distribution each draft was drawn from), a guided row
     under its grammar's mask (`GrammarWalk`: one host read per drafted token while a batch has guided
     rows). Drafting never stops early at EOS (that would need a host sync per token); a greedy batch
-    without grammars on a model with `greedy_decode` (CompiledCausalLM) drafts all k tokens in one call
-    of it."""
+    without grammars on a GreedyDecoding model (CompiledCausalLM) drafts all k tokens in one call of its
+    `greedy_decode`."""
 
     def __init__(self, model: LanguageModel) -> None:
         self.model = model
+        self.greedy_decoding = isinstance(model, GreedyDecoding)  # its k greedy drafts in one call
         self.cache = None
         self.missing = 1  # the context's last tokens that the next proposal feeds (1 or 2) ...
         self.behind = 0  # ... and before them, tokens the cache lacks after plain steps
@@ -89,18 +90,17 @@ class DraftModelProposer:
             self._add_pending(tokens, lengths)
         fed = self.missing + self.behind
         query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))  # [B, fed]
-        greedy_decode = getattr(self.model, "greedy_decode", None)
         if strategy.any_guided:
             walk = GrammarWalk(strategy.guides, self.model.vocab_size)
             choose = walk.choose(strategy.next_tokens)
             token_ids, logits = decode(self.model, query, self.cache, num_tokens, choose)
             logits = walk.masked(logits)
-        elif strategy.all_greedy and greedy_decode is not None:
-            token_ids, logits = greedy_decode(query, self.cache, num_tokens)
+        elif strategy.all_greedy and self.greedy_decoding:
+            token_ids, logits = self.model.greedy_decode(query, self.cache, num_tokens)
         else:
             token_ids, logits = decode(self.model, query, self.cache, num_tokens, strategy.next_tokens)
         self.behind, self._proposed = 0, num_tokens
-        return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(logits))
+        return Proposal(token_ids, strategy.draft_probs(logits))
 
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         if self._proposed:  # the cache holds the context before the step and the drafts but the last

@@ -42,8 +42,7 @@ import torch
 from torch import Tensor
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.base import LanguageModel, decode_steps
-from speculative.models.compiled import CompiledCausalLM
+from speculative.models.base import CompiledDrafting, LanguageModel, decode_steps
 from speculative.models.llama import NativeCausalLM
 from speculative.proposers.base import Proposal
 from speculative.proposers.draft_model import DraftModelProposer
@@ -67,6 +66,7 @@ class DraftTreeProposer(DraftModelProposer):
 
     def __init__(self, model: LanguageModel, shape: TreeShape, width: int, num_nodes: int) -> None:
         super().__init__(model)
+        self.compiled_drafting = isinstance(model, CompiledDrafting)  # a whole tree in one compiled call
         self._roots: Tensor | None = None  # the context lengths at the proposal being committed
         self.shape, self.width, self.num_nodes = shape, width, num_nodes
 
@@ -76,12 +76,11 @@ class DraftTreeProposer(DraftModelProposer):
         index = (lengths - need)[:, None] + torch.arange(fed, device=tokens.device)  # [B, fed], right-padded
         query = tokens.gather(1, index)
         self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
-        rows = tokens.shape[0] if strategy.all_greedy else 1  # tree.batch_tree's docstring
-        width, num_nodes = batch_tree(self.width, self.num_nodes, rows, num_tokens)
+        width, num_nodes = batch_tree(self.width, self.num_nodes, strategy.tree_rows, num_tokens)
         if width == 1 and not strategy.any_guided:
             return self._chain(query, need, min(num_tokens, num_nodes))
         tree = self.shape, width, num_nodes
-        if isinstance(self.model, CompiledCausalLM) and not strategy.any_guided:  # one compiled call
+        if self.compiled_drafting and not strategy.any_guided:  # one compiled call
             token_ids, parents = compiled_tree(self.model, query, self.cache, need, num_tokens, *tree)
             return Proposal(token_ids, None, parents)
         logits = self.model.forward(query, self.cache, num_tokens=need, logits_indices=(need - 1)[:, None])
@@ -182,7 +181,7 @@ def grow_tree(
 
 
 def compiled_tree(
-    compiled: CompiledCausalLM,
+    compiled: CompiledDrafting,
     query: Tensor,
     cache: StaticKVCache,
     need: Tensor,

@@ -82,7 +82,7 @@ class EagleProposer:
             return out
 
         token_ids, all_logits = decode_steps(step, num_tokens, tokens[:, :1], strategy.next_tokens)
-        return Proposal(token_ids, None if strategy.all_greedy else strategy.probs(all_logits))
+        return Proposal(token_ids, strategy.draft_probs(all_logits))
 
     def _unfed(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The positions whose target features the head lacks (at least one per row, the last at the

@@ -36,8 +36,7 @@ class EagleTreeProposer(EagleProposer):
         self.shape, self.width, self.num_nodes = shape, width, num_nodes
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
-        rows = tokens.shape[0] if strategy.all_greedy else 1  # tree.batch_tree's docstring
-        width, num_nodes = batch_tree(self.width, self.num_nodes, rows, num_tokens)
+        width, num_nodes = batch_tree(self.width, self.num_nodes, strategy.tree_rows, num_tokens)
         if width == 1:  # the batch's trees shrank to chains: the chain proposer's, verified as a chain
             return super().propose(tokens, lengths, min(num_tokens, num_nodes), strategy)
         self._proposed = num_tokens

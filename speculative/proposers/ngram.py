@@ -46,8 +46,7 @@ class NgramProposer:
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         matches, n = self._matches(tokens, lengths)  # [batch, starts] bool, [batch] n of each row
         if self.tree_nodes is not None:
-            rows = tokens.shape[0] if strategy.all_greedy else 1  # tree.batch_tree's docstring
-            width, nodes = batch_tree(self.tree_nodes, self.tree_nodes, rows, num_tokens)
+            width, nodes = batch_tree(self.tree_nodes, self.tree_nodes, strategy.tree_rows, num_tokens)
             if width > 1:
                 return self._trie(tokens, lengths, matches, n, num_tokens, strategy, nodes)
             num_tokens = min(num_tokens, nodes)  # the greedy batch's trees shrank to chains

@@ -244,8 +244,7 @@ class SuffixProposer:
             row.trie.extend(0, host[seen - start : end - start])
         nodes = self.tree_nodes  # a tree's, or None: a chain
         if nodes is not None:
-            rows = len(self.rows) if strategy.all_greedy else 1  # tree.batch_tree's docstring
-            breadth, nodes = batch_tree(nodes, nodes, rows, num_tokens)
+            breadth, nodes = batch_tree(nodes, nodes, strategy.tree_rows, num_tokens)
             if breadth == 1:  # the greedy batch's trees shrank to chains
                 num_tokens, nodes = min(num_tokens, nodes), None
         drafts = [self._draft(row, num_tokens, nodes) for row in self.rows]  # [(tokens, parents)]

@@ -14,22 +14,24 @@ which walks the drafts and rolls back in native code, and are unpacked to bool t
 EOS: the tokenizer's EOS (or the ids passed as `eos_token_ids`) is allowed exactly when the grammar can
 end, and is the only token allowed once the grammar is complete (`finished`). Ids at or past the
 tokenizer's vocabulary (padding of the logits) are never allowed.
+
+The constraint a request asks for, `GuidedDecodingParams`, is plain data and lives beside SamplingParams
+(speculative/sampling_params.py, below this package); it is imported here too.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from speculative.extras import needs_extra
+from speculative.sampling_params import GuidedDecodingParams
 
 with needs_extra("guided", "guided decoding"):
     import llguidance
@@ -38,82 +40,7 @@ with needs_extra("guided", "guided decoding"):
 
 __all__ = ["Guide", "GuideState", "GuidedDecodingParams", "allowed_for_blocks"]
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _GUIDE_CACHE_SIZE = 128  # compiled guides kept per tokenizer (least recently used dropped first)
-
-
-@dataclass
-class GuidedDecodingParams:
-    """vLLM's guided decoding parameters: exactly one of json, regex, choice, grammar, json_object.
-
-    json: a JSON schema (a dict or its JSON text); the output is a JSON value valid under it. Object
-        properties come out in the schema's order; compact (no free whitespace) unless the schema's
-        "x-guidance" options say otherwise. regex: the whole output matches it (Rust `regex` syntax, as
-        llguidance reads it).
-    choice: the output is exactly one of these strings. grammar: a Lark grammar in llguidance's syntax
-        (or GBNF, which is converted). json_object: the output is any JSON object.
-    """
-
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool = False
-
-    def __post_init__(self) -> None:
-        chosen = self._set_fields()
-        if len(chosen) != 1:
-            raise ValueError(
-                f"exactly one of {', '.join(_KINDS)} must be set; got "
-                f"{', '.join(chosen) if chosen else 'none'}"
-            )
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"json must be a dict or a JSON string, not {type(self.json).__name__}")
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{name} must be a string, not {type(value).__name__}")
-        if self.choice is not None:
-            if isinstance(self.choice, str) or not all(isinstance(c, str) for c in self.choice):
-                raise ValueError("choice must be a list of strings")
-            if len(self.choice) == 0:
-                raise ValueError("choice must list at least one string")
-
-    def _set_fields(self) -> list[str]:
-        chosen = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        if self.json_object:
-            chosen.append("json_object")
-        return chosen
-
-    def kind(self) -> str:
-        """The field that is set: 'json', 'regex', 'choice', 'grammar' or 'json_object'."""
-        return self._set_fields()[0]
-
-    def key(self) -> tuple[str, str]:
-        """A hashable, canonical description of the constraint (for caches)."""
-        kind = self.kind()
-        if kind == "json":
-            return kind, _schema_text(self.json)
-        if kind == "choice":
-            return kind, json.dumps(list(self.choice), ensure_ascii=False)
-        if kind == "json_object":
-            return kind, ""
-        return kind, getattr(self, kind)
-
-
-def _schema_text(schema: dict | str) -> str:
-    """The schema as compact JSON text, keys in their given order (it sets the order of properties)."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"json is not valid JSON: {e}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"a JSON schema must be an object, not {type(schema).__name__}")
-    try:
-        return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"json schema is not JSON-serializable: {e}") from None
 
 
 def _grammar_text(params: GuidedDecodingParams) -> str:

@@ -183,6 +183,18 @@ class SampleStrategy:
             logits = P.apply_penalties(logits, context, self.presence, self.frequency, self.repetition)
         return logits
 
+    @property
+    def tree_rows(self) -> int:
+        """The rows that share a tree budget (tree.batch_tree's `batch`): all of them in an all-greedy
+        batch, else 1, since a sampled row's draws, and so a seeded row's output, must not depend on
+        its neighbours."""
+        return len(self.params) if self.all_greedy else 1
+
+    def draft_probs(self, logits: Tensor) -> Tensor | None:
+        """A sampling drafter's Proposal.probs from its logits [B, j, V]: the distributions its drafts
+        were drawn from (probs), or None for an all-greedy batch, whose drafts are argmaxes (one-hot)."""
+        return None if self.all_greedy else self.probs(logits)
+
     def probs(self, logits: Tensor, context: TokenContext | None = None) -> Tensor:
         """Processed distributions: logits [B, q, V] -> probs [B, q, V] float32 (steps 1-8)."""
         logits = self.process(logits, context)

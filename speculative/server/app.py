@@ -15,9 +15,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
+from speculative.console import progress
+from speculative.demo import smollm2
 from speculative.engine.outputs import SpeculationMetrics
+from speculative.engine_args import EngineArgs
 from speculative.extras import needs_extra
 from speculative.sampling_params import SamplingParams
+from speculative.server.args import ServerArgs, check_serve_flags
 
 with needs_extra("server", "speculative.server"):
     from fastapi import FastAPI, Request
@@ -189,6 +193,40 @@ def drain(app: FastAPI) -> None:
     [DONE]; else a 500) instead of a dropped connection. Safe to call from a signal handler."""
     app.state.draining = True
     app.state.scheduler.drain(app.state.shutdown_timeout)
+
+
+def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None) -> FastAPI:
+    """The app `speculative serve` runs (not started): the flags checked, --chat-template before the
+    models load, then the LLM (with the template as its tokenizer's), its scheduler and the
+    OpenAI-compatible app (`replica`: create_app's). ValueError naming the flag for a bad value."""
+    template = check_serve_flags(server, engine)
+    given, (engine, toy) = engine.model, engine.with_demo_pair()
+    name = server.served_model_name or given or ("speculative-demo" if toy else smollm2.NAME)
+    llm = engine.create_llm()
+    if template is not None:
+        if llm.tokenizer is None:
+            raise ValueError(f"--chat-template needs the model's tokenizer, and {engine.model} has none")
+        llm.tokenizer.chat_template = template
+    context = min(m.model.max_length for m in (llm.target, llm.draft) if m is not None)
+    if server.max_model_len is not None and server.max_model_len > context:
+        raise ValueError(
+            f"--max-model-len {server.max_model_len} is more than the models' context of {context}"
+        )
+    if engine.compile:
+        progress("--compile: each kind of call compiles on its first use (a minute or more on a small CPU)")
+    scheduler = Scheduler(llm, max_num_seqs=server.max_num_seqs, max_waiting=server.max_waiting)
+    return create_app(
+        scheduler,
+        model_name=name,
+        tokenizer=llm.tokenizer,
+        api_key=server.api_key,
+        max_prompt_tokens=server.max_prompt_tokens,
+        max_model_len=server.max_model_len or context,
+        shutdown_timeout=server.shutdown_timeout,
+        max_request_bytes=server.max_request_bytes,
+        request_body_timeout=server.timeout_request_body,
+        replica=replica,
+    )
 
 
 def _check_model(requested: str | None, served: str) -> None:

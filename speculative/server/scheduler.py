@@ -25,8 +25,10 @@ import torch
 from speculative.engine.outputs import Logprob, SpeculationMetrics
 from speculative.engine.sequence import Sequence
 from speculative.llm import LLM
-from speculative.models.llama import SMALL_CALL_ROWS, NativeCausalLM
-from speculative.models.packed import PackedLinear, onednn_row_counts, round_onednn_rows
+from speculative.models.cpu_tuning import SMALL_CALL_ROWS, tune
+from speculative.models.eagle import EagleHead
+from speculative.models.llama import NativeCausalLM
+from speculative.models.packed import PackedLinear, onednn_row_counts
 from speculative.sampling_params import SamplingParams
 from speculative.server.memory import release_free_memory
 from speculative.server.metrics import ServerMetrics
@@ -185,14 +187,14 @@ class Scheduler:
 
     def start(self) -> None:
         """Start the engine thread; call from inside the event loop that will read the streams. From
-        then on this process's oneDNN matmuls meet few row counts (packed.round_onednn_rows). A server
+        then on this process's oneDNN matmuls meet few row counts (cpu_tuning.tune). A server
         meets ever new batch and prefill sizes, each a kernel that oneDNN would make and keep, so its
         memory would grow for thousands of requests: the engine thread makes the kernels of those few
         counts itself (kernel_calls), one matmul at a time while it has nothing else to do, and while
         requests run in at most KERNEL_SHARE of its time, so that requests are served at once and its
         memory then stays flat. This thread's OpenMP team ends (openmp.release_thread_team): the
         engine thread's forwards run at full speed only while its team is the only one."""
-        round_onednn_rows()
+        tune(serving=True)
         self._kernels = kernel_calls(self.llm)
         release_thread_team()
         self._loop = asyncio.get_running_loop()
@@ -592,9 +594,8 @@ def linear_calls(model: NativeCausalLM) -> list[tuple[PackedLinear, bool]]:
         )
     ]
     calls.append((model._lm_head, False))
-    fc = getattr(model, "_fc", None)  # an EAGLE head's
-    if fc is not None:
-        calls.append((fc, False))
+    if isinstance(model, EagleHead):
+        calls.append((model._fc, False))
     return calls
 
 

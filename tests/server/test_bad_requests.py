@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from speculative import cli
-from speculative.server.app import create_app
+from speculative.server.app import create_app, serve_app
 
 from .conftest import MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MODEL, ascii_tokenizer, running
 
@@ -227,7 +227,7 @@ def test_a_body_over_the_size_limit_is_413(served) -> None:
 def test_max_request_bytes_flag(capsys) -> None:
     assert cli.main(["serve", "--max-request-bytes", "0"]) == 2
     assert "--max-request-bytes must be >= 1; got 0" in capsys.readouterr().err
-    app = cli.serve_app(cli.build_parser().parse_args(["serve", "--max-request-bytes", "200"]))
+    app = serve_app(*cli.serve_args(["--max-request-bytes", "200"]))
     body = {"prompt": "x", "max_tokens": 1}
     with running(app) as url:
         assert httpx.post(url + COMPLETIONS, json=body, timeout=60).status_code == 200

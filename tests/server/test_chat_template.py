@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from speculative import cli
 from speculative.demo import DEMO_DIR
+from speculative.server import app
 
 from .conftest import running
 
@@ -16,7 +17,7 @@ MESSAGES = [{"role": "user", "content": "Return the n-th Fibonacci number."}]
 
 
 def serve_app(*flags: str):
-    return cli.serve_app(cli.build_parser().parse_args(["serve", *flags]))
+    return app.serve_app(*cli.serve_args(list(flags)))
 
 
 def chat(url: str, model: str, max_tokens: int = 8):

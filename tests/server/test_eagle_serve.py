@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from speculative import LLM, SamplingParams, cli
 from speculative.proposers import EagleTreeProposer
+from speculative.server.app import serve_app
 
 from .conftest import running, tiny_pair
 
@@ -23,7 +24,7 @@ def test_serve_with_an_eagle_head_writes_the_targets_text(tmp_path) -> None:
     head = save_eagle_head_for(target, tmp_path / "eagle")
     flags = ["serve", "--model", str(tmp_path / "target"), "--eagle", head, "--tree", "dynamic", "-k", "3"]
     flags += ["--served-model-name", "tiny"]
-    app = cli.serve_app(cli.build_parser().parse_args(flags))
+    app = serve_app(*cli.serve_args(flags[1:]))
     assert isinstance(app.state.scheduler.llm.engine.proposer, EagleTreeProposer)
     with running(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)

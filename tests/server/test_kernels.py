@@ -17,7 +17,8 @@ from conftest import save_eagle_head_for
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.models import packed
-from speculative.models.llama import SMALL_CALL_ROWS, NativeCausalLM
+from speculative.models.cpu_tuning import SMALL_CALL_ROWS
+from speculative.models.llama import NativeCausalLM
 from speculative.models.packed import onednn_row_counts, round_onednn_rows
 from speculative.server.scheduler import KernelCall, Scheduler, kernel_calls
 

@@ -23,8 +23,8 @@ from speculative.bench.load import (
     summarize,
 )
 from speculative.bench.load_report import markdown, soak_lines, speedup_lines
-from speculative.bench.prompts import PromptRecord
 from speculative.cli import main
+from speculative.prompts import PromptRecord
 
 from .conftest import API_KEY
 

@@ -15,6 +15,7 @@ import pytest
 
 from speculative import cli
 from speculative.server.app import create_app
+from speculative.server.args import ServerArgs, uvicorn_options
 from speculative.server.scheduler import Scheduler
 
 from .conftest import MAX_MODEL_LEN, MODEL, running, speculative_llm, tiny_pair
@@ -118,21 +119,13 @@ def test_connections_beyond_the_limit_get_503(url) -> None:
 
 
 def test_serve_passes_the_slow_client_flags_to_uvicorn(capsys) -> None:
-    args = cli.build_parser().parse_args(
-        [
-            "serve",
-            "--timeout-keep-alive",
-            "2",
-            "--limit-concurrency",
-            "64",
-            "--h11-max-incomplete-event-size",
-            "4096",
-        ]
+    server, _ = cli.serve_args(
+        ["--timeout-keep-alive", "2", "--limit-concurrency", "64", "--h11-max-incomplete-event-size", "4096"]
     )
-    options = cli.uvicorn_options(args)
+    options = uvicorn_options(server)
     assert options["timeout_keep_alive"] == 2 and options["limit_concurrency"] == 64
     assert options["h11_max_incomplete_event_size"] == 4096
-    defaults = cli.uvicorn_options(cli.build_parser().parse_args(["serve"]))
+    defaults = uvicorn_options(ServerArgs())
     assert (defaults["timeout_keep_alive"], defaults["limit_concurrency"]) == (5, 1024)
     for flag, value, message in (
         ("--timeout-request-body", "0", "--timeout-request-body must be > 0; got 0.0"),

@@ -1,4 +1,5 @@
-"""A rank spawned by ranks.py: `python -m speculative.distributed.worker FD RANK SIZE PORT THREADS DEVICE`.
+"""A tensor-parallel rank spawned by distributed/ranks.py:
+`python -m speculative.rank_worker FD RANK SIZE PORT THREADS DEVICE`.
 
 FD is its end of the socket pair to rank 0, PORT rank 0's TCPStore (127.0.0.1), DEVICE "cpu" or "cuda".
 It says "started" once its imports are done, joins the default group, then serves rank 0's messages
@@ -8,6 +9,9 @@ It says "started" once its imports are done, joins the default group, then serve
   other   make that engine call on LLM `handle` (mirror.Follower); on an error, print its traceback,
           say what it was ("error", handle, a line) and exit with status 1: the ranks may no longer
           agree on the batch
+
+It builds LLMs, so it sits above speculative.llm, beside the commands, and outside speculative.distributed,
+which llm.py uses (group, mirror, draft_length): ranks.py names it (RANK_PROGRAM) without importing it.
 """
 
 from __future__ import annotations

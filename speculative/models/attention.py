@@ -1,0 +1,195 @@
+"""Attention against a StaticKVCache, behind one seam: `AttentionBackend`.
+
+The contract, for one decoder layer of one forward of `batch` rows of `q` query tokens each:
+
+  positions      [batch, q] int64: each query token's absolute position (its RoPE position; in a
+                 token tree, its root's slot + its depth)
+  key_positions  [span] int64 = arange(span): attention reads cache slots [0, span); span exceeds every
+                 row's last written slot
+  cache layout   per layer, keys and values [batch, kv_heads, max_length, head_dim] each (slot-major
+                 per head); slot s of row b holds the K/V of the token at position s (a tree's nodes:
+                 their slots, not their RoPE positions)
+  mask           made once per forward for each sliding window (None: none) by `mask`, from either
+                 the chain rule (key j visible to query i of row b iff j <= positions[b, i] and, with a
+                 window W, positions[b, i] - j < W) or a token tree's boolean mask [batch, 1, q, span]
+                 (speculative/tree.py's tree_query: the context before the root, then the node's
+                 ancestors-or-self); what it returns is the backend's own and goes only to its attend
+  write          the layer's new keys and values [batch, q, kv_heads, head_dim] into the cache at
+                 `slots` [batch, q] (default positions), row b's at row b (`rows`: arange(batch)[:, None])
+  attend         queries [batch, heads, q, head_dim] (grouped-query: head h reads KV head
+                 h // (heads / kv_heads)) against the cache's slots [0, span) -> [batch, heads, q,
+                 head_dim] in the queries' dtype: softmax(q k^T * scale, masked) v
+
+A query always sees at least itself, so no row of a mask is empty. Slots past a row's length hold
+stale or padding K/V, which the mask hides. Every method runs inside compiled graphs too
+(NativeCausalLM.run is what torch.compile compiles), so a backend is plain tensor code; a flash,
+paged or FlexAttention backend is one more class with these three methods (a paged one also owns
+the cache layout: StaticKVCache is today's only one). A model's backend is its `attention_backend`
+attribute (NativeCausalLM), FusedAttention unless set.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from speculative.models.packed import STATIC_ROWS_MAX
+
+
+class AttentionBackend(Protocol):
+    """How a layer writes its keys and values and attends to the cache (module docstring)."""
+
+    def mask(
+        self,
+        positions: Tensor,
+        key_positions: Tensor,
+        window: int | None,
+        tree_mask: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Any:
+        """The mask `attend` takes for the layers of sliding window `window`: from the chain rule, or
+        from `tree_mask` ([batch, 1, q, span] bool, True: visible) when given. dtype: the queries'."""
+        ...
+
+    def write(
+        self,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        rows: Tensor,
+        slots: Tensor,
+        keys: Tensor,
+        values: Tensor,
+    ) -> None:
+        """Write keys and values [batch, q, kv_heads, head_dim] at `slots` [batch, q] of each row `rows`
+        ([batch, 1]) of the layer's caches ([batch, kv_heads, max_length, head_dim]), in place."""
+        ...
+
+    def attend(
+        self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Any, scale: float
+    ) -> Tensor:
+        """query [batch, heads, q, head_dim] against cache slots [0, span) under `mask` (this backend's
+        own, from `mask`): [batch, heads, q, head_dim] in the query's dtype."""
+        ...
+
+
+def chain_mask(positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
+    """Boolean mask [batch, 1, q, span]: key j is visible to query i of row b iff j <= positions[b, i]
+    and, with a sliding window W, positions[b, i] - j < W.
+
+    positions: [batch, q] absolute positions of the query tokens; key_positions: [span] those of the keys.
+    """
+    distance = positions[:, None, :, None] - key_positions  # [batch, 1, q, span]
+    allowed = distance >= 0
+    if window is not None:
+        allowed &= distance < window
+    return allowed
+
+
+def write_slots(
+    key_cache: Tensor, value_cache: Tensor, rows: Tensor, slots: Tensor, keys: Tensor, values: Tensor
+) -> None:
+    """AttentionBackend.write into a StaticKVCache's layout: one index_put_ per cache (not scatter_:
+    inductor then writes into the cache in place, not into a copy)."""
+    key_cache[rows, :, slots] = keys
+    value_cache[rows, :, slots] = values
+
+
+def _allowed(
+    positions: Tensor, key_positions: Tensor, window: int | None, tree_mask: Tensor | None
+) -> Tensor:
+    return chain_mask(positions, key_positions, window) if tree_mask is None else tree_mask
+
+
+class FusedAttention:
+    """The default backend, on every device: scaled_dot_product_attention (SDPA) with an additive mask
+    (0 or -inf, in the queries' dtype), except in a compiled graph on a CPU, where attention is
+    written as reductions that inductor fuses into the graph's own loops (in float32): for the few
+    query tokens of a decoding call, the flash-attention kernel's fixed cost dominates
+    (docs/internals.md#measured-choices); a few query tokens known statically, one after the other
+    (packed.STATIC_ROWS_MAX). On CUDA it is SDPA throughout (flash or memory-efficient kernels).
+    K/V writes: write_slots."""
+
+    write = staticmethod(write_slots)
+
+    def mask(
+        self,
+        positions: Tensor,
+        key_positions: Tensor,
+        window: int | None,
+        tree_mask: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """Additive [batch, 1, q, span] in `dtype`: 0 where visible, -inf elsewhere."""
+        allowed = _allowed(positions, key_positions, window, tree_mask)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, -torch.inf)
+
+    def attend(
+        self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Tensor, scale: float
+    ) -> Tensor:
+        keys, values = key_cache[:, :, :span], value_cache[:, :, :span]
+        if not (torch.compiler.is_compiling() and query.device.type == "cpu"):
+            return F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+            )
+        return self.reductions(query, keys, values, mask, scale)
+
+    def reductions(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+        """attend's compiled CPU path: query [batch, heads, q, head_dim], keys and values [batch,
+        kv_heads, span, head_dim], mask additive [batch, 1, q, span] -> [batch, heads, q, head_dim]."""
+        batch, heads, q, head_dim = query.shape
+        kv_heads = keys.shape[1]
+        if q != 1 and statically_known_true(
+            q <= STATIC_ROWS_MAX
+        ):  # static and few: query by query (packed.py)
+            return torch.cat(
+                [
+                    self.reductions(query[:, :, i, None], keys, values, mask[:, :, i, None], scale)
+                    for i in range(q)
+                ],
+                dim=2,
+            )
+        grouped = query.float().view(batch, kv_heads, heads // kv_heads, q, 1, head_dim)
+        keys, values = (
+            keys.float()[:, :, None, None],
+            values.float()[:, :, None, None],
+        )  # [b, kv, 1, 1, span, d]
+        scores = (grouped * keys).sum(-1) * scale + mask.float()[
+            :, :, None
+        ]  # [batch, kv_heads, group, q, span]
+        out = (scores.softmax(-1)[..., None] * values).sum(-2)  # [batch, kv_heads, group, q, head_dim]
+        return out.view(batch, heads, q, head_dim).to(query.dtype)
+
+
+class SdpaAttention:
+    """scaled_dot_product_attention in every call, compiled CPU graphs too (where FusedAttention writes
+    reductions), with a boolean mask (no additive one made). Selectable per model
+    (`model.attention_backend = SdpaAttention()`), not the default: on CUDA the default already calls
+    SDPA, and on a CPU its fixed cost a call loses to the fused reductions at decoding sizes
+    (docs/internals.md#measured-choices); it is the reference the other backends are tested against.
+    K/V writes: write_slots."""
+
+    write = staticmethod(write_slots)
+
+    def mask(
+        self,
+        positions: Tensor,
+        key_positions: Tensor,
+        window: int | None,
+        tree_mask: Tensor | None,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """Boolean [batch, 1, q, span], True where visible."""
+        return _allowed(positions, key_positions, window, tree_mask)
+
+    def attend(
+        self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Tensor, scale: float
+    ) -> Tensor:
+        keys, values = key_cache[:, :, :span], value_cache[:, :, :span]
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+        )
