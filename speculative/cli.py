@@ -31,6 +31,7 @@ from speculative.engine_args import (
     not_under_torchrun,
 )
 from speculative.extras import needs_extra
+from speculative.methods import METHODS
 from speculative.sampling_params import SamplingParams
 from speculative.server.args import ServerArgs, check_serve_flags, uvicorn_options
 
@@ -102,10 +103,11 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     with needs_extra("bench", "speculative bench"):
         from speculative.bench.run import BenchConfig
     add_dataclass_args(bench, BenchConfig, all_none=True)  # None: BenchConfig's (or --quick's) default
-    add_method_shortcuts(
-        bench.add_mutually_exclusive_group(),
+    add_method_shortcuts(  # several heads may be measured side by side
+        bench,
         only=lambda method: method.reads_hidden_states,
-        more="; measured as chains of k and dynamic trees (default with the toy pair: models/demo/eagle)",
+        more="; measured as chains of k, and trees where the method has them (default with the toy pair: "
+        "models/demo/eagle as --eagle)",
     )
     bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     bench.add_argument(
@@ -209,20 +211,22 @@ def bench(args: argparse.Namespace) -> int:
 
         from speculative.bench.run import BenchConfig, run_and_report
 
-    if args.synthetic and (args.model or args.draft_model or args.eagle or args.eagle3):
-        raise ValueError("--synthetic builds the pair: drop --model, --draft-model, --eagle and --eagle3")
+    heads = {m: getattr(args, m) for m, c in METHODS.items() if c.reads_hidden_states and getattr(args, m)}
+    if args.synthetic and (args.model or args.draft_model or heads):
+        raise ValueError(
+            "--synthetic builds the pair: drop --model, --draft-model and the heads (--eagle, ...)"
+        )
     config = BenchConfig().quick() if args.quick else BenchConfig()
     for field in dataclasses.fields(BenchConfig):
         if (
-            field.name not in ("model", "draft_model", "eagle")
+            field.name not in ("model", "draft_model", "heads")
             and getattr(args, field.name, None) is not None
         ):
             setattr(config, field.name, getattr(args, field.name))
     pair, toy = EngineArgs(model=args.model, draft_model=args.draft_model).with_demo_pair()
     config.model, config.draft_model = pair.model, pair.draft_model
-    config.eagle_method = "eagle3" if args.eagle3 else "eagle"
-    demo_head = toy and not args.synthetic and Path(config.eagle).is_dir()
-    config.eagle = args.eagle or args.eagle3 or (config.eagle if demo_head else None)
+    demo_heads = {m: path for m, path in config.heads.items() if Path(path).is_dir()}
+    config.heads = heads or (demo_heads if toy and not args.synthetic else {})
     run_and_report(config, Path(args.out), Console() if sys.stdout.isatty() else Console(width=130))
     return 0
 

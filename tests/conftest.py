@@ -11,7 +11,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from speculative.demo.train_dflash import dflash_drafter
 from speculative.demo.train_eagle import eagle_head
+from speculative.models.dflash import save_dflash
 from speculative.models.eagle_checkpoint import save_eagle_head
 
 os.environ["SPECULATIVE_DEMO"] = "toy"  # the command line runs the bundled toy pair: tests never download
@@ -94,7 +96,7 @@ def _byte_level(tokens: list[str]) -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     """A saved tiny target and draft (Llama, byte tokenizer) loadable by path, as a user's would be, and
-    an untrained EAGLE-1 head for the target ("eagle")."""
+    an untrained EAGLE-1 head ("eagle") and DFlash drafter ("dflash") for the target."""
     root = tmp_path_factory.mktemp("models")
     tokenizer = byte_tokenizer()
     eos = tokenizer.eos_token_id
@@ -107,6 +109,8 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         tokenizer.save_pretrained(path)
         paths[name] = str(path)
     paths["eagle"] = save_eagle_head_for(target, root / "eagle")
+    paths["dflash"] = str(root / "dflash")  # an untrained DFlash block drafter, blocks of 5
+    save_dflash(dflash_drafter(target, {"intermediate_size": 128}, block=5), root / "dflash")
     return paths
 
 

@@ -147,7 +147,7 @@ def run_quick(out: Path, *model_args: str) -> dict:
     assert set(results["sets"]) == {"code", "multiturn", "edit"}
     for data in results["sets"].values():
         methods = data["methods"]
-        assert set(methods) == METHODS
+        assert set(methods) - {"ours_dflash"} == METHODS  # a block drafter where --dflash is given
         assert all(methods[name]["status"] == "skipped" and methods[name]["note"] for name in SKIPPED)
         for name, entry in methods.items():
             if name in SKIPPED:
@@ -199,6 +199,8 @@ def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
         model_dirs["draft"],
         "--eagle",
         model_dirs["eagle"],
+        "--dflash",
+        model_dirs["dflash"],
         "--tree-nodes",
         "5",
         "--tree-width",
@@ -206,8 +208,12 @@ def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
     )
     assert results["config"]["max_tokens"] == 24
     assert (results["config"]["tree_nodes"], results["config"]["tree_width"]) == (5, 3)
-    tree = results["sets"]["code"]["methods"]["ours_eagle_tree"]
+    methods = results["sets"]["code"]["methods"]
+    tree = methods["ours_eagle_tree"]
     assert tree["label"] == "ours eagle k=4, dynamic tree of 5" and tree["tokens"] > 0
+    block = methods["ours_dflash"]  # a block drafter beside the EAGLE head: chains only, exact
+    assert block["status"] == "ok" and block["identical_fraction"] == 1.0 and block["T_d"] > 0
+    assert "ours_dflash_tree" not in methods
     assert any("cut to their last" in note for note in results["notes"])  # 256-token models, longer prompts
 
 
@@ -218,21 +224,23 @@ def test_bench_quick_on_the_demo_pair(tmp_path: Path) -> None:
     assert results["sets"]["code"]["methods"]["ours_draft"]["acceptance_rate"] > 0.2
 
 
-def test_bench_eagle_head_flags(monkeypatch, model_dirs) -> None:
-    """The demo target's head by default, --eagle / --eagle3's otherwise, none for another target: its
-    methods are then skipped, and say why (as they are with the target split over ranks)."""
+def test_bench_head_flags(monkeypatch, model_dirs) -> None:
+    """The demo target's head by default, --eagle / --eagle3 / --dflash's otherwise (several side by
+    side), none for another target: their methods are then skipped, and say why (as they are with the
+    target split over ranks); a head without trees has no tree method to skip."""
     configs = []
     monkeypatch.setattr(bench_run, "run_and_report", lambda config, out, console: configs.append(config))
-    for argv in ([], ["--eagle3", model_dirs["eagle"]], ["--model", model_dirs["target"]]):
+    both = ["--eagle3", model_dirs["eagle"], "--dflash", model_dirs["dflash"]]
+    for argv in ([], both, ["--model", model_dirs["target"]]):
         assert cli.main(["bench", *argv]) == 0
     demo, given, other = configs
-    assert (demo.eagle, demo.eagle_method) == (str(DEMO_DIR / "eagle"), "eagle") and not skipped_heads(demo)
-    assert (given.eagle, given.eagle_method) == (model_dirs["eagle"], "eagle3")
-    assert other.eagle is None
-    assert skipped_heads(other)["ours_eagle"]["note"].startswith("no EAGLE head: --eagle PATH")
+    assert demo.heads == {"eagle": str(DEMO_DIR / "eagle")} and not skipped_heads(demo)
+    assert given.heads == {"eagle3": model_dirs["eagle"], "dflash": model_dirs["dflash"]}
+    assert other.heads == {}
+    assert skipped_heads(other)["ours_eagle"]["note"].startswith("no head: --eagle PATH")
     split = dataclasses.replace(given, tensor_parallel_size=2)
-    assert set(skipped_heads(split)) == {"ours_eagle", "ours_eagle_tree"}
-    assert "one rank" in skipped_heads(split)["ours_eagle_tree"]["note"]
+    assert set(skipped_heads(split)) == {"ours_eagle3", "ours_eagle3_tree", "ours_dflash"}
+    assert "one rank" in skipped_heads(split)["ours_dflash"]["note"]
 
 
 def test_memory_bound_counts_each_weight_once_and_reports_fractions() -> None:
@@ -275,7 +283,7 @@ def test_compiled_methods_compile_the_eagle_head(model_dirs) -> None:
     from speculative.models.compiled import CompiledCausalLM
     from speculative.models.loading import load_model
 
-    config = bench_run.BenchConfig(model=model_dirs["target"], eagle=model_dirs["eagle"], k=3)
+    config = bench_run.BenchConfig(model=model_dirs["target"], heads={"eagle": model_dirs["eagle"]}, k=3)
     pair = object.__new__(bench_run.Pair)  # the fields `ours` reads, without loading HF's models
     pair.config, pair.device, pair.tokenizer = config, torch.device("cpu"), byte_tokenizer()
     pair.target, pair.draft = load_model(model_dirs["target"], "float32").model, None

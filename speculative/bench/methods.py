@@ -21,9 +21,6 @@ from speculative.bench.timing import synchronize
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
-HEADS = ("eagle", "eagle3")
-"""Drafters that are EAGLE heads (SpeculativeConfig.method): they draft from the target's features."""
-
 
 @dataclass
 class Generation:
@@ -52,9 +49,9 @@ class Generation:
 
 @dataclass
 class Method:
-    """A named decoding method. engine: "hf", "ours", "ours_compiled", "vllm" or "llama.cpp"; drafter:
-    "draft_model", "ngram", "suffix", "eagle", "eagle3" (EAGLE heads) or None (plain decoding); k: drafts
-    per step (0 without a drafter); max_batch: the largest batch it takes (None: any)."""
+    """A named decoding method. engine: "hf", "ours", "ours_compiled", "vllm" or "llama.cpp"; drafter: a
+    registered speculative method ("draft_model", "ngram", "suffix", "eagle", ...) or None (plain
+    decoding); k: drafts per step (0 without a drafter); max_batch: the largest batch it takes (None: any)."""
 
     name: str
     label: str
@@ -101,7 +98,7 @@ class OursMethod(Method):
             sum(m.num_drafted for m in metrics),
             [sum(c) for c in zip(*(m.accepted_per_position for m in metrics))] if self.k else [],
             [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [],
-            CallTimes.from_steps(steps, first_proposal_prefills=self.drafter in HEADS),
+            CallTimes.from_steps(steps, first_proposal_prefills=self.llm.engine.hidden_layers is not None),
         )
 
 

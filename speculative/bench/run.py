@@ -38,7 +38,6 @@ from speculative.bench.llamacpp import (
 from speculative.bench.measure import Advance, compare_methods, sweep_batch, sweep_k
 from speculative.bench.memory import copy_bandwidth, engine_bounds, gguf_weight_bytes, weight_bytes
 from speculative.bench.methods import (
-    HEADS,
     HFMethod,
     Method,
     OursMethod,
@@ -57,7 +56,7 @@ from speculative.demo import DEMO_DIR
 from speculative.extras import needs_extra
 from speculative.llm import LLM
 from speculative.machine import machine
-from speculative.methods import NgramConfig
+from speculative.methods import METHODS, NgramConfig
 from speculative.models.compiled import CompiledCausalLM, warm_up_pair
 from speculative.models.dtypes import cpu_features
 from speculative.precompile import PreCompileConfig
@@ -73,8 +72,9 @@ class BenchConfig:
     """What `speculative bench` measures (the CLI flags, with the same names).
 
     model / draft_model: the pair (paths or hub ids); draft_model None skips the draft-model methods.
-    eagle: an EAGLE head's checkpoint directory for the target, of layout `eagle_method` ("eagle" or
-        "eagle3"); None skips the EAGLE methods (so does tensor_parallel_size > 1: heads run on one rank).
+    heads: the heads that read the target's hidden states to measure, by method (every registered
+        method that `reads_hidden_states`: "eagle", "eagle3", "dflash") -> the head's directory; {} skips
+        them (so do tensor_parallel_size > 1 and quantization: heads run on one rank, unquantized).
     prompts: prompt sets, JSONL files or bundled sets' names (prompts.resolve_set), named after the
         file's stem; None: the bundled sets for the pair's tokenizer (prompts.default_sets: the chat sets
         where it has a chat template other than the toy demo's, the toy's code, multiturn and edit sets
@@ -113,8 +113,7 @@ class BenchConfig:
         default=str(DEMO_DIR / "draft"),
         metadata={"engine": "draft_model", "help": "draft model", "default_text": "the demo model's draft"},
     )
-    eagle: str | None = str(DEMO_DIR / "eagle")
-    eagle_method: str = "eagle"
+    heads: dict[str, str] = field(default_factory=lambda: {"eagle": str(DEMO_DIR / "eagle")})
     prompts: list[str] | None = field(
         default=None,
         metadata={
@@ -287,7 +286,7 @@ class Pair:
         self.pad_token_id = next(t for t in (tok.pad_token_id, tok.eos_token_id, 0) if t is not None)
         self.drafters = ["draft_model", "ngram", "suffix"] if self.draft is not None else ["ngram", "suffix"]
         if not skipped_heads(config):
-            self.drafters.append(config.eagle_method)
+            self.drafters += list(config.heads)
         self.compiled_target = self.compiled_draft = None
         if config.compile:  # sharing the eager models' weights; every shape the runs use compiled now
             self.compiled_target = CompiledCausalLM(self.target)
@@ -310,7 +309,7 @@ class Pair:
         **options,
     ) -> OursMethod:
         """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram, suffix or
-        the EAGLE head (drafter "eagle" or "eagle3": config.eagle); with `compiled`, on the compiled
+        a head (drafter "eagle", "eagle3", "dflash": config.heads'); with `compiled`, on the compiled
         models (engine "ours_compiled"); with `adaptive`, k chosen per step in [0, k]
         (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep, of the config's
         tree_width and tree_nodes; `options`: more SpeculativeConfig fields."""
@@ -332,7 +331,7 @@ class Pair:
             options.update(tree_nodes=config.tree_nodes, tree_width=config.tree_width)
         llm = LLM(
             target,
-            draft_model=draft if drafter == "draft_model" else config.eagle if drafter in HEADS else None,
+            draft_model=draft if drafter == "draft_model" else config.heads.get(drafter),
             speculative_config=SpeculativeConfig.from_dict(
                 dict(method=drafter, num_speculative_tokens=k, adaptive=adaptive, tree=tree, **options)
             ),
@@ -440,7 +439,8 @@ NOTES = [
     "verifications whatever their size, and T_d per depth of drafting: E * T_1 / (k * T_d + T_v), what a "
     "perfect engine would reach with the same trees at the same call times.",
     "Ours eagle drafts with an EAGLE head (SpeculativeConfig method eagle or eagle3), chains of k and "
-    "EAGLE-2's dynamic trees: one decoder layer reading the target's hidden states, which the target's "
+    "EAGLE-2's dynamic trees (ours dflash: a block drafter, k drafts in one forward, chains only): "
+    "one decoder layer reading the target's hidden states, which the target's "
     "verification returns beside its logits (that cost is in the method's own T_v). Its T_d is the head's "
     "work per drafted token, feeding it the target's features of the tokens kept at the step before "
     "included, so a step costs k * T_d + T_v as a draft model's does and the bound holds unchanged. A "
@@ -471,35 +471,29 @@ LLAMA_CPP_NOTE = (
 )
 
 
-# The tree each drafter's tree method grows: a draft model's or EAGLE head's follows its confidence (EAGLE-2's
-# dynamic trees); an n-gram trie
-# has no scores (either shape merges every match); suffix decoding's follows its counts either way.
-TREES = {
-    "draft_model": "dynamic",
-    "ngram": "static",
-    "suffix": "static",
-    "eagle": "dynamic",
-    "eagle3": "dynamic",
-}
 # Drafters with a Hugging Face counterpart, an adaptive method and a k sweep; suffix decoding has no HF
 # counterpart and already sizes its proposals by itself.
 SWEPT = ("draft_model", "ngram")
 
 
 def skipped_heads(config: BenchConfig) -> dict[str, dict]:
-    """The EAGLE methods' entries as skipped (with why) where they cannot run: no head given, or the
+    """The heads' methods' entries as skipped (with why) where they cannot run: no head given, or the
     target split over ranks, or quantized; {} where they run."""
-    if config.eagle is not None and config.tensor_parallel_size == 1 and config.quantization is None:
+    if config.heads and config.tensor_parallel_size == 1 and config.quantization is None:
         return {}
     note = (
-        "no EAGLE head: --eagle PATH (with the demo target, its head models/demo/eagle)"
-        if config.eagle is None
-        else "EAGLE heads run on one rank, not with --tensor-parallel-size > 1"
+        "no head: --eagle PATH, --eagle3 PATH or --dflash PATH (the toy target's: models/demo/eagle)"
+        if not config.heads
+        else "heads run on one rank, not with --tensor-parallel-size > 1"
         if config.tensor_parallel_size > 1
-        else f"EAGLE heads need an unquantized target, not --quantization {config.quantization}"
+        else f"heads need an unquantized target, not --quantization {config.quantization}"
     )
-    labels = {"ours_eagle": "ours eagle", "ours_eagle_tree": "ours eagle, dynamic tree"}
-    return {name: {"label": label, "note": note} for name, label in labels.items()}
+    skipped = {}
+    for method in config.heads or ("eagle",):
+        skipped[f"ours_{method}"] = {"label": f"ours {method}", "note": note}
+        if METHODS[method].trees:
+            skipped[f"ours_{method}_tree"] = {"label": f"ours {method}, dynamic tree", "note": note}
+    return skipped
 
 
 def build_methods(
@@ -518,11 +512,12 @@ def build_methods(
             method.label = f"{method.label} ({pair.hf_dtype()} weights)"
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
-    methods += [pair.ours(d, config.k, tree=TREES[d]) for d in drafters]
+    trees = [d for d in drafters if METHODS[d].trees]  # each grows the tree that suits it
+    methods += [pair.ours(d, config.k, tree=METHODS[d].suited_tree) for d in trees]
     if config.compile:
         methods += [pair.ours(None, 0, compiled=True)]
         methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
-        methods += [pair.ours(d, config.k, compiled=True, tree=TREES[d]) for d in drafters]
+        methods += [pair.ours(d, config.k, compiled=True, tree=METHODS[d].suited_tree) for d in trees]
     skipped = skipped_heads(config)
     if pair.draft is None:
         for name, label in (
@@ -644,8 +639,8 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     """run_bench's work, llama.cpp's servers registered on `servers`."""
     clock = time.perf_counter()
     check_llama_cpp(config)
-    if config.synthetic is not None and (config.llama_cpp is not None or config.eagle is not None):
-        raise ValueError("--synthetic pairs have no checkpoint for --llama-cpp and no EAGLE head (--eagle)")
+    if config.synthetic is not None and (config.llama_cpp is not None or config.heads):
+        raise ValueError("--synthetic pairs have no checkpoint for --llama-cpp and no head (--eagle, ...)")
     torch.manual_seed(config.seed)
     notes = list(NOTES)
     if torch.device(config.device).type == "cpu":
@@ -794,6 +789,8 @@ def _with_relative_paths(config: dict) -> dict:
     def shown(value):
         if isinstance(value, list):
             return [shown(v) for v in value]
+        if isinstance(value, dict):
+            return {k: shown(v) for k, v in value.items()}
         return display_path(value) if isinstance(value, str) else value
 
     return {name: shown(value) if name in _PATH_FIELDS else value for name, value in config.items()}
@@ -802,7 +799,7 @@ def _with_relative_paths(config: dict) -> dict:
 _PATH_FIELDS = (
     "model",
     "draft_model",
-    "eagle",
+    "heads",
     "prompts",
     "llama_cpp",
     "gguf_cache",

@@ -19,6 +19,7 @@ class DFlashConfig(MethodConfig):
 
     uses_draft_model: ClassVar[bool] = True
     reads_hidden_states: ClassVar[bool] = True
+    trees: ClassVar[bool] = False
 
     def check(self, method: str, arguments: dict[str, Any]) -> None:
         super().check(method, arguments)

@@ -62,12 +62,14 @@ class MethodConfig(DictRoundTrip):
         proposal after a prefill feeds the prompt's features.
     model_free: proposals may come narrower than k on a CPU (n-gram, suffix): a precompiled target
         warms up every width.
-    suited_tree: the tree kind that suits the method ("static" or "dynamic"), the benchmark's choice.
+    trees: whether the method proposes token trees (SpeculativeConfig.tree); suited_tree: the tree
+        kind that suits it ("static" or "dynamic"), the benchmark's choice.
     """
 
     uses_draft_model: ClassVar[bool] = False
     reads_hidden_states: ClassVar[bool] = False
     model_free: ClassVar[bool] = False
+    trees: ClassVar[bool] = True
     suited_tree: ClassVar[str] = "dynamic"
 
     def check(self, method: str, arguments: dict[str, Any]) -> None:
