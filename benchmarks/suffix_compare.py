@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     sets = [str(BUNDLED_DIR / f"{name}.jsonl") for name in ("multiturn", "edit", "code")]
     config = BenchConfig(
-        prompts=sets, k=args.k, max_tokens=args.max_tokens, num_prompts=args.num_prompts, eagle=None
+        prompts=sets, k=args.k, max_tokens=args.max_tokens, num_prompts=args.num_prompts, heads={}
     )
     pair = Pair(config)
     methods = [pair.hf(None, 0), pair.ours(None, 0)] + [pair.ours(d, args.k) for d in pair.drafters]

@@ -288,7 +288,7 @@ def test_a_quantized_bench_run_on_a_tiny_pair(model_dirs, tmp_path: Path) -> Non
     config = bench_run.BenchConfig(
         model=model_dirs["target"],
         draft_model=model_dirs["draft"],
-        eagle=model_dirs["eagle"],
+        heads={"eagle": model_dirs["eagle"]},
         prompts=[str(BUNDLED_DIR / "code.jsonl")],
         k=4,
         sweep_k=[1, 4],

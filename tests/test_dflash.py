@@ -9,13 +9,21 @@ import json
 import pytest
 import test_distribution as dist
 import torch
-from conftest import tiny_model
+from conftest import byte_tokenizer, tiny_model
 from exactness import hf_greedy
 from scipy.stats import chi2
 from transformers import Qwen3Config
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
-from speculative.demo.train_dflash import dflash_drafter, dflash_losses, sample_anchors
+from speculative.demo import train_dflash
+from speculative.demo.train_dflash import (
+    answer_anchors,
+    answer_batch,
+    chunked_kl,
+    dflash_drafter,
+    dflash_losses,
+    sample_anchors,
+)
 from speculative.models.dflash import DFlashDrafter, default_target_layers, load_dflash, save_dflash
 from speculative.models.llama import NativeCausalLM
 from speculative.proposers.dflash import DFlashProposer
@@ -292,3 +300,125 @@ def test_the_training_recipe_lowers_the_loss(target) -> None:
     assert losses[-1] < 0.6 * losses[0], losses
     assert figures["kl"].shape == (3,) and figures["agree"].shape == (3,)
     assert torch.equal(target.get_input_embeddings().weight, embedding)
+
+
+def test_chunked_kl_is_the_whole_computation_a_chunk_at_a_time() -> None:
+    """chunked_kl (two rows a chunk) gives the KL, the cross-entropy, the top-token agreement and the
+    gradient of the computation over whole [rows, V] logits."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, 8, generator=gen, requires_grad=True)
+    teacher, head = torch.randn(9, 8, generator=gen), torch.randn(30, 8, generator=gen)
+    tokens = torch.randint(0, 30, (9,), generator=gen)
+    weights = torch.rand(9, generator=gen)
+    kl, nll, same = chunked_kl(hidden, teacher, head, tokens, chunk_elements=60)
+    (kl * weights).sum().backward()
+    chunked_grad, hidden.grad = hidden.grad, None
+    log_q, log_p = (torch.log_softmax(x @ head.T, dim=-1) for x in (hidden, teacher))
+    whole = torch.nn.functional.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    (whole * weights).sum().backward()
+    torch.testing.assert_close(kl, whole.detach())
+    torch.testing.assert_close(chunked_grad, hidden.grad)
+    torch.testing.assert_close(
+        nll, torch.nn.functional.cross_entropy(log_q, tokens, reduction="none").detach()
+    )
+    assert torch.equal(same, log_q.argmax(-1) == log_p.argmax(-1))
+
+
+def test_answer_anchors_draft_the_answer_only() -> None:
+    """In rows of prompt + answer, anchors are positions whose next token is the answer's (and leave room
+    for the block); a drafted position counts where its token is the answer's; a row with fewer such
+    positions than the others fills its anchors with blocks that count for nothing."""
+    block = 4
+    rows = [
+        (torch.arange(12), torch.tensor([-100] * 5 + [1] * 6 + [-100])),  # prompt of 6, answer of 6
+        (torch.arange(6), torch.tensor([-100] * 3 + [1] * 2 + [-100])),  # prompt of 4, answer of 2
+    ]
+    tokens, mask, labels = answer_batch(rows, [0, 1], block)
+    assert tokens.shape == (2, 15) and int(mask.sum()) == 18 and (labels[:, 12:] == -100).all()
+    for seed in range(20):
+        anchors, valid = answer_anchors(labels, block, 5, torch.Generator().manual_seed(seed))
+        assert anchors.shape == (2, 5) and valid.shape == (2, 5, 3)
+        assert anchors.min() >= 1 and anchors.max() <= 15 - block
+        for b in range(2):
+            for j, a in enumerate(anchors[b].tolist()):
+                if labels[b, a] < 0:  # a filler
+                    assert not valid[b, j].any()
+                else:
+                    assert valid[b, j].tolist() == [bool(labels[b, a + i - 1] >= 0) for i in range(1, block)]
+        assert int((labels[1].gather(0, anchors[1]) >= 0).sum()) == 2  # row 1 has only 2 to draft
+        assert valid[0].sum() > 0 and valid[0, :, 0].all()
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """A tiny chat target saved as a Hugging Face folder (byte tokenizer, ChatML template) and its own
+    greedy answers collected as train_draft collects them (self_distilled: first.jsonl, second.jsonl)."""
+    from speculative.demo.self_distill import self_distilled
+
+    root = tmp_path_factory.mktemp("dflash-target")
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHATML
+    eos = tokenizer.eos_token_id
+    model = tiny_model(
+        "llama", vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos
+    )
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    self_distilled(LLM(str(root / "target"), dtype="float32"), root / "data", 40, 3, 24, 16)
+    return root
+
+
+def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
+    """--target / --data: a few steps on the target's answers lower the loss and the held-out KL; the
+    drafter, its card and training.json are written, and through the engine greedy output is the
+    target's alone."""
+    root = chat_target
+    argv = [
+        "--target", str(root / "target"), "--data", str(root / "data"), "--out", str(tmp_path / "dflash"),
+        "--steps", "12", "--block", "5", "--layers", "1", "--intermediate", "64", "--batch-tokens", "1024",
+        "--seq-len", "200", "--warmup", "1", "--lr", "3e-3", "--prompts", "2", "--new-tokens", "8",
+    ]  # fmt: skip
+    info = train_dflash.main(argv)
+    assert info["steps"] == 12 and info["answers"] == {
+        "first.jsonl": 40,
+        "second.jsonl": 6,
+        "sampled.jsonl": 0,
+    }
+    trace = [loss for _, loss in info["loss_trace"]]
+    assert sum(trace[-3:]) / 3 < 0.8 * trace[0], trace
+    before, after = info["heldout_before"], info["heldout_after"]
+    assert before["positions"] == after["positions"] > 0  # the 2 held-out answers' drafted tokens
+    assert sum(after["kl_per_position"]) < sum(before["kl_per_position"])
+    assert set(info["acceptance"]) >= {"k=4"} and (tmp_path / "dflash" / "README.md").is_file()
+    assert json.loads((tmp_path / "dflash" / "training.json").read_text())["steps"] == 12
+    assert "the loss is on the answer's tokens only" in (tmp_path / "dflash" / "README.md").read_text()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[60, 61, 62, 63], [10, 20, 30, 40, 50, 60, 70]]
+    alone = LLM(str(root / "target"), dtype="float32").generate(prompts, params)
+    drafted = LLM(
+        str(root / "target"),
+        draft_model=str(tmp_path / "dflash"),
+        speculative_config=SpeculativeConfig(method="dflash"),
+        dtype="float32",
+    ).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in alone]
+    assert sum(o.metrics.num_drafted for o in drafted) > 0
+
+
+def test_the_target_recipe_needs_its_data_and_out(chat_target, tmp_path, capsys) -> None:
+    target = str(chat_target / "target")
+    for argv, message in (
+        (["--target", target, "--out", str(tmp_path)], "--target needs --data"),
+        (["--target", target, "--data", str(chat_target / "data")], "--target needs --out"),
+        (["--pair", target, "--data", str(chat_target / "data")], "--data is --target's"),
+        (["--target", target, "--data", str(tmp_path), "--out", str(tmp_path / "o")], "holds 0 answers"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            train_dflash.main(argv)
+        assert message in capsys.readouterr().err + str(stopped.value)

@@ -34,8 +34,9 @@ The text:
       and never a label: the drafter only ever drafts the target's answers, while the user's words and
       the chat template are text the target did not write, whose distributions the drafter would spend
       its capacity on for nothing. The target runs in float32 (no autocast): its features are the ones
-      the engine gives the drafter. The learning rate warms up over `--warmup` steps and decays along a
-      cosine as the run progresses (the larger of its fractions of `--steps` and of `--max-minutes`).
+      the engine gives the drafter. The learning rate (`--lr`, default 1e-3) warms up over `--warmup`
+      steps (default 80) and decays along a cosine to a tenth as the run progresses (the larger of its
+      fractions of `--steps` and of `--max-minutes`).
 
 Memory, for a large vocabulary (SmolLM2's 49152): the target runs without its lm_head, which reads only
 its final hidden states at the drafted positions; the drafter's block forward ends at its final norm
@@ -57,9 +58,11 @@ prompts) and a card, README.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -87,6 +90,7 @@ from speculative.machine import machine
 from speculative.models.dflash import DFlashDrafter, default_target_layers, save_dflash
 
 DEFAULT_ANCHORS = 16  # blocks per training window
+ANSWERS_LR = 1e-3  # --target's default peak learning rate (a drafter of the target's width)
 CHUNK_ELEMENTS = 1 << 23  # logits chunked_kl holds at once per tensor (32 MB of float32)
 
 
@@ -100,8 +104,7 @@ def dflash_drafter(
     """A fresh float32 drafter for `target`, to train: `layers` Qwen3-style layers of the target's width
     with `sizes`' intermediate_size, the target's attention and KV heads and RoPE, reading
     `target_layers` (default DFlash's, one per draft layer), a learned mask embedding, block size
-    `block`; the target's embedding shared, frozen; its final norm starts as the target's (the lm_head's
-input at the target's scale). Its lm_head is the identity: block_logits returns
+    `block`; the target's embedding shared, frozen. Its lm_head is the identity: block_logits returns
     the final (normed) hidden states, to which the loss applies the target's lm_head in chunks
     (chunked_kl). A saved drafter loads with the target's lm_head (load_dflash)."""
     t = target.config
@@ -121,10 +124,6 @@ input at the target's scale). Its lm_head is the identity: block_logits returns
     )
     ids = target_layers or default_target_layers(t.num_hidden_layers, layers)
     drafter = DFlashDrafter(config, tuple(ids), block).float()
-    norm = getattr(target.base_model, "norm", None)  # the drafter's final norm starts as the target's
-    if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == (t.hidden_size,):
-        with torch.no_grad():
-            drafter.norm.weight.copy_(norm.weight)
     embedding = target.get_input_embeddings().weight.detach()
     drafter.share(lambda tokens: F.embedding(tokens, embedding.to(drafter.dtype)), lambda hidden: hidden)
     return drafter
@@ -414,6 +413,8 @@ def train_on_answers(drafter, target, rows: list, heldout: list, args, gamma: fl
         "final_train_loss": round(sum(recent) / max(1, len(recent)), 4),
         "loss_trace": trace,
         "peak_lr": args.lr,
+        "warmup": args.warmup,
+        "peak_memory_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
     }
 
 
@@ -436,6 +437,8 @@ def engine_acceptance(
     drafted = sum(o.metrics.num_drafted for o in outputs)
     accepted = sum(o.metrics.num_accepted for o in outputs)
     steps = sum(o.metrics.num_steps for o in outputs)
+    del llm, outputs
+    gc.collect()  # the engine's caches, before the next k's
     return {
         "acceptance_rate": round(accepted / max(drafted, 1), 4),
         "mean_accepted_length": round(1 + accepted / max(steps, 1), 3),
@@ -457,6 +460,8 @@ def card(info: dict) -> str:
         if k.startswith("k=")
     )
     stopped = " (stopped by --max-minutes)" if info["stopped_early"] else ""
+    layers = f"{info['layers']} Qwen3-style layer{'s' if info['layers'] > 1 else ''}"
+    data = info["data"][:1].upper() + info["data"][1:]
     cpu, minutes = f"{info['machine']['cpu']}, {info['machine']['nproc']} cores", info["seconds"] / 60
     kl, top, chain = (
         f"{row(before[name])} | {row(after[name])}"
@@ -464,7 +469,7 @@ def card(info: dict) -> str:
     )
     return f"""# A DFlash block drafter for {info["target_name"]}
 
-A block drafter (DFlash, arXiv:2602.06036): {info["layers"]} Qwen3-style layers of the target's width
+A block drafter (DFlash, arXiv:2602.06036): {layers} of the target's width
 (MLP {info["intermediate_size"]}), block size {block} (up to {block - 1} drafts in one forward), reading the
 outputs of the target's layers {info["target_layer_ids"]}; {info["parameters"]:,} parameters of its own,
 the embedding and lm_head being the target's (shared, not saved). Trained by
@@ -474,12 +479,12 @@ num_speculative_tokens=k))`, k at most {block - 1}.
 
 ## Data
 
-{info["data"]}.
+{data}.
 
 ## Training
 
-{info["steps"]} steps{stopped} of {info["batch"]}, {info["tokens"]:,} tokens in all, {minutes:.1f} minutes
-({info["tokens_per_second"]:.0f} tokens/s on {cpu}); the loss: {info["loss"]}.
+{info["steps"]} steps{stopped} of {info["batch_description"]}, {info["tokens"]:,} tokens in all,
+{minutes:.1f} minutes ({info["tokens_per_second"]:.0f} tokens/s on {cpu}); the loss: {info["loss"]}.
 Final train loss {info["final_train_loss"]:.3f}.
 
 Held out, teacher-forced ({after["positions"]:,} drafted positions), per block position 1 .. {block - 1}:
@@ -517,7 +522,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--seq-len", type=int, help="tokens a window (default: the recipe's / 2; --target: a row's, 768)"
     )
-    parser.add_argument("--lr", type=float, help="peak learning rate (default: the recipe's draft's, 3e-3)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        help="peak learning rate (default: --pair 3e-3, the recipe's draft's; --target 1e-3)",
+    )
     parser.add_argument("--warmup", type=int, help="warmup steps (default: the recipe's, 80)")
     parser.add_argument(
         "--generated",
@@ -631,13 +640,14 @@ def _on_pair(parser, args, cfg: dict, gamma: float, deadline) -> dict:
     acceptance = {f"k={k}": engine_acceptance(target_dir, out, prompts, new_tokens, k) for k in ks}
     return {
         "target": str(target_dir),
-        "target_name": args.target_name or f"the demo pair {args.pair.name}",
+        "target_name": args.target_name or f"the demo target {target_dir}",
         "out": str(out),
         **_drafter_info(drafter, args, gamma, ""),
         "data": data,
         **record,
         "tokens": record["steps"] * cfg["batch"] * cfg["seq_len"],
-        "batch": f"{cfg['batch']} windows of {cfg['seq_len']} tokens",
+        "batch": cfg["batch"],
+        "batch_description": f"{cfg['batch']} windows of {cfg['seq_len']} tokens",
         "seq_len": cfg["seq_len"],
         "heldout_before": before,
         "heldout_after": after,
@@ -658,7 +668,7 @@ def _on_answers(args, cfg: dict, gamma: float, deadline) -> dict:
     answers = stored_answers(args.data)
     if len(answers) < 2:
         raise SystemExit(f"{args.data} holds {len(answers)} answers ({', '.join(ANSWER_FILES)}); 2 at least")
-    args.lr = cfg["draft_lr"]
+    args.lr = args.lr or ANSWERS_LR
     args.warmup = cfg["warmup"]
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     target.eval().requires_grad_(False)
@@ -695,7 +705,7 @@ def _on_answers(args, cfg: dict, gamma: float, deadline) -> dict:
         "the answer's tokens only",
         "answers": counts,
         **record,
-        "batch": f"about {args.batch_tokens} padded tokens",
+        "batch_description": f"about {args.batch_tokens} padded tokens",
         "batch_tokens": args.batch_tokens,
         "seq_len": seq_len,
         "heldout_before": before,

@@ -76,15 +76,15 @@ def speculative_serve(
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while True:
-        assert process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, "speculative serve did not come up"
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    try:
+    try:  # a server that misses its start deadline is stopped too, never left running
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "speculative serve did not come up"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
         yield url, process
     finally:
         if process.poll() is None:
