@@ -272,7 +272,6 @@ class EngineArgs:
             kind, _, _ = _annotation(f)
             options.add_argument(
                 f"--{name.replace('_', '-')}",
-                *OPTION_ALIASES.get(name, ()),
                 *f.metadata.get("aliases", ()),
                 dest=name,
                 type=kind,
@@ -387,14 +386,6 @@ class EngineArgs:
 _SPECULATIVE = {f.name for f in dataclasses.fields(SpeculativeConfig)}
 ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
 """EngineArgs' fields by name: what `arg(engine=...)` refers to."""
-OPTION_ALIASES = {
-    "suffix_decoding_max_tree_depth": ("--suffix-max-depth",),
-    "suffix_decoding_max_cached_requests": ("--suffix-max-cached-requests",),
-    "suffix_decoding_max_spec_factor": ("--suffix-max-spec-factor",),
-    "suffix_decoding_min_token_prob": ("--suffix-min-token-prob",),
-}
-"""The method options' earlier flags, kept as aliases (a MethodConfig field's metadata["aliases"] adds
-more)."""
 SHORTCUT_HELP = {
     "ngram": "draft by n-gram prompt lookup (--method ngram)",
     "suffix": "draft by suffix decoding: suffix tries of the request and of past responses (--method suffix)",

@@ -54,8 +54,9 @@ class Built:
 
 
 class MethodConfig(DictRoundTrip):
-    """The options of one speculative method (a dataclass whose fields are the options), with what the
-    method needs (class variables) and how it builds its proposer.
+    """The options of one speculative method (a dataclass whose fields are the options, each with
+    metadata "help", its flag's text, and optionally "aliases", more spellings of the flag), with what
+    the method needs (class variables) and how it builds its proposer.
 
     uses_draft_model: LLM(draft_model=...) is required (True) or refused (False).
     reads_hidden_states: the proposer drafts from the target's hidden states (EAGLE heads): its first

@@ -29,15 +29,27 @@ class SuffixConfig(MethodConfig):
     With SpeculativeConfig.tree, either kind takes the `tree_nodes` most frequent continuations.
     """
 
-    suffix_decoding_max_tree_depth: int = field(default=24, metadata={"help": "the tries' depth"})
+    # help: the flag's text; aliases: the flags' earlier spellings, still taken
+    suffix_decoding_max_tree_depth: int = field(
+        default=24, metadata={"help": "the tries' depth", "aliases": ("--suffix-max-depth",)}
+    )
     suffix_decoding_max_cached_requests: int = field(
-        default=10000, metadata={"help": "past responses cached (0: none)"}
+        default=10000,
+        metadata={"help": "past responses cached (0: none)", "aliases": ("--suffix-max-cached-requests",)},
     )
     suffix_decoding_max_spec_factor: float = field(
-        default=1.0, metadata={"help": "drafts at most this times the match's length"}
+        default=1.0,
+        metadata={
+            "help": "drafts at most this times the match's length",
+            "aliases": ("--suffix-max-spec-factor",),
+        },
     )
     suffix_decoding_min_token_prob: float = field(
-        default=0.1, metadata={"help": "the least estimated probability of a draft"}
+        default=0.1,
+        metadata={
+            "help": "the least estimated probability of a draft",
+            "aliases": ("--suffix-min-token-prob",),
+        },
     )
 
     model_free: ClassVar[bool] = True
