@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+import speculative
 from speculative.demo.train_dflash import dflash_drafter
 from speculative.demo.train_eagle import eagle_head
 from speculative.models.dflash import save_dflash
@@ -112,6 +113,31 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     paths["dflash"] = str(root / "dflash")  # an untrained DFlash block drafter, blocks of 5
     save_dflash(dflash_drafter(target, {"intermediate_size": 128}, block=5), root / "dflash")
     return paths
+
+
+CHATML = (  # SmolLM2-Instruct's chat format
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_target(tmp_path_factory):
+    """A tiny chat target saved as a Hugging Face folder (byte tokenizer, ChatML template) and its own
+    greedy answers collected as train_draft collects them (self_distilled: first.jsonl, second.jsonl)."""
+    from speculative.demo.self_distill import self_distilled
+
+    root = tmp_path_factory.mktemp("chat-target")
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = CHATML
+    eos = tokenizer.eos_token_id
+    model = tiny_model(
+        "llama", vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos
+    )
+    model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    self_distilled(speculative.LLM(str(root / "target"), dtype="float32"), root / "data", 40, 3, 24, 16)
+    return root
 
 
 def save_eagle_head_for(target: torch.nn.Module, path) -> str:

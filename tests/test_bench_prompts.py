@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import byte_tokenizer
+from conftest import CHATML, byte_tokenizer
 from transformers import AutoTokenizer
 
 from speculative.bench.prompts import (
@@ -22,11 +22,6 @@ from speculative.bench.run import BenchConfig, load_sets
 from speculative.demo import DEMO_DIR, corpus, instructions
 from speculative.prompts import PromptRecord, encode, load_jsonl
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 
 

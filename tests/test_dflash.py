@@ -9,7 +9,7 @@ import json
 import pytest
 import test_distribution as dist
 import torch
-from conftest import byte_tokenizer, tiny_model
+from conftest import tiny_model
 from exactness import hf_greedy
 from scipy.stats import chi2
 from transformers import Qwen3Config
@@ -347,31 +347,6 @@ def test_answer_anchors_draft_the_answer_only() -> None:
                     assert valid[b, j].tolist() == [bool(labels[b, a + i - 1] >= 0) for i in range(1, block)]
         assert int((labels[1].gather(0, anchors[1]) >= 0).sum()) == 2  # row 1 has only 2 to draft
         assert valid[0].sum() > 0 and valid[0, :, 0].all()
-
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_target(tmp_path_factory):
-    """A tiny chat target saved as a Hugging Face folder (byte tokenizer, ChatML template) and its own
-    greedy answers collected as train_draft collects them (self_distilled: first.jsonl, second.jsonl)."""
-    from speculative.demo.self_distill import self_distilled
-
-    root = tmp_path_factory.mktemp("dflash-target")
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = CHATML
-    eos = tokenizer.eos_token_id
-    model = tiny_model(
-        "llama", vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=eos, bos_token_id=eos
-    )
-    model.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    self_distilled(LLM(str(root / "target"), dtype="float32"), root / "data", 40, 3, 24, 16)
-    return root
 
 
 def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:

@@ -160,3 +160,132 @@ def test_draft_vocab_cuts_the_saved_head_to_the_most_frequent_tokens(model_dirs,
     assert "Its draft vocabulary is the 20 tokens most frequent" in (pair / "eagle" / "README.md").read_text()
     with pytest.raises(SystemExit):
         train_eagle.main(["--pair", str(pair), "--layout", "eagle3", "--draft-vocab", "20"])
+
+
+# ---- --target: a target's own answers (speculative/demo/eagle_answers.py) ----------------------------
+
+
+@pytest.mark.parametrize("layout", ["eagle", "eagle3"])
+def test_answer_losses_count_each_pass_against_the_token_it_drafts(layout) -> None:
+    """Pass d's loss, cross-entropy and agreement at index p are the head's draft of token p + d + 1
+    (the label at p + d), over the draft vocabulary: recomputed from ttt_hidden's full-vocabulary
+    logits (-inf outside it) and the target's logits at p + d renormalised over the vocabulary (the
+    KL), labels outside the vocabulary a miss, unlabelled positions out of all of them."""
+    from speculative.demo.eagle_answers import answer_losses
+    from speculative.demo.train_eagle import ttt_hidden
+
+    target = tiny_model("llama", vocab_size=96, hidden_size=64, num_layers=6, seed=3).requires_grad_(False)
+    vocabulary = torch.arange(0, 96, 2)  # the even tokens
+    head = eagle_head(target, SIZES, layout, vocabulary)
+    with torch.no_grad():  # off the identity start
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    head.pack_weights()
+    depth, length = 3, 7
+    tokens = torch.randint(1, 96, (2, length + depth), generator=torch.Generator().manual_seed(1))
+    labels = torch.full_like(tokens, -100)
+    labels[:, 2:-1] = tokens[:, 3:]  # the answer starts at token 3
+    labels[1, 6] = -100  # and a gap
+    with torch.no_grad():
+        out = target(input_ids=tokens, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in head.target_layers], dim=-1)
+        index = torch.full((96,), -1, dtype=torch.long)
+        index[vocabulary] = torch.arange(len(vocabulary))
+        out_losses = answer_losses(head, tokens, labels, features, depth, index)
+        sums = out_losses["sums"]
+        hiddens = ttt_hidden(head, features[:, :length], tokens, depth)
+    kls = []
+    for d, hidden in enumerate(hiddens, start=1):
+        logits = head.head_logits(hidden)  # [2, length, 96], -inf at odd tokens
+        wanted = labels[:, d : d + length]
+        valid = wanted >= 0
+        inside = valid & (wanted % 2 == 0)
+        nll = F.cross_entropy(logits[inside], wanted[inside], reduction="sum")
+        assert sums["positions"][d - 1] == valid.sum()
+        assert torch.isclose(sums["nll"][d - 1], nll, rtol=1e-4)
+        assert sums["agree"][d - 1] == (logits.argmax(-1) == wanted)[valid].sum()
+        teacher = F.log_softmax(out.logits[:, d : d + length][valid][:, vocabulary], dim=-1)
+        student = F.log_softmax(logits[valid][:, vocabulary], dim=-1)
+        kls.append((teacher.exp() * (teacher - student)).sum(-1).mean())
+    weights = [0.8**d for d in range(depth)]
+    expected = sum(w * kl for w, kl in zip(weights, kls)) / sum(weights)
+    assert torch.isclose(out_losses["loss"], expected, rtol=1e-4), (out_losses["loss"], expected)
+
+
+def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
+    """--target / --data: a few steps on the target's answers lower the loss and raise the held-out
+    agreement; the head, its card and training.json are written; the features file serves a second
+    (resumed) piece without the target; through the engine greedy output is the target's alone."""
+
+    root, out, features = chat_target, tmp_path / "eagle3", tmp_path / "features.pt"
+    argv = [
+        "--target", str(root / "target"), "--data", str(root / "data"), "--out", str(out),
+        "--layout", "eagle3", "--steps", "30", "--intermediate", "64", "--batch-tokens", "1024",
+        "--seq-len", "200", "--warmup", "1", "--lr", "3e-3", "--prompts", "2", "--new-tokens", "8",
+        "--draft-vocab", "64", "--features", str(features),
+    ]  # fmt: skip
+    info = train_eagle.main(argv)
+    assert info["steps"] == 30 and info["draft_vocabulary"] == 64 and features.is_file()
+    trace = [loss for _, loss in info["loss_trace"]]
+    assert sum(trace[-3:]) / 3 < 0.9 * sum(trace[:5]) / 5, trace  # batches differ: means
+    before, after = info["heldout_before"], info["heldout_after"]
+    assert before["positions"] == after["positions"] > 0
+    assert sum(after["agreement_per_depth"]) > sum(before["agreement_per_depth"])
+    card = (out / "README.md").read_text()
+    assert "EAGLE-3 head for target" in card and "64 tokens most frequent" in card
+    assert json.loads((out / "training.json").read_text())["steps"] == 30
+
+    resumed = train_eagle.main([*argv[:8], "--steps", "5", *argv[10:], "--resume"])
+    assert [p["steps"] for p in resumed["pieces"]] == [30, 5] and resumed["total"]["steps"] == 35
+    assert "in 2 pieces" in (out / "README.md").read_text()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[60, 61, 62, 63], [10, 20, 30, 40, 50, 60, 70]]
+    alone = LLM(str(root / "target"), dtype="float32").generate(prompts, params)
+    drafted = LLM(
+        str(root / "target"),
+        draft_model=str(out),
+        speculative_config=SpeculativeConfig(method="eagle3"),
+        dtype="float32",
+    ).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in alone]
+    assert sum(o.metrics.num_drafted for o in drafted) > 0
+
+
+def test_target_features_are_kept_in_their_file(tmp_path) -> None:
+    """A features file serves the same rows for the layers it holds (a subset sliced out) without the
+    target; other rows or layers are computed again."""
+    from speculative.demo.eagle_answers import target_features
+
+    target = tiny_model("llama", vocab_size=96, hidden_size=64, num_layers=4, seed=3).requires_grad_(False)
+    rows = [(torch.arange(1, n + 1), torch.full((n,), -100)) for n in (5, 9, 7)]
+    path = tmp_path / "features.pt"
+    written = target_features(target, rows, (1, 4), path)
+    assert [f.shape for f in written] == [(5, 128), (9, 128), (7, 128)] and written[0].dtype == torch.bfloat16
+    with torch.no_grad():
+        alone = target(input_ids=rows[1][0][None], output_hidden_states=True).hidden_states
+    expected = torch.cat([alone[1], alone[4]], -1)[0]
+    assert (written[1].float() - expected).abs().max() < 0.02 * expected.abs().max()  # bfloat16's rounding
+
+    class Broken(torch.nn.Module):
+        config, model = target.config, None  # model(...) fails: the file must serve
+
+    assert all(torch.equal(a, b) for a, b in zip(target_features(Broken(), rows, (1, 4), path), written))
+    high = target_features(Broken(), rows, (4,), path)
+    assert all(torch.equal(h, w[:, 64:]) for h, w in zip(high, written))
+    with pytest.raises(TypeError):  # other rows: computed, by the broken target
+        target_features(Broken(), rows[:2], (1, 4), path)
+
+
+def test_the_target_recipe_needs_its_data_and_out(chat_target, tmp_path, capsys) -> None:
+    target = str(chat_target / "target")
+    for argv, message in (
+        (["--target", target, "--out", str(tmp_path)], "--target needs --data"),
+        (["--target", target, "--data", str(chat_target / "data")], "--target needs --out"),
+        (["--pair", target, "--data", str(chat_target / "data")], "--data and --out are --target's"),
+        (["--target", target, "--data", str(tmp_path), "--out", str(tmp_path / "o")], "holds 0 answers"),
+        (["--target", target, "--data", "d", "--out", "o", "--generated", "3"], "are --pair's"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            train_eagle.main(argv)
+        assert message in capsys.readouterr().err + str(stopped.value)

@@ -6,18 +6,13 @@ import json
 
 import pytest
 import torch
-from conftest import byte_tokenizer, tiny_model
+from conftest import CHATML, byte_tokenizer, tiny_model
 from transformers import AutoModelForCausalLM
 
 from speculative import LLM, SamplingParams
 from speculative.demo import train_draft
 from speculative.demo.self_distill import read_answers
 from speculative.models.draft_vocabulary import read_draft_vocabulary
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ single-token forward at batch 1.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -61,21 +62,26 @@ def greedy_acceptance(target, draft, prompts: torch.Tensor, new_tokens: int, eos
 
 @torch.no_grad()
 def engine_acceptance(
-    pair: Path, drafters: dict[str, str], prompts: list[list[int]], new_tokens: int, **speculative
+    target: Path,
+    drafters: dict[str, tuple[Path, str]],
+    prompts: list[list[int]],
+    new_tokens: int,
+    **speculative,
 ) -> dict:
-    """Greedy acceptance through the engine on `prompts` (the target's token ids) of each drafter
-    `pair/<name>` run as SpeculativeConfig method `drafters[name]` with the fields `speculative` (say
-    num_speculative_tokens, tree): per name, the acceptance rate and the mean tokens per step."""
+    """Greedy acceptance through the engine (float32, EOS ignored) of the target in folder `target` on
+    `prompts` (its token ids) with each drafter `drafters[name]` = (its folder, its SpeculativeConfig
+    method), with the fields `speculative` (say num_speculative_tokens, tree): per name, the
+    acceptance rate and the mean tokens per step."""
     from speculative.config import SpeculativeConfig
     from speculative.llm import LLM
     from speculative.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     result = {}
-    for name, method in drafters.items():
+    for name, (folder, method) in drafters.items():
         llm = LLM(
-            str(pair / "target"),
-            draft_model=str(pair / name),
+            str(target),
+            draft_model=str(folder),
             speculative_config=SpeculativeConfig(method=method, **speculative),
             dtype="float32",
         )
@@ -85,8 +91,10 @@ def engine_acceptance(
         steps = sum(o.metrics.num_steps for o in outputs)
         result[name] = {
             "acceptance_rate": round(accepted / max(drafted, 1), 4),
-            "mean_accepted_length": round(1 + accepted / steps, 3),
+            "mean_accepted_length": round(1 + accepted / max(steps, 1), 3),
         }
+        del llm, outputs
+        gc.collect()  # the engine's caches, before the next drafter's
     return result
 
 

@@ -93,8 +93,8 @@ def measure_acceptance(pair: Path, heldout_texts: list[str], cfg: dict, count: i
         "new_tokens": cfg["new_tokens"],
         "k": 4,
         **engine_acceptance(
-            pair,
-            {"cross-draft": "draft_model", "draft": "draft_model"},
+            pair / "target",
+            {"cross-draft": (pair / "cross-draft", "draft_model"), "draft": (pair / "draft", "draft_model")},
             prompts,
             cfg["new_tokens"],
             num_speculative_tokens=4,

@@ -58,25 +58,23 @@ prompts) and a card, README.md.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import random
-import resource
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, Qwen3Config
 
 from speculative.demo import corpus
-from speculative.demo.model_card import file_prompts
+from speculative.demo.answers_loop import LoopArgs, StepLoss, train_on_answers
+from speculative.demo.model_card import engine_acceptance, file_prompts
 from speculative.demo.self_distill import read_answers
-from speculative.demo.train import FULL, SMOKE, optimizer, train_loop
+from speculative.demo.train import FULL, SMOKE, train_loop
 from speculative.demo.train_draft import (
     ANSWER_FILES,
     HELDOUT_EVERY,
@@ -356,93 +354,27 @@ def answer_figures(drafter, target, rows: list, batch_tokens: int, anchors: int,
     return summed_figures(parts)
 
 
-def train_on_answers(drafter, target, rows: list, heldout: list, args, gamma: float, deadline) -> dict:
-    """Train `drafter` on the answers' rows for args.steps steps or until `deadline` (a time.monotonic()
-    value), whichever ends first: AdamW (train.optimizer), linear warmup over args.warmup steps, then a
-    cosine decay to a tenth of args.lr as the run progresses (the larger of its fractions of steps and
-    of time). Returns the record."""
-    block = drafter.block_size
-    rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed + 3)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = optimizer(drafter, args.lr)
-    drafter.train()
-    start = time.monotonic()
-    budget = None if deadline is None else max(deadline - start, 1e-9)
-    step, groups, recent, trace, seen, drafted, progress = 0, [], [], [], 0, 0, 0.0
-    every = max(1, args.steps // 50)
-    bar = tqdm(total=args.steps, desc="dflash", mininterval=5.0, dynamic_ncols=True)
-    while progress < 1:
-        if not groups:
-            groups = batches(rows, args.batch_tokens, rng)
-        tokens, mask, labels = answer_batch(rows, groups.pop(), block)
-        chosen, valid = answer_anchors(labels, block, args.anchors, gen)
-        warm = min(1.0, (step + 1) / args.warmup)
-        for group in opt.param_groups:
-            group["lr"] = args.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+def answer_step_loss(drafter, target, rows: list, args, gamma: float) -> StepLoss:
+    """answers_loop's step loss of `drafter`: block_losses' on a batch of the answers' rows, random
+    anchors."""
+    gen = torch.Generator().manual_seed(args.seed + 3)
+
+    def step_loss(group: list[int]) -> tuple[Tensor, int, int]:
+        tokens, mask, labels = answer_batch(rows, group, drafter.block_size)
+        chosen, valid = answer_anchors(labels, drafter.block_size, args.anchors, gen)
         loss = block_losses(drafter, target, tokens, chosen, valid, gamma)["loss"]
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step, seen, drafted = step + 1, seen + int(mask.sum()), drafted + int(valid.sum())
-        progress = step / args.steps
-        if budget is not None:
-            progress = max(progress, (time.monotonic() - start) / budget)
-        recent = (recent + [loss.item()])[-50:]
-        if step % every == 0 or step == 1:
-            trace.append([step, round(recent[-1], 4)])
-        bar.update(1)
-        bar.set_postfix(loss=f"{recent[-1]:.3f}", refresh=False)
-        if args.eval_every and step % args.eval_every == 0 and progress < 1:
-            held = answer_figures(drafter, target, heldout, args.batch_tokens, args.anchors, gamma)
-            tqdm.write(
-                f"step {step}: train loss {sum(recent) / len(recent):.4f}, held-out {json.dumps(held)}"
-            )
-            drafter.train()
-    bar.close()
-    seconds = time.monotonic() - start
-    return {
-        "steps": step,
-        "planned_steps": args.steps,
-        "stopped_early": step < args.steps,
-        "seconds": round(seconds, 1),
-        "seconds_per_step": round(seconds / max(step, 1), 3),
-        "tokens": seen,
-        "drafted_positions": drafted,
-        "tokens_per_second": round(seen / max(seconds, 1e-9), 1),
-        "final_train_loss": round(sum(recent) / max(1, len(recent)), 4),
-        "loss_trace": trace,
-        "peak_lr": args.lr,
-        "warmup": args.warmup,
-        "peak_memory_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-    }
+        return loss, int(mask.sum()), int(valid.sum())
+
+    return step_loss
 
 
-def engine_acceptance(
-    target_dir: Path, drafter_dir: Path, prompts: list[list[int]], new_tokens: int, k: int
-) -> dict:
-    """Greedy acceptance of the saved drafter through the engine (float32, chains of k)."""
-    from speculative.config import SpeculativeConfig
-    from speculative.llm import LLM
-    from speculative.sampling_params import SamplingParams
-
-    llm = LLM(
-        str(target_dir),
-        draft_model=str(drafter_dir),
-        speculative_config=SpeculativeConfig(method="dflash", num_speculative_tokens=k),
-        dtype="float32",
-    )
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    drafted = sum(o.metrics.num_drafted for o in outputs)
-    accepted = sum(o.metrics.num_accepted for o in outputs)
-    steps = sum(o.metrics.num_steps for o in outputs)
-    del llm, outputs
-    gc.collect()  # the engine's caches, before the next k's
-    return {
-        "acceptance_rate": round(accepted / max(drafted, 1), 4),
-        "mean_accepted_length": round(1 + accepted / max(steps, 1), 3),
-    }
+def chain_acceptance(target: Path, drafter: Path, prompts: list, new_tokens: int, ks: list[int]) -> dict:
+    """Per k in `ks` ("k=4": ...), model_card.engine_acceptance of the saved drafter in chains of k."""
+    figures = {}
+    for k in ks:
+        drafters = {"dflash": (drafter, "dflash")}
+        figures[f"k={k}"] = engine_acceptance(target, drafters, prompts, new_tokens, num_speculative_tokens=k)
+    return {name: value["dflash"] for name, value in figures.items()}
 
 
 def card(info: dict) -> str:
@@ -637,7 +569,7 @@ def _on_pair(parser, args, cfg: dict, gamma: float, deadline) -> dict:
     new_tokens = args.new_tokens or cfg["new_tokens"]
     prompts = file_prompts(heldout_encoded, args.prompts, cfg["prompt_len"], args.seed).tolist()
     ks = sorted({min(4, args.block - 1), args.block - 1})
-    acceptance = {f"k={k}": engine_acceptance(target_dir, out, prompts, new_tokens, k) for k in ks}
+    acceptance = chain_acceptance(target_dir, out, prompts, new_tokens, ks)
     return {
         "target": str(target_dir),
         "target_name": args.target_name or f"the demo target {target_dir}",
@@ -681,14 +613,23 @@ def _on_answers(args, cfg: dict, gamma: float, deadline) -> dict:
     intermediate = args.intermediate or target.config.intermediate_size
     drafter = dflash_drafter(target, {"intermediate_size": intermediate}, args.block, args.layers)
     before = answer_figures(drafter, target, heldout, args.batch_tokens, args.anchors, gamma)
-    record = train_on_answers(drafter, target, rows, heldout, args, gamma, deadline)
+    loop = LoopArgs(args.steps, args.lr, args.warmup, args.batch_tokens, args.seed, args.eval_every)
+    record = train_on_answers(
+        drafter,
+        rows,
+        loop,
+        answer_step_loss(drafter, target, rows, args, gamma),
+        deadline,
+        partial(answer_figures, drafter, target, heldout, args.batch_tokens, args.anchors, gamma),
+        "dflash",
+    )
     after = answer_figures(drafter, target, heldout, args.batch_tokens, args.anchors, gamma)
     save_dflash(drafter, args.out)
     del target
     new_tokens = args.new_tokens or 128
     prompts = [a["prompt"][-seq_len:] for a in heldout_answers[: args.prompts]]
     ks = sorted({min(4, args.block - 1), args.block - 1})
-    acceptance = {f"k={k}": engine_acceptance(args.target, args.out, prompts, new_tokens, k) for k in ks}
+    acceptance = chain_acceptance(args.target, args.out, prompts, new_tokens, ks)
     counts = {name: len(read_answers(args.data / name)) for name in ANSWER_FILES}
     files = ", ".join(f"{name} {count}" for name, count in counts.items() if count)
     measured = min(args.heldout, len(heldout_answers))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -52,16 +53,26 @@ from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_he
 
 LAYOUT_NAMES = {"eagle": "EAGLE-1", "eagle3": "EAGLE-3"}
 DEPTH_DECAY = 0.8  # pass d's loss weight is DEPTH_DECAY ** (d - 1)
+ANSWERS_VOCAB = 16384  # --target's draft vocabulary
 
 
-def eagle_head(target: LlamaForCausalLM, sizes: dict, layout: EagleLayout = "eagle") -> EagleHead:
-    """A fresh head for `target`: one decoder layer of the target's width with `sizes`'
+def eagle_head(
+    target: LlamaForCausalLM, sizes: dict, layout: EagleLayout = "eagle", vocabulary: Tensor | None = None
+) -> EagleHead:
+    """A fresh head for `target`: one decoder layer of the target's width and RoPE with `sizes`'
     intermediate_size, attention heads and KV heads, and the target's embedding and lm_head, frozen.
     "eagle": fc over [embedding ; the target's last hidden state] (bias), the lm_head shared, not
     saved; "eagle3": fc over the streams entering the target's layers 2 and L // 2 and its final
     norm's output (what its lm_head reads; vLLM's default third layer is L - 3, which trained no
-    better on the demo target), its own norm (starting as the target's final norm) and a copy of the
-    target's lm_head over the whole vocabulary, both saved as the layout has them."""
+    better on the demo target), its own norm and a copy of the target's lm_head over the whole
+    vocabulary, both saved as the layout has them. `vocabulary` ([n] int64 token ids, distinct): the
+    head's lm_head is cut to those rows (a draft vocabulary).
+
+    It starts as the identity on the target's final hidden state: fc passes that feature through (its
+    other inputs weighted 0), the layer's attention and MLP outputs are 0 (o_proj, down_proj), and the
+    "eagle3" norm's gain is the RMS of the target's final norm's, so that its first logits are the
+    target's own at the position before, well scaled. From a random start the head's logits are large
+    and far off: a first cross-entropy of 25 on SmolLM2-135M's answers, against 12 from this start."""
     t = target.config
     config = LlamaConfig(
         vocab_size=t.vocab_size,
@@ -69,6 +80,7 @@ def eagle_head(target: LlamaForCausalLM, sizes: dict, layout: EagleLayout = "eag
         max_position_embeddings=t.max_position_embeddings,
         num_hidden_layers=1,
         rms_norm_eps=t.rms_norm_eps,
+        rope_parameters=t.rope_parameters,
         **{k: sizes[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")},
     )
     layers, width = t.num_hidden_layers, t.hidden_size
@@ -76,12 +88,23 @@ def eagle_head(target: LlamaForCausalLM, sizes: dict, layout: EagleLayout = "eag
         head = EagleHead(config, "eagle", width, (layers,), fc_bias=True)
     else:
         head = EagleHead(config, "eagle3", 3 * width, (min(2, layers - 1), layers // 2, layers))
-        with torch.no_grad():
-            head.model.norm.weight.copy_(target.model.norm.weight.float())
+    with torch.no_grad():  # the identity on the final hidden state (docstring)
+        head.fc.weight.zero_()
+        head.fc.weight[:, -width:] = torch.eye(width)
+        if head.fc.bias is not None:
+            head.fc.bias.zero_()
+        layer = head.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        if layout == "eagle3":
+            head.model.norm.weight.fill_(target.model.norm.weight.float().pow(2).mean().sqrt().item())
     frozen = ((head.model.embed_tokens, target.get_input_embeddings()), (head.lm_head, target.lm_head))
     for module, source in frozen:
         module.weight = torch.nn.Parameter(source.weight.detach().float(), requires_grad=False)
-    head.pack_weights()
+    if vocabulary is not None:
+        head.restrict_vocabulary(vocabulary)  # packs the weights
+    else:
+        head.pack_weights()
     return head
 
 
@@ -98,34 +121,29 @@ def ttt_visible(length: int, depth: int) -> Tensor:
     return visible
 
 
-def ttt_losses(head: EagleHead, target: LlamaForCausalLM, windows: Tensor, depth: int) -> tuple:
-    """The head's losses on [batch, n + 1] token windows, drafting `depth` tokens deep.
+def ttt_hidden(head: EagleHead, features: Tensor, tokens: Tensor, depth: int) -> list[Tensor]:
+    """The head's hidden states in each pass of the training-time test, drafting `depth` tokens deep
+    from each of `length` positions: features [batch, length, feature_size] (the target's, at positions
+    0 .. length - 1), tokens [batch, length + depth] -> `depth` tensors [batch, length, hidden_size].
 
-    Pass d (1 .. depth) at index p (0 .. n - depth - 1) is head position p + d - 1: it reads token
-    x_{p+d} and, as its feature, the target's at position p (d = 1: the target's layers that the head
-    reads) or the head's own hidden state from pass d - 1 at p; it sees pass 1's keys up to p and the
-    earlier passes' at p (ttt_visible), and its logits are the draft of x_{p+d+1}. Returns the list
-    of per-pass KL(target || head) (mean over positions; the target's distribution of x_{p+d+1} is
-    its logits at position p + d) and pass 1's cross-entropy of the corpus's x_{p+2}. The head runs in
-    float32 (its cache is); the target under the caller's autocast."""
-    with torch.no_grad():
-        out = target(input_ids=windows[:, :-1], output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i] for i in head.target_layers], dim=-1).float()
-        teacher = F.log_softmax(out.logits.float(), dim=-1)  # [batch, n, vocab]
-    batch, n = windows.shape[0], windows.shape[1] - 1
-    length = n - depth
+    Pass d (1 .. depth) at index p is head position p + d - 1: it reads token tokens[:, p + d] and, as
+    its feature, the target's at position p (d = 1) or the head's own hidden state from pass d - 1 at
+    p; it sees pass 1's keys up to p and the earlier passes' at p (ttt_visible), and its hidden state
+    gives the draft of the token after tokens[:, p + d]. Runs in float32 (the head's cache does);
+    differentiable with respect to the head's parameters."""
+    batch, length = features.shape[:2]
     head.prepare(depth * length)
     visible = ttt_visible(length, depth)[None, None]
-    index = torch.arange(length).expand(batch, length)
-    hidden, kls, keys, values = features[:, :length], [], [], []
+    index = torch.arange(length, device=tokens.device).expand(batch, length)
+    hidden, out, keys, values = features, [], [], []
     with torch.autocast("cpu", enabled=False):
         for d in range(1, depth + 1):
             span = d * length
             cache = head.new_cache(batch, length)  # this pass's K/V, after the earlier passes'
             keys = [torch.cat(pair, dim=2) for pair in zip(keys, cache.keys)] or cache.keys
             values = [torch.cat(pair, dim=2) for pair in zip(values, cache.values)] or cache.values
-            logits, hidden = head.run_head(
-                windows[:, d : d + length],
+            _, hidden = head.run_head(
+                tokens[:, d : d + length],
                 hidden,
                 index + d - 1,
                 keys,
@@ -134,12 +152,29 @@ def ttt_losses(head: EagleHead, target: LlamaForCausalLM, windows: Tensor, depth
                 None,
                 slots=index + (d - 1) * length,
                 tree_masks={None: visible[..., :span]},
+                with_logits=False,
             )
-            logits = logits.reshape(-1, logits.shape[-1])
-            if d == 1:
-                ce = F.cross_entropy(logits, windows[:, 2 : 2 + length].reshape(-1))
-            teacher_d = teacher[:, d : d + length].reshape(-1, teacher.shape[-1])
-            kls.append(F.kl_div(F.log_softmax(logits, -1), teacher_d, log_target=True, reduction="batchmean"))
+            out.append(hidden)
+    return out
+
+
+def ttt_losses(head: EagleHead, target: LlamaForCausalLM, windows: Tensor, depth: int) -> tuple:
+    """The head's losses on [batch, n + 1] token windows, drafting `depth` tokens deep (ttt_hidden over
+    the first n - depth positions). Returns the list of per-pass KL(target || head) (mean over
+    positions; the target's distribution of pass d's token x_{p+d+1} is its logits at position p + d)
+    and pass 1's cross-entropy of the corpus's x_{p+2}. The target runs under the caller's autocast."""
+    with torch.no_grad():
+        out = target(input_ids=windows[:, :-1], output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in head.target_layers], dim=-1).float()
+        teacher = F.log_softmax(out.logits.float(), dim=-1)  # [batch, n, vocab]
+    length = windows.shape[1] - 1 - depth
+    kls = []
+    for d, hidden in enumerate(ttt_hidden(head, features[:, :length], windows[:, :-1], depth), start=1):
+        logits = head.head_logits(hidden).reshape(-1, teacher.shape[-1])
+        if d == 1:
+            ce = F.cross_entropy(logits, windows[:, 2 : 2 + length].reshape(-1))
+        teacher_d = teacher[:, d : d + length].reshape(-1, teacher.shape[-1])
+        kls.append(F.kl_div(F.log_softmax(logits, -1), teacher_d, log_target=True, reduction="batchmean"))
     return kls, ce
 
 
@@ -276,13 +311,13 @@ tokens, {acceptance["new_tokens"]} new tokens each (training.json): chains of k 
 def measure_acceptance(pair: Path, layout: EagleLayout, prompts: list, cfg: dict, count: int) -> dict:
     """training.json's `acceptance`: the saved head's and the pair's draft model's, greedy, through the
     engine, on the held-out `prompts` (`count` of them), in each of SHAPES."""
-    drafters = {layout: layout, "draft": "draft_model"}
+    drafters = {layout: (pair / layout, layout), "draft": (pair / "draft", "draft_model")}
     return {
         "prompts": count,
         "prompt_len": cfg["prompt_len"],
         "new_tokens": cfg["new_tokens"],
         **{
-            shape: engine_acceptance(pair, drafters, prompts, cfg["new_tokens"], **speculative)
+            shape: engine_acceptance(pair / "target", drafters, prompts, cfg["new_tokens"], **speculative)
             for shape, speculative in SHAPES.items()
         },
     }
@@ -290,7 +325,19 @@ def measure_acceptance(pair: Path, layout: EagleLayout, prompts: list, cfg: dict
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", type=Path, required=True, help="the pair's directory (target/, draft/)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--pair", type=Path, help="a demo pair's directory (target/, draft/)")
+    source.add_argument("--target", type=Path, help="a target's Hugging Face folder, on its answers (--data)")
+    parser.add_argument("--data", type=Path, help="--target: the folder of the answers train_draft collected")
+    parser.add_argument("--out", type=Path, help="--target: the head's folder")
+    parser.add_argument("--target-name", help="--target: its name in the card")
+    parser.add_argument("--features", type=Path, help="--target: a file keeping the target's features")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="--target: padded tokens a batch")
+    parser.add_argument("--heldout", type=int, default=64, help="--target: held-out answers measured")
+    parser.add_argument("--eval-every", type=int, default=0, help="--target: held-out figures every N steps")
+    parser.add_argument("--intermediate", type=int, help="--target: MLP size (default: the target's)")
+    parser.add_argument("--warmup", type=int, default=80, help="--target: warmup steps")
+    parser.add_argument("--new-tokens", type=int, default=128, help="--target: tokens a prompt, acceptance")
     parser.add_argument("--layout", choices=tuple(LAYOUT_NAMES), default="eagle")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--depth", type=int, default=3, help="training-time test passes (drafts deep)")
@@ -309,12 +356,17 @@ def main(argv: list[str] | None = None) -> dict:
         "--draft-vocab",
         type=int,
         metavar="N",
-        help="train nothing: cut the saved EAGLE-1 head's draft vocabulary to the N most frequent tokens",
+        help="--pair: train nothing, cut the saved EAGLE-1 head's draft vocabulary to the N most frequent "
+        f"tokens; --target: train over the N tokens most frequent in the answers (default {ANSWERS_VOCAB})",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.depth < 1:
         parser.error(f"--depth must be at least 1; got {args.depth}")
+    if args.target is not None:
+        return _on_answers(parser, args, argv)
+    if args.data is not None or args.out is not None:
+        parser.error("--data and --out are --target's (a pair's head goes to <pair>/<layout>)")
     if args.generated < 0:
         parser.error(f"--generated must be at least 0; got {args.generated}")
     if args.draft_vocab is not None and (args.layout != "eagle" or args.draft_vocab < 1):
@@ -397,6 +449,36 @@ def main(argv: list[str] | None = None) -> dict:
     (path / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     write_card(info, path)
     print(json.dumps(info["acceptance"], indent=2))
+    return info
+
+
+def _on_answers(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """The --target recipe (speculative/demo/eagle_answers.py)."""
+    from speculative.demo import eagle_answers
+
+    missing = [name for name in ("data", "out") if getattr(args, name) is None]
+    if missing:
+        parser.error("--target needs " + " and ".join(f"--{m}" for m in missing))
+    if args.smoke or args.generated:
+        parser.error("--smoke and --generated are --pair's")
+    for name in ("steps", "batch_tokens", "heldout", "prompts", "new_tokens", "warmup"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    args.seq_len = args.seq_len or 768
+    args.lr = args.lr or eagle_answers.ANSWERS_LR
+    args.draft_vocab = args.draft_vocab or ANSWERS_VOCAB
+    if args.seq_len <= args.depth or args.draft_vocab < 1:
+        parser.error(
+            f"--seq-len must exceed --depth and --draft-vocab be at least 1; got {args.seq_len}, "
+            f"{args.draft_vocab}"
+        )
+    torch.manual_seed(args.seed)
+    info = eagle_answers.train(args)
+    info["command"] = "python -m speculative.demo.train_eagle " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    eagle_answers.write(info)
+    print(json.dumps({k: info[k] for k in ("heldout_before", "heldout_after", "acceptance")}, indent=2))
     return info
 
 

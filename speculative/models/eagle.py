@@ -152,8 +152,11 @@ class EagleHead(NativeCausalLM):
         logits_indices: Tensor | None,
         slots: Tensor | None = None,
         tree_masks: dict[int | None, Tensor] | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """`forward` as a function of tensors (NativeCausalLM.run's arguments, and the features)."""
+        with_logits: bool = True,
+    ) -> tuple[Tensor | None, Tensor]:
+        """`forward` as a function of tensors (NativeCausalLM.run's arguments, and the features); the
+        logits are None where not `with_logits` (training takes head_logits of the positions it
+        counts)."""
         batch, q = input_ids.shape
         hidden_size, eps = self.config.hidden_size, self._eps
         embeds = self.embed(input_ids.reshape(batch * q))  # [rows, H]
@@ -175,5 +178,11 @@ class EagleHead(NativeCausalLM):
             hidden = hidden.gather(1, logits_indices[..., None].expand(-1, -1, hidden_size))
         if self.norm_output:  # the speculators library's EAGLE 3.1 option: the normed state is fed back
             hidden = rms_norm(hidden, self.model.norm.weight, eps)
+        return (self.head_logits(hidden) if with_logits else None), hidden
+
+    def head_logits(self, hidden: Tensor, full_vocabulary: bool = True) -> Tensor:
+        """The logits of the head's hidden states [batch, n, hidden_size] (run_head's second output):
+        [batch, n, vocab_size] float32, -inf outside a draft vocabulary, or where not
+        `full_vocabulary` [batch, n, draft vocab] (NativeCausalLM.logits)."""
         norm = None if self.layout == "eagle" or self.norm_output else self.model.norm.weight
-        return self.logits(hidden, None, norm), hidden
+        return self.logits(hidden, None, norm, full_vocabulary)

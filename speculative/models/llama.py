@@ -550,10 +550,13 @@ class NativeCausalLM(nn.Module):
             taps[len(self._layers)] = rms_norm(hidden, self.model.norm.weight, self._eps)
         return logits, torch.cat([taps[i].view(batch, q, -1) for i in hidden_layers], dim=-1)
 
-    def logits(self, hidden: Tensor, logits_indices: Tensor | None, norm: Tensor | None) -> Tensor:
+    def logits(
+        self, hidden: Tensor, logits_indices: Tensor | None, norm: Tensor | None, full_vocabulary: bool = True
+    ) -> Tensor:
         """The lm_head over hidden [batch, q, hidden] at `logits_indices` ([batch, n], default all q),
         after the RMSNorm of weight `norm` (None: none): [batch, n, vocab] float32 (-inf outside a
-        draft vocabulary, restrict_vocabulary)."""
+        draft vocabulary, restrict_vocabulary), or where not `full_vocabulary` [batch, n, lm_head rows]
+        (a draft vocabulary's own logits, as training reads them)."""
         if logits_indices is not None:
             index = logits_indices[..., None].expand(-1, -1, hidden.shape[-1])  # [batch, n, hidden]
             hidden = hidden.gather(1, index)
@@ -561,7 +564,7 @@ class NativeCausalLM(nn.Module):
             hidden = rms_norm(hidden, norm, self._eps)
         logits = self._lm_head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1).float()
         vocabulary = self.draft_vocabulary  # logits: [batch, n, draft vocab]
-        if vocabulary is None:
+        if vocabulary is None or not full_vocabulary:
             return logits
         full = logits.new_full((*logits.shape[:2], self.vocab_size), -torch.inf)
         return full.index_copy_(2, vocabulary, logits)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +34,7 @@ with needs_extra("server", "speculative.server"):
     from speculative.server import protocol as P
     from speculative.server.scheduler import QueueFull, RequestStream, RequestUpdate, Scheduler, ShuttingDown
 
+log = logging.getLogger("speculative.server")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 """Labels of the requests-by-status counter; any other /v1 path counts as "other"."""
 DISCONNECT_POLL_S = 0.5
@@ -43,6 +45,9 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 """A request body's size at most (`serve --max-request-bytes`); beyond, 413."""
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 """Seconds a request's body may take to arrive (`serve --timeout-request-body`); beyond, 408."""
+DEFAULT_SEND_TIMEOUT_S = 30.0
+"""Seconds one write of a response may wait for its client to read (`serve --timeout-send`): a client
+that reads nothing that long while the connection's buffers are full is dropped, as if it had left."""
 REPLICA_HEADER = "x-speculative-replica"
 """The response header naming the replica that answered (`create_app(replica=...)`)."""
 
@@ -58,6 +63,7 @@ def create_app(
     shutdown_timeout: float = 30.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    send_timeout: float = DEFAULT_SEND_TIMEOUT_S,
     replica: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `scheduler`'s model as `model_name`.
@@ -67,7 +73,9 @@ def create_app(
     max_prompt_tokens: longest prompt taken (None: no limit but the context); max_model_len: prompt
     plus max_tokens at most; max_request_bytes: a request body's size at most (else 413, read no
     further); request_body_timeout: seconds the body may take to arrive (else 408: a client that
-    sends slowly holds no handler longer). Both close the connection. replica: when set, every response
+    sends slowly holds no handler longer). Both close the connection. send_timeout: seconds one write
+    of a response may wait for the client to read; a client that reads nothing that long is dropped
+    as if it had left (its request aborted, its rows freed; counted 499). replica: when set, every response
     names it in the REPLICA_HEADER header (one of several behind a proxy). n and best_of are at most
     the scheduler's max_num_seqs. The lifespan starts the scheduler and, on shutdown, lets running
     requests finish within shutdown_timeout seconds.
@@ -92,6 +100,7 @@ def create_app(
         metrics=scheduler.metrics,
         max_request_bytes=max_request_bytes,
         request_body_timeout=request_body_timeout,
+        send_timeout=send_timeout,
         replica=replica,
     )
     _add_error_handlers(app)
@@ -225,6 +234,7 @@ def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None
         shutdown_timeout=server.shutdown_timeout,
         max_request_bytes=server.max_request_bytes,
         request_body_timeout=server.timeout_request_body,
+        send_timeout=server.timeout_send,
         replica=replica,
     )
 
@@ -460,6 +470,8 @@ async def _sse(
         if answer.first_choices:
             yield answer.chunk(answer.first_choices)
         async for prompt, update in updates:
+            if request.state.client_stalled.is_set():  # dropped by _Gate: end as if it had left
+                break
             if update.error is not None:
                 failure = _failure(update.error)
                 request.state.status = failure.status
@@ -526,7 +538,11 @@ def _event(body: dict) -> str:
 class _Gate:
     """Pure ASGI middleware: the API key, draining (503), the body's size (413, the body read no
     further than the limit) and time to arrive (408), counting /v1 requests by status, and naming
-    the replica in every response's headers (when it has a name).
+    the replica in every response's headers (when it has a name), and dropping a client that reads
+    nothing for send_timeout seconds: the write waiting for it is given up, the app's later writes
+    are dropped, and `request.state.client_stalled` (an asyncio.Event) is set, on which a stream ends
+    at its next update as when its client leaves (its rows freed); uvicorn then closes the connection
+    (the response is incomplete).
 
     A streamed request is counted when its stream ends, with the status its handler leaves in
     `request.state.status` (200, 499 when the client left, 400 or 500 when the engine failed it)."""
@@ -539,10 +555,11 @@ class _Gate:
         metrics,
         max_request_bytes: int,
         request_body_timeout: float,
+        send_timeout: float,
         replica: str | None,
     ) -> None:
         self.app, self.metrics, self.max_request_bytes = app, metrics, max_request_bytes
-        self.request_body_timeout = request_body_timeout
+        self.request_body_timeout, self.send_timeout = request_body_timeout, send_timeout
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.replica = [(REPLICA_HEADER.encode(), replica.encode())] if replica else []
 
@@ -552,13 +569,21 @@ class _Gate:
         path = scope["path"]
         counted = path.startswith("/v1/")
         status = 500
+        stalled = asyncio.Event()  # the client read nothing for send_timeout seconds
 
         async def send_and_note(message) -> None:
             nonlocal status
+            if stalled.is_set():
+                return
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message = {**message, "headers": [*message.get("headers", []), *self.replica]}
-            await send(message)
+            try:
+                async with asyncio.timeout(self.send_timeout):
+                    await send(message)
+            except TimeoutError:
+                stalled.set()
+                log.warning("%s: dropped a client that read nothing for %g s", path, self.send_timeout)
 
         try:
             error, headers = self._refusal(scope, path), None
@@ -571,6 +596,7 @@ class _Gate:
                 response = JSONResponse(error.body(), status_code=error.status, headers=headers)
                 await response(scope, receive, send_and_note)
             else:
+                scope.setdefault("state", {})["client_stalled"] = stalled
                 await self.app(scope, _replay(body, receive), send_and_note)
         finally:
             if counted:

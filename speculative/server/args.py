@@ -19,8 +19,10 @@ from speculative.engine_args import (
 )
 
 SHUTDOWN_GRACE_S = 5.0
-"""uvicorn's wait for connections after SIGTERM beyond --shutdown-timeout: the time the requests that
-the timeout cut have to send their error to their clients before uvicorn drops the connections."""
+"""uvicorn's wait for connections after SIGTERM beyond --shutdown-timeout and --timeout-send: a
+request that the shutdown timeout cut sends its error event to a client that reads (each write given
+--timeout-send at most, after which the client is dropped) and then its connection closes; only a
+connection still open after all of it is dropped by uvicorn."""
 
 
 @dataclass
@@ -62,6 +64,11 @@ class ServerArgs:
     timeout_request_body: float = arg(
         30.0, "seconds a request's body may take to arrive (then 408, and the connection closes)"
     )
+    timeout_send: float = arg(
+        30.0,
+        "seconds one write of a response may wait for its client to read; a client that reads nothing "
+        "that long is dropped and its request aborted",
+    )
     timeout_keep_alive: int = arg(5, "seconds an idle keep-alive connection stays open (uvicorn's flag)")
     limit_concurrency: int = arg(
         1024,
@@ -87,7 +94,7 @@ def uvicorn_options(server: ServerArgs) -> dict:
         "host": server.host,
         "port": server.port,
         "log_level": "info",
-        "timeout_graceful_shutdown": server.shutdown_timeout + SHUTDOWN_GRACE_S,
+        "timeout_graceful_shutdown": server.shutdown_timeout + server.timeout_send + SHUTDOWN_GRACE_S,
         "timeout_keep_alive": server.timeout_keep_alive,
         "limit_concurrency": server.limit_concurrency,
         "h11_max_incomplete_event_size": server.h11_max_incomplete_event_size,
@@ -117,8 +124,9 @@ def check_serve_flags(server: ServerArgs, engine: EngineArgs) -> str | None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1; got {getattr(server, flag)}")
     if server.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0; got {server.shutdown_timeout}")
-    if not server.timeout_request_body > 0:
-        raise ValueError(f"--timeout-request-body must be > 0; got {server.timeout_request_body}")
+    for flag in ("timeout_request_body", "timeout_send"):
+        if not getattr(server, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0; got {getattr(server, flag)}")
     engine.speculative_config()  # the speculative flags, before anything loads
     return None if server.chat_template is None else chat_template(server.chat_template)
 

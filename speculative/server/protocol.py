@@ -37,6 +37,10 @@ MAX_STOP = 16
 """Stop strings per request at most (OpenAI takes 4; vLLM's clients may send more)."""
 MAX_STOP_CHARS = 256
 """Characters per stop string at most: the engine looks for each one after every step."""
+MAX_ENTRIES = {"logit_bias": 1024, "stop_token_ids": 1024, "bad_words": 128}
+"""Entries per request at most in these fields (the body's size alone would let one request carry
+tens of thousands): each is applied to the request's rows at every step (bad_words: each word's tokens
+matched against the row's latest tokens), so a long list slows every sequence of the batch."""
 MIN_LOGPROB = -9999.0
 """OpenAI's stand-in for a log-probability of -inf (JSON has no infinity)."""
 _INT64 = 2**63
@@ -178,7 +182,8 @@ class SamplingRequest(_Body):
 
     def check_limits(self, max_choices: int) -> None:
         """The server's limits that the schema does not hold, checked before any tokenization: n and
-        best_of at most max_choices, at most MAX_STOP stop strings of MAX_STOP_CHARS characters each.
+        best_of at most max_choices, at most MAX_STOP stop strings and MAX_ENTRIES bad words, logit
+        biases and stop token ids, stop strings and bad words of MAX_STOP_CHARS characters at most.
         An APIError (400) naming the field and its allowed range."""
         for name in ("n", "best_of"):
             value = getattr(self, name, None)
@@ -192,13 +197,18 @@ class SamplingRequest(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stop) > MAX_STOP:
             raise APIError(400, f"stop must hold at most {MAX_STOP} strings; got {len(stop)}", param="stop")
-        longest = max(map(len, stop), default=0)
-        if longest > MAX_STOP_CHARS:
-            raise APIError(
-                400,
-                f"each stop string must be at most {MAX_STOP_CHARS} characters long; got one of {longest}",
-                param="stop",
-            )
+        for name, most in MAX_ENTRIES.items():
+            count = len(getattr(self, name) or ())
+            if count > most:
+                raise APIError(400, f"{name} must hold at most {most} entries; got {count}", param=name)
+        for name, strings in (("stop", stop), ("bad_words", self.bad_words or [])):
+            longest = max(map(len, strings), default=0)
+            if longest > MAX_STOP_CHARS:
+                raise APIError(
+                    400,
+                    f"each of {name} must be at most {MAX_STOP_CHARS} characters long; got one of {longest}",
+                    param=name,
+                )
 
     def _sampling_params(self, max_tokens: int, logprobs: int | None, best_of: int | None) -> SamplingParams:
         """SamplingParams of this request, or an APIError (400) naming the offending field."""

@@ -188,7 +188,29 @@ LIMITS = [  # (name, path, body, the param named, words the message must hold)
         CHAT,
         {**CHAT_OK, "stop": ["x" * 257]},
         "stop",
-        "at most 256 characters long; got one of 257",
+        "each of stop must be at most 256 characters long; got one of 257",
+    ),
+    (
+        "1025 logit biases",
+        COMPLETIONS,
+        {**OK, "logit_bias": {str(i): 1.0 for i in range(1025)}},
+        "logit_bias",
+        "logit_bias must hold at most 1024 entries; got 1025",
+    ),
+    (
+        "1025 stop token ids",
+        CHAT,
+        {**CHAT_OK, "stop_token_ids": list(range(1025))},
+        "stop_token_ids",
+        "at most 1024 entries; got 1025",
+    ),
+    ("129 bad words", COMPLETIONS, {**OK, "bad_words": ["a"] * 129}, "bad_words", "at most 128 entries"),
+    (
+        "a bad word of 257 characters",
+        COMPLETIONS,
+        {**OK, "bad_words": ["x" * 257]},
+        "bad_words",
+        "each of bad_words must be at most 256 characters long; got one of 257",
     ),
 ]
 
@@ -202,9 +224,18 @@ def test_limits_name_the_parameter_and_its_range(served, name, path, body, param
     assert error["type"] == "invalid_request_error"
 
 
-def test_stop_strings_at_the_limits_are_taken(served) -> None:
+def test_lists_at_the_limits_are_taken(served) -> None:
     body = {**OK, "stop": [chr(ord("a") + i) * 256 for i in range(16)]}
     assert served.post(COMPLETIONS, body).status_code == 200
+    body = {
+        **OK,
+        "stop_token_ids": [i % 90 + 5 for i in range(1024)],
+        "bad_words": [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(127)] + ["x" * 256],
+    }
+    assert served.post(COMPLETIONS, body).status_code == 200
+    many = {**OK, "logit_bias": {str(i): 0.5 for i in range(1024)}}  # more than the test model's vocabulary
+    error = served.post(COMPLETIONS, many).json()["error"]
+    assert "at most" not in error["message"] and error["param"] == "logit_bias", error
 
 
 def test_a_body_over_the_size_limit_is_413(served) -> None:
