@@ -216,7 +216,8 @@ def test_answer_losses_count_each_pass_against_the_token_it_drafts(layout) -> No
 def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
     """--target / --data: a few steps on the target's answers lower the loss and raise the held-out
     agreement; the head, its card and training.json are written; the features file serves a second
-    (resumed) piece without the target; through the engine greedy output is the target's alone."""
+    (resumed) piece without the target, which starts where the first ended; through the engine greedy
+    output is the target's alone."""
 
     root, out, features = chat_target, tmp_path / "eagle3", tmp_path / "features.pt"
     argv = [
@@ -238,6 +239,9 @@ def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
 
     resumed = train_eagle.main([*argv[:8], "--steps", "5", *argv[10:], "--resume"])
     assert [p["steps"] for p in resumed["pieces"]] == [30, 5] and resumed["total"]["steps"] == 35
+    # saved for the target's own features and trained on scaled ones (input_scale): the same head
+    for name in ("agreement_per_depth", "ce_per_depth"):
+        assert resumed["heldout_before"][name] == pytest.approx(after[name], abs=2e-4), name
     assert "in 2 pieces" in (out / "README.md").read_text()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[60, 61, 62, 63], [10, 20, 30, 40, 50, 60, 70]]

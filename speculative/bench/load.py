@@ -29,10 +29,12 @@ output tokens/s over plain's in the same round, the median and range over the ro
 
 Figures of a level (vLLM's), of its requests in every round: requests/s and output tokens/s over its
 rounds' summed wall time (and each round's output tokens/s); time to first token (TTFT: first chunk
-with text), time per output token (TPOT: (end - first chunk) / (tokens - 1), per request) and
-inter-chunk latency (ITL: gaps between chunks; a speculative step's chunk can hold several tokens),
-each as p50 / p99 in ms; errors (a status other than 200, an error event, or no [DONE]). The
-server's RSS is sampled every RSS_PERIOD s throughout (psutil).
+with text), time per output token (TPOT: (end - first chunk) / (tokens - 1), per request),
+inter-chunk latency (ITL per chunk: gaps between chunks, vLLM's ITL) and inter-token latency (ITL per
+token: a chunk's gap shared by the tokens it brought, each token a sample; the server's own
+`inter_token_latency_seconds`): a speculative step's chunk can hold several tokens, so its gap is a
+longer step's while its tokens come sooner, each as p50 / p99 in ms; errors (a status other than 200,
+an error event, or no [DONE]). The server's RSS is sampled every RSS_PERIOD s throughout (psutil).
 """
 
 from __future__ import annotations
@@ -152,10 +154,12 @@ class LoadConfig:
 @dataclass
 class RequestRecord:
     """One request, times in seconds since the benchmark's clock started: sent, each chunk with text
-    (`chunks`), and the end; `tokens` the completion tokens of its usage; `error` None if it completed."""
+    (`chunks`) and the tokens it brought (`chunk_tokens`, from the usage every chunk holds), and the
+    end; `tokens` the completion tokens of its usage; `error` None if it completed."""
 
     sent: float
     chunks: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
     end: float = 0.0
     tokens: int = 0
     error: str | None = None
@@ -207,7 +211,7 @@ class Driver:
             "temperature": self.config.temperature,
             "ignore_eos": True,
             "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if record.chat:
             messages = record.messages or [{"role": "user", "content": record.text}]
@@ -236,10 +240,11 @@ class Driver:
                         record.error = f"error event: {event['error']}"
                         return record
                     choices = event.get("choices", [])
+                    so_far = (event.get("usage") or {}).get("completion_tokens", record.tokens)
                     if any(c.get("text") or c.get("delta", {}).get("content") for c in choices):
                         record.chunks.append(self.clock())
-                    if event.get("usage"):
-                        record.tokens = event["usage"]["completion_tokens"]
+                        record.chunk_tokens.append(so_far - record.tokens)
+                    record.tokens = so_far
             if not done:
                 record.error = "the stream ended without [DONE]"
         except httpx.HTTPError as error:
@@ -298,6 +303,14 @@ def summarize(records: list[RequestRecord], seconds: float) -> dict:
             [(r.end - r.chunks[0]) / (r.tokens - 1) for r in done if r.chunks and r.tokens > 1]
         ),
         "itl_ms": percentiles([b - a for r in done for a, b in zip(r.chunks, r.chunks[1:])]),
+        "itl_token_ms": percentiles(
+            [
+                (b - a) / n
+                for r in done
+                for a, b, n in zip(r.chunks, r.chunks[1:], r.chunk_tokens[1:])
+                for _ in range(n)
+            ]
+        ),
         "e2e_ms": percentiles([r.end - r.sent for r in done]),
     }
 

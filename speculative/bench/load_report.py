@@ -17,7 +17,8 @@ LEVEL_COLUMNS = [
     "out tok/s",
     "TTFT p50 / p99 (ms)",
     "TPOT p50 / p99 (ms)",
-    "ITL p50 / p99 (ms)",
+    "ITL per chunk p50 / p99 (ms)",
+    "ITL per token p50 / p99 (ms)",
     "errors",
     "RSS max (MiB)",
 ]
@@ -54,6 +55,7 @@ def level_rows(results: dict, kind: str) -> list[list[str]]:
                     _pair(level["ttft_ms"]),
                     _pair(level["tpot_ms"]),
                     _pair(level["itl_ms"]),
+                    _pair(level["itl_token_ms"]),
                     f"{level['errors']} of {level['requests']}",
                     num(_rss_max(server, level["spans"]), ".0f"),
                 ]
@@ -146,9 +148,10 @@ def markdown(results: dict, plot: str) -> str:
         f"Machine: {m['nproc']} CPUs ({m['cpu']}; {m['cpu_features']}), torch {m['torch']}, "
         f"Python {m['python']}.",
         "Columns, over every round's requests: requests/s and output tokens/s over the rounds' wall time; "
-        "time to first token, time per "
-        "output token after the first, and inter-chunk latency (a speculative step's chunk can hold several "
-        "tokens), p50 / p99; requests that failed; the server's largest RSS in the level.",
+        "time to first token, time per output token after the first, inter-chunk latency (a speculative "
+        "step's chunk can hold several tokens) and inter-token latency (a chunk's gap shared by its "
+        "tokens, each token a sample), p50 / p99; requests that failed; the server's largest RSS in the "
+        "level.",
         "## Closed loop (clients sending back to back)",
         markdown_table(LEVEL_COLUMNS, level_rows(results, "closed")),
     ]

@@ -19,7 +19,10 @@ The head drafts `--depth` tokens deep in training as it does when drafting (trai
 EAGLE-3's training-time test), pass d's loss weighted 0.8^(d - 1), over a draft vocabulary (FR-Spec:
 the `--draft-vocab` tokens most frequent in the training answers, the end-of-turn tokens always among
 them; the target's distribution renormalised over it; a label outside it is a miss in the figures).
-AdamW, warmup and cosine decay (answers_loop). `--resume` trains the head saved in `--out` further.
+The head trains on the features of every layer but the last divided by their RMS, its fc's weights
+multiplied by it (input_scale: the same head, steps even across its inputs), and is saved as it
+reads the target's own. AdamW, warmup and cosine decay (answers_loop). `--resume` trains the head
+saved in `--out` further.
 
 The head is written to `--out` with `training.json` (the record, the held-out teacher-forced figures per
 draft depth before and after, the greedy acceptance through the engine of k = 4 chains on held-out
@@ -101,14 +104,33 @@ def target_features(target, rows: list, layers: tuple[int, ...], path: Path | No
     return features
 
 
-def feature_batch(rows: list, features: list[Tensor], group: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+def input_scale(features: list[Tensor], width: int) -> Tensor:
+    """[feature_size]: what each feature column is divided by while the head trains, the RMS over the
+    rows of its layer's stream for every layer but the last (`width` columns each); the last, the
+    target's final hidden state, stays as it is (the teacher's input; its RMS is about 2 on SmolLM2).
+
+    The streams entering early and middle layers are far larger (RMS 10-16 on SmolLM2-135M): fed as
+    they are, Adam's steps, about the same size on every weight, moved fc's output along those
+    columns several times as much as along the final state's. Training on scaled inputs with fc's
+    weights scaled the other way (`train`) is the same head at every step, with steps even across
+    its inputs."""
+    squares = sum(f.float().pow(2).sum(0) for f in features) / sum(len(f) for f in features)
+    blocks = squares.view(-1, width).mean(1).sqrt()
+    blocks[-1] = 1.0
+    return blocks.repeat_interleave(width)
+
+
+def feature_batch(
+    rows: list, features: list[Tensor], group: list[int], scale: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """train_draft.collate's tokens and labels [batch, longest] of the rows in `group`, and their
-    features [batch, longest, feature_size] float32 (zeros where padded)."""
+    features [batch, longest, feature_size] float32 divided by `scale` (input_scale; zeros where
+    padded)."""
     tokens, _, labels = collate(rows, group)
     stacked = torch.zeros(*tokens.shape, features[group[0]].shape[-1])
     for b, i in enumerate(group):
         stacked[b, : len(features[i])] = features[i].float()
-    return tokens, labels, stacked
+    return tokens, labels, stacked / scale
 
 
 def real_tokens(rows: list, group: list[int]) -> int:
@@ -182,12 +204,14 @@ def summed_figures(parts: list[dict]) -> dict:
 
 
 @torch.no_grad()
-def held_out_figures(head, rows: list, features: list, depth: int, index: Tensor, batch_tokens: int) -> dict:
-    """summed_figures over the held-out rows."""
+def held_out_figures(
+    head, rows: list, features: list, scale: Tensor, depth: int, index: Tensor, batch_tokens: int
+) -> dict:
+    """summed_figures over the held-out rows (features divided by `scale`, as in training)."""
     head.eval()
     parts = []
     for group in batches(rows, batch_tokens, random.Random(0)):
-        tokens, labels, stacked = feature_batch(rows, features, group)
+        tokens, labels, stacked = feature_batch(rows, features, group, scale)
         parts.append(answer_losses(head, tokens, labels, stacked, depth, index)["sums"])
     return summed_figures(parts)
 
@@ -228,14 +252,19 @@ def train(args) -> dict:
     index[kept] = torch.arange(len(kept))
     features = target_features(target, rows + heldout, head.target_layers, args.features)
     train_features, heldout_features = features[: len(rows)], features[len(rows) :]
+    scale = input_scale(train_features, config.hidden_size)
+    with torch.no_grad():  # the same head on features / scale (input_scale)
+        head.fc.weight.mul_(scale)
     feature_seconds = time.monotonic() - start
     del target
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
 
-    figures = partial(held_out_figures, head, heldout, heldout_features, args.depth, index, args.batch_tokens)
+    figures = partial(
+        held_out_figures, head, heldout, heldout_features, scale, args.depth, index, args.batch_tokens
+    )
 
     def step_loss(group: list[int]) -> tuple[Tensor, int, int]:
-        tokens, labels, stacked = feature_batch(rows, train_features, group)
+        tokens, labels, stacked = feature_batch(rows, train_features, group, scale)
         out = answer_losses(head, tokens, labels, stacked, args.depth, index)
         return out["loss"], real_tokens(rows, group), int(out["sums"]["positions"][0])
 
@@ -246,6 +275,8 @@ def train(args) -> dict:
     pieces = [*earlier, {**piece, "depth": args.depth, "data": str(args.data)}]
     totals = {name: round(sum(p[name] for p in pieces), 1) for name in ("steps", "tokens", "seconds")}
     after = figures()
+    with torch.no_grad():  # back to the target's own features
+        head.fc.weight.div_(scale)
     save_eagle_head(head, args.out)
     prompts = [a["prompt"][-args.seq_len :] for a in heldout_answers[: args.prompts]]
     drafters = {args.layout: (args.out, args.layout)}

@@ -4,19 +4,23 @@ With c_i the chance that draft i is accepted once drafts 1..i-1 were (measured p
 that drafts k tokens gives E(k) = 1 + sum_{i<=k} prod_{j<=i} c_j tokens per row on average (Leviathan et
 al. 2023's expected tokens per step, with a per-position acceptance). It costs t_B(k), measured for the
 batch size B: the time from the step's start to the next step's start (drafting, verification,
-acceptance, the host sync, and what the host did before the next step: in a server, publishing the
-tokens and admitting new rows, whose prompts a drafter must also take in), a moving mean for each k
+acceptance, the host sync, and what the host did before the next step, such as a server publishing
+the tokens; not the target's prefill of rows admitted in between, which costs the same whatever k, while
+a drafter's intake of their prompts is its next drafting step's), a moving mean for each k
 tried (decay _TIME_DECAY per sample; a mean, not a median, so that rare long periods, such as the
 prefill of a whole batch of new rows, count for what they cost), the line through them for k not
 tried. The step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step:
-speculation switched off for batch sizes where it does not pay. The first batch size starts by
-measuring max_k and 0, twice each, and keeps the least of the two (a first step also pays for first
-calls and, since rows join the drafter lazily, for its prefill of the prompts: counted in the mean, it
-switched speculation off for good at batch 1, where it doubles the speed) until the first
-measurement after the warm-up replaces it; a batch size met later starts from the step times of the
-nearest one measured, rescaled at its own first step and replaced k by k as it measures them: batches
-shrink a row at a time as rows finish, and probing max_k and 0 at each size costs more than it
-teaches.
+speculation switched off for batch sizes where it does not pay. After a plain step, drafting must
+promise _SWITCH_GAIN times plain decoding's tokens a second to be switched on (a drafter then takes in
+every token it skipped, a cost no step time holds), so that where the two are about even (a weak
+drafter, a large batch) the steps do not alternate between them, paying that cost each time. The first
+batch size starts by measuring max_k and 0, twice each, and keeps the least of the two (a first step
+also pays for first calls and, since rows join the drafter lazily, for its prefill of the prompts:
+counted in the mean, it switched speculation off for good at batch 1, where it doubles the speed) until
+the first measurement after the warm-up replaces it; a batch size met later starts from the step
+times of the nearest one measured, rescaled at its own first step and replaced k by k as it measures
+them: batches shrink a row at a time as rows finish, and probing max_k and 0 at each size costs more
+than it teaches.
 
 Now and then a neighbour of the best k, or plain decoding, whichever was measured least recently, is
 measured again so that the estimates follow the workload (without plain decoding among them, a plain
@@ -37,6 +41,7 @@ _EXPLORE = 16  # steps at a batch size before a neighbour of the best k is measu
 _EXPLORE_MAX = 256  # ... an interval that doubles up to this while the best k stays the same
 _DECAY = 0.98  # per step, for the acceptance counts
 _TIME_DECAY = 0.9  # per sample of a k at a batch size, for its moving mean
+_SWITCH_GAIN = 1.1  # drafting's promised tokens a second over plain decoding's to switch it on
 
 
 class DraftLength:
@@ -73,9 +78,10 @@ class DraftLength:
             for k in (self.max_k, 0):
                 if counts.get(k, 0) < _WARMUP:
                     return k
-        best = max(
-            range(self.max_k + 1), key=lambda k: self.expected_tokens(k) / self.step_time(batch_size, k)
-        )
+        rate = [self.expected_tokens(k) / self.step_time(batch_size, k) for k in range(self.max_k + 1)]
+        best = max(range(self.max_k + 1), key=rate.__getitem__)
+        if self._last_k == 0 and rate[best] < _SWITCH_GAIN * rate[0]:
+            best = 0
         steps = sum(counts.values())
         last, interval, due = self.explore.get(batch_size, (best, _EXPLORE, _EXPLORE))
         if best != last:

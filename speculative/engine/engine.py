@@ -113,6 +113,7 @@ class Engine:
         self.num_top, self.want_logprobs = 0, False
         self.step_stats: list[StepStats] | None = None  # collected while `recording_steps` is open
         self._unobserved: tuple | None = None  # the last step's figures for draft_length (_close_period)
+        self._admitting = 0.0  # seconds `add` took since the last step started (not that step's cost)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -185,6 +186,16 @@ class Engine:
         if not sequences:
             return []
         start = time.perf_counter()
+        try:
+            return self._admit(sequences, start, eos_token_ids)
+        finally:
+            if self._unobserved is not None:
+                self._admitting += time.perf_counter() - start
+
+    def _admit(
+        self, sequences: list[Sequence], start: float, eos_token_ids: Seq[int] | None
+    ) -> list[Sequence]:
+        """`add`'s work (its docstring), the sequences admitted at `start`."""
         for s in sequences:
             s.start_time = start
             if s.params.stop:
@@ -270,12 +281,15 @@ class Engine:
 
     def _close_period(self, now: float | None) -> None:
         """Hand draft_length the last step's figures, its time taken from its start to `now`, the next
-        step's start (what the host did in between, such as admitting rows, is part of its cost), or
+        step's start (what the host did in between, such as publishing its tokens, is part of its
+        cost; admitting rows, the target's prefill of their prompts, is not: it costs the same whatever
+        k the step had, and in a server it would make one step of many look several times as slow), or
         with None (no next step: the batch ended) its own duration."""
         if self._unobserved is not None:
             rows, k, start, seconds, accepted, drafted = self._unobserved
-            self._unobserved = None
-            self.draft_length.observe(rows, k, seconds if now is None else now - start, accepted, drafted)
+            admitting, self._unobserved, self._admitting = self._admitting, None, 0.0
+            period = seconds if now is None else now - start - admitting
+            self.draft_length.observe(rows, k, period, accepted, drafted)
 
     def _score(self, query: Tensor, parents: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The target's forward over the step's query [B, q] (a chain, or the tree `parents`): its

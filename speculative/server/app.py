@@ -132,6 +132,7 @@ def create_app(
             render=render,
             n=params[0].n,
             include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
             speculation_metrics=body.return_speculation_metrics,
         )
         return await _respond(scheduler, request, answer, prompts, params, bool(body.stream))
@@ -161,6 +162,7 @@ def create_app(
             render=render,
             n=params.n,
             include_usage=body.include_usage,
+            continuous_usage=body.continuous_usage,
             speculation_metrics=body.return_speculation_metrics,
             first_choices=[
                 P.chat_choice(i, "", None, None, None, role=True, chunk=True) for i in range(params.n)
@@ -340,6 +342,7 @@ class _Answer:
     render: Callable[..., dict]
     n: int
     include_usage: bool
+    continuous_usage: bool = False
     speculation_metrics: bool = False
     first_choices: list[dict] = field(default_factory=list)
 
@@ -355,6 +358,11 @@ class _Answer:
             speculation_metrics=speculation,
         )
         return _event(body)
+
+    def usage_so_far(self, prompts: list[list[int]], generated: int) -> dict | None:
+        """A text chunk's usage: the tokens so far where the request asked for it on every chunk
+        (continuous_usage_stats), else None."""
+        return P.usage(sum(map(len, prompts)), generated) if self.continuous_usage else None
 
     def speculation(self, metrics: list[SpeculationMetrics | None]) -> dict | None:
         """The prompts' final metrics added up, in vLLM's names, when the request asked for them."""
@@ -468,7 +476,7 @@ async def _sse(
     metrics: list[SpeculationMetrics | None] = [None] * len(streams)
     async with aclosing(_merge(streams)) as updates:
         if answer.first_choices:
-            yield answer.chunk(answer.first_choices)
+            yield answer.chunk(answer.first_choices, answer.usage_so_far(prompts, 0))
         async for prompt, update in updates:
             if request.state.client_stalled.is_set():  # dropped by _Gate: end as if it had left
                 break
@@ -483,7 +491,7 @@ async def _sse(
             for delta in update.sequences:
                 choices.append(answer.render(prompt * answer.n + delta.index, delta, True))
             if choices:
-                yield answer.chunk(choices)
+                yield answer.chunk(choices, answer.usage_so_far(prompts, sum(generated)))
         else:
             speculation = answer.speculation(metrics)
             if answer.include_usage or speculation is not None:

@@ -109,6 +109,9 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool = False
     """Stream one more chunk, with no choices, holding the request's usage."""
+    continuous_usage_stats: bool = False
+    """With include_usage (vLLM's extension): every chunk holds the usage so far, so that a client
+    knows how many tokens each chunk brought (a speculative step's chunk can hold several)."""
 
 
 class JsonSchema(_Body):
@@ -273,6 +276,10 @@ class SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`. max_tokens defaults to 16, as OpenAI's; null fills the context."""
@@ -383,7 +390,8 @@ def response_object(
 ) -> dict:
     """A response or streamed chunk: object is "text_completion", "chat.completion" or
     "chat.completion.chunk". Chunks carry "usage" (null but on the last) only when the request asked
-    for it (stream_options.include_usage); "speculation_metrics" is there when given."""
+    for it (stream_options.include_usage; on every chunk with continuous_usage_stats);
+    "speculation_metrics" is there when given."""
     body = {"id": request_id, "object": object, "created": created, "model": model, "choices": choices}
     if with_usage:
         body["usage"] = usage

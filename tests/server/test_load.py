@@ -31,8 +31,9 @@ from .conftest import API_KEY
 
 def test_figures_of_known_requests() -> None:
     records = [
-        RequestRecord(sent=0.0, chunks=[0.1, 0.2, 0.4], end=0.4, tokens=5),  # TPOT (0.4 - 0.1) / 4
-        RequestRecord(sent=1.0, chunks=[1.3, 1.4], end=1.5, tokens=3),  # TPOT 0.2 / 2
+        # TPOT (0.4 - 0.1) / 4; tokens 1 + 1 + 3 by chunk
+        RequestRecord(sent=0.0, chunks=[0.1, 0.2, 0.4], chunk_tokens=[1, 1, 3], end=0.4, tokens=5),
+        RequestRecord(sent=1.0, chunks=[1.3, 1.4], chunk_tokens=[1, 2], end=1.5, tokens=3),  # TPOT 0.2 / 2
         RequestRecord(sent=2.0, end=2.1, error="status 400: b'too long'"),
     ]
     figures = summarize(records, seconds=4.0)
@@ -43,6 +44,9 @@ def test_figures_of_known_requests() -> None:
     assert figures["ttft_ms"]["p50"] == pytest.approx(200.0)
     assert figures["tpot_ms"]["p50"] == pytest.approx((75.0 + 100.0) / 2)
     assert figures["itl_ms"]["p50"] == pytest.approx(100.0)  # gaps 100, 200, 100 ms
+    # a token each: 100 ms (1 token), 66.7 ms x 3 (200 ms, 3 tokens), 50 ms x 2 (100 ms, 2 tokens)
+    assert figures["itl_token_ms"]["p50"] == pytest.approx(200.0 / 3)
+    assert figures["itl_token_ms"]["p99"] == pytest.approx(200.0 / 3 + 0.95 * (100.0 - 200.0 / 3))
     assert figures["e2e_ms"]["p99"] == pytest.approx(400.0 + 0.99 * 100.0)  # of 400 and 500 ms
 
 
@@ -161,7 +165,7 @@ def test_request_lengths_vary_over_their_range_the_same_for_every_server(served)
 
 def test_chat_records_are_sent_as_chats_and_their_tokens_counted(served) -> None:
     """A chat record goes to /v1/chat/completions (its streamed deltas are the chunks), text to
-    /v1/completions; both stream their usage."""
+    /v1/completions; both stream their usage, on every chunk: the tokens each chunk brought."""
     chat = PromptRecord("0", "Sort a list.", True, [{"role": "user", "content": "Sort a list."}])
 
     async def send() -> list:
@@ -174,7 +178,7 @@ def test_chat_records_are_sent_as_chats_and_their_tokens_counted(served) -> None
 
     records = asyncio.run(send())
     assert [(r.error, r.tokens) for r in records] == [(None, 6), (None, 6)]
-    assert all(len(r.chunks) >= 1 for r in records)
+    assert all(len(r.chunks) == len(r.chunk_tokens) >= 1 and sum(r.chunk_tokens) == 6 for r in records)
 
 
 def test_requests_the_server_refuses_are_errors(served) -> None:

@@ -70,6 +70,41 @@ def test_completion_stream_several_tokens_per_event(served) -> None:
     )
 
 
+def test_continuous_usage_counts_the_tokens_of_every_chunk(served) -> None:
+    """stream_options.continuous_usage_stats (vLLM's): every chunk holds the usage so far, so its
+    growth is each chunk's number of tokens (several after a step that accepted drafts)."""
+    client = served.client()
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=40,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [c for c in stream if c.choices]
+    so_far = [c.usage.completion_tokens for c in chunks]
+    assert so_far[-1] == 40 and all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
+    grown = [b - a for a, b in zip([0, *so_far], so_far)]
+    assert grown == [len(c.choices[0].logprobs.tokens) for c in chunks] and max(grown) > 1
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    usage = [c.usage.completion_tokens for c in chat]
+    assert usage[0] == 0 and usage == sorted(usage) and usage[-1] == 12
+    without = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
+    assert all(c.usage is None for c in without if c.choices)  # the usage only at the end
+
+
 def test_chat_greedy_equals_generate(served) -> None:
     client = served.client()
     response = client.chat.completions.create(
