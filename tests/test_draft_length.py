@@ -222,7 +222,8 @@ def test_an_admission_between_steps_is_not_part_of_a_step_time() -> None:
         time.sleep(0.1)
         engine.add(llm.make_sequences([8, 9], params, 1))
         engine.step()
-    assert 0.1 + steps[0].step_s <= seen[0] < 0.3 + steps[0].step_s
+    # counted: the 0.1 s between the two; not counted: the 0.5 s prefill (0.6 s and more when it was)
+    assert 0.1 + steps[0].step_s <= seen[0] < 0.5 + steps[0].step_s
 
 
 def test_drafting_about_even_with_plain_decoding_does_not_alternate_with_it() -> None:
