@@ -31,6 +31,12 @@ class SpeculativeConfig:
     adaptive: choose k per step in [0, num_speculative_tokens] from the measured acceptance and
         step times (`speculative.engine.draft_length`); 0 switches speculation off where it does not
         pay. The output stays exact, but a seeded sampled request's text then depends on timing.
+    disable_by_batch_size: None (speculate at every batch size), or the batch size from which a step
+        decodes plainly: a step of at least this many running rows drafts nothing (vLLM's option of
+        the name), whatever k or `adaptive` would choose. Under load a verification of k + 1 tokens
+        a row is a large forward, and a row whose drafts are all rejected waits for it to get one
+        token: the guard keeps plain decoding's inter-token latency where the batch is that large.
+        An integer >= 2.
     tree: None (a chain of k drafts), or a token tree of depth <= k verified in one forward:
         "dynamic" (the draft model's or EAGLE head's tree follows its confidence, as EAGLE-2's) or
         "static" (a fixed topology); for "ngram" either one merges every match's continuation into a
@@ -56,6 +62,7 @@ class SpeculativeConfig:
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     adaptive: bool = False
+    disable_by_batch_size: int | None = None
     tree: Literal["static", "dynamic"] | None = None
     tree_width: int = 2
     tree_nodes: int = 8
@@ -92,6 +99,13 @@ class SpeculativeConfig:
             ">= 0",
         )
         _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
+        limit = self.disable_by_batch_size
+        _check(
+            limit is None or (is_int(limit) and limit >= 2),
+            "disable_by_batch_size",
+            limit,
+            "None or an integer >= 2",
+        )
         _check(self.tree in (None, "static", "dynamic"), "tree", self.tree, 'None, "static" or "dynamic"')
         _check(not (self.tree and self.adaptive), "adaptive", self.adaptive, "False with a tree")
         _check(

@@ -212,6 +212,12 @@ class EngineArgs:
     posterior_threshold: float = _spec("posterior_threshold", "--acceptance typical: the threshold's bound")
     posterior_alpha: float = _spec("posterior_alpha", "--acceptance typical: the entropy scale")
     adaptive: bool = _spec("adaptive", "choose k per step in [0, k] from measured acceptance and step times")
+    disable_by_batch_size: int | None = _spec(
+        "disable_by_batch_size",
+        "decode plainly (draft nothing) at steps of N or more running rows: plain decoding's "
+        "inter-token latency under load",
+        default_text="speculate at every batch size",
+    )
     tree: str | None = _spec(
         "tree",
         "verify a token tree of depth k per step: dynamic (follows the draft's confidence) or static",

@@ -154,6 +154,7 @@ class LLM:
         self.generator = torch.Generator(device=self.device).manual_seed(arguments["seed"])
         k = config.num_speculative_tokens if config else 0
         adaptive = bool(config and config.adaptive)
+        limit = config.disable_by_batch_size if config else None
         self.engine = engine(
             self.target.model,
             built.proposer,
@@ -163,10 +164,11 @@ class LLM:
             acceptance_rule(config) if config is not None else RejectionSampler(),
             self.detokenize if self.tokenizer is not None else None,
             adaptive=adaptive,
+            disable_by_batch_size=limit,
             room=_room(config),
         )
         if self.tensor_parallel is not None and adaptive:  # every rank drafts rank 0's choice
-            self.engine.draft_length = RankZeroDraftLength(k, self.device)
+            self.engine.draft_length = RankZeroDraftLength(k, self.device, limit)
         shared = self.draft if built.shares_tokens else None
         context_length = min(m.model.max_length for m in (self.target, shared) if m)
         self.inputs = InputProcessor(

@@ -331,3 +331,50 @@ def test_a_drafter_that_never_drafts_leaves_one_measured_step_time() -> None:
         chooser.observe(1, 0, 10.0, [0], [0])
     assert chooser.step_time(1, 3) == pytest.approx(10.0)
     assert chooser.choose(1) in range(5)
+
+
+def test_a_batch_of_disable_by_batch_size_rows_or_more_decodes_plainly() -> None:
+    """vLLM's `disable_by_batch_size`: whatever k would be chosen, fixed or adaptive, a step of that
+    many rows or more drafts nothing."""
+    fixed = DraftLength(3, adaptive=False, disable_by_batch_size=8)
+    assert [fixed.choose(b) for b in (1, 7, 8, 64)] == [3, 3, 0, 0]
+    adaptive = _measured(4, lambda k: 10.0 + 0.5 * k, acceptance=0.9, batch_size=1)
+    adaptive.disable_by_batch_size = 8
+    _measured(4, lambda k: 10.0 + 0.5 * k, acceptance=0.9, steps=50, batch_size=8, chooser=adaptive)
+    assert list(adaptive.history)[-50:] == [0] * 50  # drafting pays there too, but is not chosen
+    assert adaptive.choose(1) == 4
+
+
+@pytest.mark.parametrize(
+    "method, tree", [("draft_model", None), ("draft_model", "dynamic"), ("ngram", "static")]
+)
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_steps_of_disable_by_batch_size_rows_are_plain_and_the_output_exact(
+    method: str, tree: str | None, adaptive: bool
+) -> None:
+    """Three rows of different lengths under disable_by_batch_size=2: plain steps while two or more
+    run, drafting once one is left (the draft then takes in every token it skipped), and every row's
+    greedy output the target's alone."""
+    if adaptive and tree:
+        pytest.skip("adaptive k excludes trees")
+    target = tiny_model("llama", num_layers=2)
+    config = SpeculativeConfig(
+        method=method, num_speculative_tokens=3, adaptive=adaptive, tree=tree, disable_by_batch_size=2
+    )
+    draft = noisy_copy(target, 0.03) if method == "draft_model" else None
+    llm = LLM(target, draft_model=draft, speculative_config=config)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 4], [10, 11, 12, 13, 5, 6, 7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 6, 12)]
+    expected = [LLM(target).generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    with llm.engine.recording_steps() as steps:
+        outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(s.k == 0 for s in steps if s.num_rows >= 2)
+    alone = [s for s in steps if s.num_rows == 1]
+    assert alone and (adaptive or all(s.k == 3 for s in alone))
+
+
+@pytest.mark.parametrize("limit", [1, 0, 2.5, True, "8"])
+def test_disable_by_batch_size_is_an_integer_of_at_least_two(limit) -> None:
+    with pytest.raises(ValueError, match=r"disable_by_batch_size must be None or an integer >= 2"):
+        SpeculativeConfig(disable_by_batch_size=limit)

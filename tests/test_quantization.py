@@ -296,3 +296,26 @@ def test_cli_quantization_flag(model_dirs, capsys) -> None:
         == 2
     )
     assert "native forward" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("dtypes", "rewritten"), [((torch.float32,), {"gemv": 1}), ((), {})])
+def test_compiled_int8_call_is_the_reduction_only_where_the_vector_isa_takes_it(
+    monkeypatch, dtypes: tuple, rewritten: dict
+) -> None:
+    """A compiled one-row float32 call of an int8 PackedLinear is inductor's reduction where
+    INT8_REDUCTION_DTYPES holds float32 (AVX-512), and the eager dequantization as an opaque op where
+    it is empty (AVX2, where inductor's loop is slow): the same values either way."""
+    monkeypatch.setattr(packed_module, "INT8_REDUCTION_DTYPES", dtypes)
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(48, 80).requires_grad_(False)
+    layer = PackedLinear([linear])
+    layer.quantize("int8")
+    x = torch.randn(1, 48, generator=generator)
+    with torch.inference_mode():
+        want = layer(x)
+        with inductor_config.patch(force_disable_caches=True):
+            counters.clear()
+            torch._dynamo.reset()
+            got = torch.compile(layer.__call__, options={"post_grad_custom_post_pass": GEMV_PASS})(x)
+    assert dict(counters["speculative"]) == rewritten
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -13,8 +13,8 @@ class RankZeroDraftLength(DraftLength):
     measures its own step times, which differ, but all must draft and verify the same k. One broadcast
     of an integer per step (on `device`: NCCL's tensors live on the GPU)."""
 
-    def __init__(self, max_k: int, device: torch.device) -> None:
-        super().__init__(max_k, adaptive=True)
+    def __init__(self, max_k: int, device: torch.device, disable_by_batch_size: int | None = None) -> None:
+        super().__init__(max_k, adaptive=True, disable_by_batch_size=disable_by_batch_size)
         self.device = device
 
     def choose(self, batch_size: int) -> int:

@@ -45,11 +45,13 @@ _SWITCH_GAIN = 1.1  # drafting's promised tokens a second over plain decoding's 
 
 
 class DraftLength:
-    """Chooses k for each step; `adaptive=False` always gives max_k."""
+    """Chooses k for each step; `adaptive=False` always gives max_k. A batch of at least
+    `disable_by_batch_size` rows (None: no such batch) always gets 0, a plain step."""
 
-    def __init__(self, max_k: int, adaptive: bool) -> None:
+    def __init__(self, max_k: int, adaptive: bool, disable_by_batch_size: int | None = None) -> None:
         self.max_k = max_k
         self.adaptive = adaptive
+        self.disable_by_batch_size = disable_by_batch_size
         self.reached = [1.0] * max_k  # decayed counts: drafts at position i whose predecessors were accepted
         self.accepted = [0.5] * max_k  # ... and of those, accepted (a prior of 1/2)
         self.times: dict[int, dict[int, float]] = {}  # batch size -> k -> mean step seconds
@@ -66,6 +68,9 @@ class DraftLength:
 
     def choose(self, batch_size: int) -> int:
         """The k for the next step of a batch of `batch_size` rows."""
+        if self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
+            self._again = None  # an exploration's second measurement: due again after the next switch
+            return 0
         if not self.adaptive:
             return self.max_k
         if self._again is not None:

@@ -80,6 +80,7 @@ class Engine:
     decode: (token ids, SamplingParams or None) -> text, for stop strings and log-probability
         tokens; None when there is no tokenizer.
     adaptive: choose k per step in [0, num_speculative_tokens] (`draft_length.DraftLength`).
+    disable_by_batch_size: a step of at least this many rows decodes plainly (None: no such step).
     room: the most tokens a proposal's forwards add to a cache beyond the context (a tree's nodes,
         or what a drafter feeds while it grows one); default k.
     """
@@ -94,6 +95,7 @@ class Engine:
         rule: AcceptanceRule | None = None,
         decode: Callable[[list[int], SamplingParams | None], str] | None = None,
         adaptive: bool = False,
+        disable_by_batch_size: int | None = None,
         room: int | None = None,
     ) -> None:
         self.target = target
@@ -103,7 +105,7 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = generator
         self.decode = decode
-        self.draft_length = DraftLength(self.k, adaptive)
+        self.draft_length = DraftLength(self.k, adaptive, disable_by_batch_size)
         self.room = self.k if room is None or proposer is None else room
         # what a proposer that reads the target's hidden states wants of its forward (EagleProposer)
         self.hidden_layers = proposer.hidden_layers if isinstance(proposer, FeatureProposer) else None

@@ -18,8 +18,9 @@ INT8_KERNEL_MAX_ROWS rows); otherwise (float32, where torch's int8 kernel is a s
 converted a chunk of rows at a time into a buffer that stays in cache, and multiplied
 (_dequantized_mm). Compiled int8 calls of one row (and in float32 of up to REDUCTION_MAX_ROWS) are
 `F.linear(x, q.float()) * scales`, which models/gemv.py rewrites into a reduction that loads the int8
-weight and converts it in inductor's loop, with no float copy of it; other compiled calls call the
-eager path as an opaque op (timings per dtype and row count: docs/internals.md#measured-choices).
+weight and converts it in inductor's loop, with no float copy of it (not where the vector ISA is
+AVX2); other compiled calls call the eager path as an opaque op (timings per dtype and row count:
+docs/internals.md#measured-choices).
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from speculative.models import quantization as quant
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-# dtypes whose compiled one-row int8 calls are inductor's reduction (the others call torch's kernel)
-ONE_ROW_REDUCTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"  # ATen's (and inductor's) vector ISA
+# dtypes whose compiled one-row int8 calls are inductor's reduction (the others call torch's kernel);
+# none where the vector ISA is AVX2: inductor's loop converting int8 weights to float is 3.5x slower
+# there than the eager dequantization (docs/internals.md#measured-choices)
+INT8_REDUCTION_DTYPES = () if _AVX2_ONLY else (torch.float32, torch.bfloat16, torch.float16)
 # Compiled float32 (and float16) int8 calls of 2 to this many rows are a reduction as well, which
 # reads each int8 row once for all rows; in bfloat16 torch's kernel is faster (the crossing points:
 # docs/internals.md#measured-choices).
@@ -46,7 +50,7 @@ REDUCTION_MAX_ROWS = 16
 # Compiled float32 calls of 2 to this many rows (a verification of k + 1 tokens) are that reduction
 # too where oneDNN has AVX2 only: there its few-row kernel streams W slowly. With AVX-512, oneDNN is
 # as fast as the reduction from 5 rows on, so it keeps them (docs/internals.md#measured-choices).
-FLOAT_REDUCTION_MAX_ROWS = 6 if torch.backends.cpu.get_cpu_capability() == "AVX2" else 1
+FLOAT_REDUCTION_MAX_ROWS = 6 if _AVX2_ONLY else 1
 # Compiled calls of at most this many rows whose row count is static (a batch-1 verification or
 # drafting: CompiledCausalLM gives each such query length a graph of its own) unroll over the rows:
 # float32 matmuls are reductions with one accumulator per row in one loop over W (models/gemv.py),
@@ -231,7 +235,7 @@ class PackedLinear:
             if torch.compiler.is_compiling():
                 if (
                     self.quantization == "int8"
-                    and x.dtype in ONE_ROW_REDUCTION_DTYPES
+                    and x.dtype in INT8_REDUCTION_DTYPES
                     and (
                         statically_known_true(x.shape[0] == 1)
                         or (x.dtype != torch.bfloat16 and x.shape[0] <= REDUCTION_MAX_ROWS)
