@@ -181,7 +181,8 @@ class LLM:
                 draft,
                 precompile,
                 k,
-                every_width=bool(config and config.options.model_free),
+                every_width=bool(config and (config.options.model_free or config.adaptive)),
+                every_draft_length=bool(config and config.adaptive),
             )
 
     def generate(

@@ -224,6 +224,42 @@ def test_bench_quick_on_the_demo_pair(tmp_path: Path) -> None:
     assert results["sets"]["code"]["methods"]["ours_draft"]["acceptance_rate"] > 0.2
 
 
+def test_bench_methods_runs_the_selected_ones_and_the_baselines(model_dirs, tmp_path: Path) -> None:
+    """--methods: the matching methods, their drafter's k sweep, and the baselines every ratio needs;
+    nothing else is loaded, run or reported as skipped."""
+    out = tmp_path / "out"
+    model = ["--model", model_dirs["target"], "--draft-model", model_dirs["draft"]]
+    result = subprocess.run(
+        [sys.executable, "-m", "speculative.cli", "bench", "--quick", "--out", str(out), *model]
+        + ["--methods", "ours_ngram*", "vllm_*"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["methods"] == ["ours_ngram*", "vllm_*"]
+    ran = {"hf_generate", "ours_ar", "ours_ngram", "ours_ngram_adaptive", "ours_ngram_tree"}
+    for data in results["sets"].values():
+        methods = data["methods"]
+        assert set(methods) == ran | {"vllm_draft", "llamacpp"}  # those two skipped, saying why
+        assert {name for name, entry in methods.items() if entry["status"] == "ok"} == ran
+        assert all(methods[name]["identical_fraction"] == 1.0 for name in ran)
+    assert {d for sweeps in results["sweeps"]["k"].values() for d in sweeps} == {"ngram"}
+    assert {r["method"] for r in results["sweeps"]["batch"]} <= ran
+    assert (out / "report.md").read_text().count("ours draft") == 0
+
+
+def test_bench_methods_patterns() -> None:
+    config = bench_run.BenchConfig(methods=["ours_*_compiled", "llamacpp_draft"])
+    chosen = ["ours_draft_compiled", "ours_draft_adaptive_compiled", "llamacpp_draft"]
+    assert all(config.selects(name) for name in chosen + list(bench_run.BASELINES))
+    assert not any(config.selects(name) for name in ("ours_draft", "llamacpp_draft_default", "hf_assisted"))
+    assert bench_run.BenchConfig().selects("anything")
+
+
 def test_bench_head_flags(monkeypatch, model_dirs) -> None:
     """The demo target's head by default, --eagle / --eagle3 / --dflash's otherwise (several side by
     side), none for another target: their methods are then skipped, and say why (as they are with the

@@ -361,6 +361,8 @@ def test_without_a_draft_and_at_the_default_k(fake_checkout: Path) -> None:
         methods, skipped = llama_cpp_methods(setup, stack)
         assert [m.name for m in methods] == ["llamacpp", "llamacpp_draft"]
         assert "default draft length is k=3" in skipped["llamacpp_draft_default"]["note"]
+        methods, skipped = llama_cpp_methods(setup, stack, lambda name: name == "llamacpp")
+        assert [m.name for m in methods] == ["llamacpp"] and skipped == {}  # bench --methods
 
 
 def test_a_server_that_dies_reports_its_log(tmp_path: Path) -> None:

@@ -158,6 +158,39 @@ def test_plain_steps_are_measured_again_while_drafting_looks_best() -> None:
     assert chooser.history.count(0) > 500
 
 
+def test_a_machine_that_speeds_up_does_not_leave_plain_decoding_looking_slow() -> None:
+    """For 150 steps every step is 4x as slow (another process on the cores) and drafting pays; then
+    the machine is fast again and drafting does not pay (one draft in three accepted, a drafting step
+    50% dearer per draft). Plain decoding was last measured in the slow period: a step time kept apart
+    for each k left it looking 3.6x as slow as it is and the chooser drafted in 499 of the last 500
+    steps. Each step's time also tells how fast the machine is for the other k."""
+    chooser = DraftLength(4, adaptive=True)
+    for step in range(800):
+        k = chooser.choose(1)
+        slow, acceptance = (4.0, 0.85) if step < 150 else (1.0, 0.3)
+        accepted = 0
+        while accepted < k and (step * 7919 + accepted * 104729) % 1000 < acceptance * 1000:
+            accepted += 1
+        chooser.observe(1, k, slow * 10.0 * (1.0 + 0.5 * k), [accepted], [k])
+    assert chooser.choose(1) == 0
+    assert list(chooser.history)[-500:].count(0) > 450
+
+
+def test_a_k_measured_again_after_others_learns_its_time_against_theirs() -> None:
+    """Drafting is dear for 100 steps (20 a draft against a plain step of 10), then cheap (0.5 a draft,
+    most drafts accepted): plain decoding's explorations of k = 1 must teach the chooser that drafting
+    now pays. (Rescaling every k by each sample's move kept the first ratio of 3 for good.)"""
+    chooser = DraftLength(4, adaptive=True)
+    for step in range(600):
+        k = chooser.choose(1)
+        accepted = 0
+        while accepted < k and (step * 7919 + accepted * 104729) % 1000 < 900:
+            accepted += 1
+        chooser.observe(1, k, 10.0 + (20.0 if step < 100 else 0.5) * k, [accepted], [k])
+    assert chooser.choose(1) >= 3
+    assert list(chooser.history)[-300:].count(0) < 30
+
+
 def test_what_a_drafter_catches_up_on_after_plain_steps_is_not_its_step_time() -> None:
     """The first drafting step after plain steps also takes in what they left (here 100 ms, against
     10.25 ms for a drafting step): counted as that k's time, drafting, which has become much better
@@ -199,6 +232,32 @@ def test_a_step_costs_what_the_host_did_before_the_next() -> None:
             engine.step()
     assert len(seen) == len(steps) == 2
     assert seen[0] >= 0.2 + steps[0].step_s and seen[1] == steps[1].step_s
+
+
+def test_a_step_that_compiles_a_graph_is_no_step_time(monkeypatch) -> None:
+    """A compiled model's first call of a shape compiles a graph (19 s for a SmolLM2 step of 25 ms):
+    the engine gives the chooser no time for that step, and the chooser measures that k again."""
+    import speculative.engine.engine as engine_module
+
+    target = tiny_model("llama", num_layers=2)
+    config = SpeculativeConfig(num_speculative_tokens=2, adaptive=True)
+    llm = LLM(target, draft_model=noisy_copy(target, 0.03), speculative_config=config)
+    engine, seen = llm.engine, []
+    engine.draft_length.choose = lambda rows: 1
+    observe = engine.draft_length.observe
+    engine.draft_length.observe = lambda rows, k, seconds, *rest: (
+        seen.append(seconds) or observe(rows, k, seconds, *rest)
+    )
+    graphs = iter([0, 0, 0, 1, 1, 1])  # the second step compiles one
+    monkeypatch.setattr(engine_module, "graphs_compiled", lambda: next(graphs))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add(llm.make_sequences([5, 6, 7], params, 0))
+    for _ in range(3):
+        engine.step()
+    assert seen[0] > 0 and seen[1] is None
+    chooser = DraftLength(2, adaptive=True)
+    chooser.observe(1, 2, None, [1], [2])
+    assert chooser.choose(1) == 2 and chooser.times.get(1, {}) == {}  # the warm-up still to come
 
 
 def test_an_admission_between_steps_is_not_part_of_a_step_time() -> None:

@@ -85,6 +85,30 @@ def test_warm_up_runs_every_standalone_shape() -> None:
     assert {(b, q) for b, q, cached in draft_calls if cached > 0} == {(1, 2), (1, 1), (2, 2), (2, 1)}
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_adaptive_k_warms_up_every_verification_width_and_draft_length(monkeypatch, adaptive) -> None:
+    """Adaptive k runs any k in 0..k: each needs its graphs (a compiled SmolLM2's first k = 2 step
+    compiled for 90 s), so the warm-up makes them all; a fixed k only its own."""
+    import speculative.models.compiled as compiled
+
+    target = tiny_model("llama")
+    target_native, draft_native = (NativeCausalLM.from_hf(m) for m in (target, noisy_copy(target, 0.02)))
+    warmed, warm_up = [], compiled.warm_up
+    monkeypatch.setattr(
+        compiled,
+        "warm_up",
+        lambda model, config, steps, greedy=(): (
+            warmed.append((steps, list(greedy))) or warm_up(model, config, steps, greedy)
+        ),
+    )
+    spec = SpeculativeConfig(num_speculative_tokens=3, adaptive=adaptive)
+    LLM(target_native, draft_model=draft_native, speculative_config=spec, precompile=PreCompileConfig())
+    (target_steps, _), (_, draft_greedy) = warmed
+    assert {q for q, _ in target_steps} == ({1, 2, 3, 4} if adaptive else {1, 4})
+    lengths = [1, 2, 3] if adaptive else [3]
+    assert sorted(draft_greedy) == sorted((q, j) for j in lengths for q in (1, 2))
+
+
 def test_warm_up_without_buckets_and_cache_lengths() -> None:
     native = NativeCausalLM.from_hf(tiny_model("llama"))
     calls = _recording(native)

@@ -34,7 +34,7 @@ import importlib.util
 import re
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,10 +269,12 @@ class LlamaCppSetup:
         return self.gguf(self.target, self.dtype)
 
 
-def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Method], dict[str, dict]]:
-    """The llama.cpp methods with their servers started (each registered on `stack`, which stops it),
-    and those skipped (with why): the draft methods without a draft, the defaults method when llama.cpp's
-    default draft length is k."""
+def llama_cpp_methods(
+    setup: LlamaCppSetup, stack: ExitStack, selects: Callable[[str], bool] = lambda name: True
+) -> tuple[list[Method], dict[str, dict]]:
+    """The llama.cpp methods that `selects` (a method's name -> whether it runs) keeps, with their
+    servers started (each registered on `stack`, which stops it), and those skipped (with why): the
+    draft methods without a draft, the defaults method when llama.cpp's default draft length is k."""
     binary = server_binary(setup.checkout, setup.build)
     target = setup.target_file()
 
@@ -306,8 +308,13 @@ def llama_cpp_methods(setup: LlamaCppSetup, stack: ExitStack) -> tuple[list[Meth
         return methods, skipped_entries(
             "no --draft-model given", ["llamacpp_draft", "llamacpp_draft_default"]
         )
+    if not selects("llamacpp_draft") and not selects("llamacpp_draft_default"):
+        return methods, {}
     draft = setup.gguf(setup.draft, setup.draft_dtype)
-    methods.append(method("llamacpp_draft", f"llama.cpp draft k={setup.k}", draft, setup.k, setup.k))
+    if selects("llamacpp_draft"):
+        methods.append(method("llamacpp_draft", f"llama.cpp draft k={setup.k}", draft, setup.k, setup.k))
+    if not selects("llamacpp_draft_default"):
+        return methods, {}
     default = default_draft_max(binary)
     if default is None:
         return methods, skipped_entries(

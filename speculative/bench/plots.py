@@ -103,11 +103,13 @@ def throughput_against_batch(results: dict, path: Path) -> str:
 
 
 def write_plots(results: dict, out: Path) -> list[str]:
-    """Every plot into `out`; returns their paths."""
+    """Every plot into `out` (the k sweep's where one ran: `bench --methods` can leave it out); returns
+    their paths."""
     out.mkdir(parents=True, exist_ok=True)
+    swept = any(points for sweeps in results["sweeps"]["k"].values() for points in sweeps.values())
     return [
         tokens_per_second(results, out / "tokens_per_s.png"),
         acceptance_by_position(results, out / "acceptance_by_position.png"),
-        speedup_against_k(results, out / "speedup_vs_k.png"),
+        *([speedup_against_k(results, out / "speedup_vs_k.png")] if swept else []),
         throughput_against_batch(results, out / "throughput_vs_batch.png"),
     ]

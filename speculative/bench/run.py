@@ -8,6 +8,7 @@ plain decoding (ours: our baseline; HF: HF `generate`) by that bound.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import time
 from collections.abc import Iterator
@@ -67,6 +68,10 @@ with needs_extra("bench", "speculative.bench"):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
+# The methods every ratio is taken against: the reference outputs and each engine's plain decoding.
+BASELINES = ("hf_generate", "ours_ar", "ours_ar_compiled", "llamacpp")
+
+
 @dataclass
 class BenchConfig:
     """What `speculative bench` measures (the CLI flags, with the same names).
@@ -85,8 +90,9 @@ class BenchConfig:
     num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
     repeats: timed runs per prompt and method.
     dtype / draft_dtype: the models' dtypes, ours and Hugging Face's alike (draft_dtype None: dtype).
-    compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive and every
-        drafter's method at k; their graphs are compiled while the pair loads.
+    compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive, every
+        drafter's method at k, and adaptive k up to k with the draft model and n-gram lookup; their
+        graphs are compiled while the pair loads.
     tensor_parallel_size: ours split over that many ranks (LLM's tensor_parallel_size); each of our
         methods then loads the pair itself (every rank must), and `compile` is refused.
     llama_cpp: a llama.cpp checkout whose folder `llama_cpp_build` holds bin/llama-server (llamacpp.py);
@@ -100,6 +106,9 @@ class BenchConfig:
     llama_cpp_target_gguf: a ready GGUF for llama.cpp's target instead of converting `model` (e.g. the
         file a float copy was dequantized from); its type must be the run's (F32, BF16, Q8_0, Q4_1),
         else a ValueError naming --llama-cpp-target-gguf.
+    methods: fnmatch patterns over the methods' names: only the matching ones run (with the BASELINES,
+        which every ratio needs), and a drafter's k sweep only where its eager method at k does; None:
+        every method.
     synthetic: instead of model / draft_model / eagle, a synthetic pair of that size built in process
         (synthetic.py: "1b", "7b" or "tiny"), its draft calibrated to `synthetic_acceptance`; prompts
         are tokenized by the demo pair's tokenizer. vLLM and llama.cpp need checkpoints: they skip.
@@ -155,7 +164,8 @@ class BenchConfig:
         default=False,
         metadata={
             "engine": "compile",
-            "help": "also measure ours compiled (torch.compile): autoregressive, each drafter at k",
+            "help": "also measure ours compiled (torch.compile): autoregressive, each drafter at k, "
+            "adaptive k up to k",
         },
     )
     tensor_parallel_size: int = field(default=1, metadata={"engine": "tensor_parallel_size"})
@@ -204,6 +214,25 @@ class BenchConfig:
         default=0.8,
         metadata={"help": "--synthetic: the draft's greedy agreement with the target it is calibrated to"},
     )
+    methods: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "only the methods whose names (results.json's: ours_ar_compiled, "
+            "ours_draft_adaptive_compiled, llamacpp_draft, ...) match one of these patterns (fnmatch: "
+            "'ours_*_compiled'), and the k sweeps of the drafters selected at k; the baselines of every "
+            "ratio always run (hf_generate, ours_ar, ours_ar_compiled, llamacpp)",
+            "metavar": "PATTERN",
+            "default_text": "all",
+        },
+    )
+
+    def selects(self, name: str) -> bool:
+        """Whether the method called `name` runs (`methods`; a baseline always does)."""
+        return (
+            self.methods is None
+            or name in BASELINES
+            or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.methods)
+        )
 
     def quick(self) -> BenchConfig:
         """The CI smoke test's settings: 2 prompts a set, 24 tokens, k sweep [1, k] on 1 prompt, batch
@@ -219,6 +248,11 @@ class BenchConfig:
                 "repeats": 1,
             }
         )
+
+
+def short_name(drafter: str) -> str:
+    """A drafter's name in its methods' names: ours_draft, ours_ngram_compiled, ..."""
+    return "draft" if drafter == "draft_model" else drafter
 
 
 class Pair:
@@ -297,6 +331,7 @@ class Pair:
                 PreCompileConfig(sorted({1, max(config.batch_sizes)})),
                 config.k,
                 every_width=True,  # n-gram lookup's and suffix decoding's verifications (shared target)
+                every_draft_length=config.selects("ours_draft_adaptive_compiled"),
             )
 
     def ours(
@@ -307,17 +342,29 @@ class Pair:
         adaptive: bool = False,
         tree: str | None = None,
         **options,
-    ) -> OursMethod:
+    ) -> OursMethod | None:
         """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram, suffix or
         a head (drafter "eagle", "eagle3", "dflash": config.heads'); with `compiled`, on the compiled
         models (engine "ours_compiled"); with `adaptive`, k chosen per step in [0, k]
         (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep, of the config's
-        tree_width and tree_nodes; `options`: more SpeculativeConfig fields."""
-        target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
+        tree_width and tree_nodes; `options`: more SpeculativeConfig fields. None where the config's
+        `methods` leave it out (nothing loaded)."""
+        config = self.config
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
+        if drafter is None:
+            name, label = f"ours_ar{suffix}", f"ours autoregressive{label}"
+        else:
+            short = short_name(drafter)
+            if adaptive:
+                suffix, label = f"_adaptive{suffix}", f"{label}, adaptive"
+            if tree:
+                suffix, label = f"_tree{suffix}", f"{label}, {tree} tree of {config.tree_nodes}"
+            name, label = f"ours_{short}{suffix}", f"ours {short} k{'<=' if adaptive else '='}{k}{label}"
+        if not config.selects(name):
+            return None
+        target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
         # compile: the models are compiled already; an EAGLE head, loaded by the LLM, is compiled there
         loading = {"device": self.device, "tokenizer": self.tokenizer, "compile": compiled}
-        config = self.config
         if config.tensor_parallel_size > 1:  # every rank loads the pair itself
             target, draft = config.model, config.draft_model
             loading.update(dtype=config.dtype, model_impl=config.model_impl, quantization=config.quantization)
@@ -325,8 +372,7 @@ class Pair:
             if drafter == "draft_model":
                 loading.update(draft_dtype=config.draft_dtype)
         if drafter is None:
-            llm = LLM(target, **loading)
-            return OursMethod(f"ours_ar{suffix}", f"ours autoregressive{label}", engine, llm=llm)
+            return OursMethod(name, label, engine, llm=LLM(target, **loading))
         if tree:
             options.update(tree_nodes=config.tree_nodes, tree_width=config.tree_width)
         llm = LLM(
@@ -338,21 +384,7 @@ class Pair:
             seed=config.seed,
             **loading,
         )
-        short = "draft" if drafter == "draft_model" else drafter
-        if adaptive:
-            suffix, label = f"_adaptive{suffix}", f"{label}, adaptive"
-        if tree:
-            suffix, label = f"_tree{suffix}", f"{label}, {tree} tree of {config.tree_nodes}"
-        return OursMethod(
-            f"ours_{short}{suffix}",
-            f"ours {short} k{'<=' if adaptive else '='}{k}{label}",
-            engine,
-            drafter,
-            k,
-            llm=llm,
-            adaptive=adaptive,
-            tree=tree,
-        )
+        return OursMethod(name, label, engine, drafter, k, llm=llm, adaptive=adaptive, tree=tree)
 
     def hf_dtype(self) -> str:
         """The dtype of HF's target ("float32", "bfloat16", ...)."""
@@ -433,7 +465,8 @@ NOTES = [
     "its width). Every pass over a set, and every call of the batch sweep, starts with an empty cache: a "
     "prompt is drafted from the responses to the prompts before it in its pass, never from its own.",
     "Adaptive methods choose k per step in [0, k] from the acceptance and step times they measure "
-    "(SpeculativeConfig.adaptive); with no single k they have no bound.",
+    "(SpeculativeConfig.adaptive; eager up to the k sweep's largest k, compiled up to k, every k's graphs "
+    "compiled while the pair loads); with no single k they have no bound.",
     "Tree methods verify a token tree of depth k in one forward (SpeculativeConfig.tree). Their bound "
     "takes the measured tokens per step (a the per-depth acceptance giving it), T_v over their own tree "
     "verifications whatever their size, and T_d per depth of drafting: E * T_1 / (k * T_d + T_v), what a "
@@ -517,7 +550,9 @@ def build_methods(
     if config.compile:
         methods += [pair.ours(None, 0, compiled=True)]
         methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
+        methods += [pair.ours(d, config.k, compiled=True, adaptive=True) for d in swept]
         methods += [pair.ours(d, config.k, compiled=True, tree=METHODS[d].suited_tree) for d in trees]
+    methods = [m for m in methods if m is not None and config.selects(m.name)]
     skipped = skipped_heads(config)
     if pair.draft is None:
         for name, label in (
@@ -529,14 +564,14 @@ def build_methods(
     why_not = (
         "a synthetic pair has no checkpoint to load" if pair.synthetic else vllm_unavailable(pair.device)
     )
-    if why_not is None and pair.draft is not None:
+    if why_not is None and pair.draft is not None and config.selects("vllm_draft"):
         methods.append(vllm_method(config.model, config.draft_model, config.k, config.dtype))
     elif "vllm_draft" not in skipped:
         skipped["vllm_draft"] = {"label": "vLLM draft", "note": why_not}
     why_not = llama_cpp_unavailable(config.llama_cpp, config.llama_cpp_build, config.quantization)
     if why_not is not None:
         skipped.update(skipped_entries(why_not))
-        return methods, skipped
+        return methods, {name: entry for name, entry in skipped.items() if config.selects(name)}
     dtypes = [
         str(next(m.parameters()).dtype).removeprefix("torch.")
         for m in (pair.hf_target, pair.hf_draft)
@@ -556,8 +591,9 @@ def build_methods(
         config.quantization,
         config.llama_cpp_target_gguf,
     )
-    llama_methods, llama_skipped = llama_cpp_methods(setup, servers)
-    return methods + llama_methods, {**skipped, **llama_skipped}
+    llama_methods, llama_skipped = llama_cpp_methods(setup, servers, config.selects)
+    skipped = {name: entry for name, entry in {**skipped, **llama_skipped}.items() if config.selects(name)}
+    return methods + llama_methods, skipped
 
 
 def check_llama_cpp(config: BenchConfig) -> None:
@@ -713,7 +749,7 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
         table.update({m: {**entry, "status": "skipped"} for m, entry in skipped.items()})
         results["sets"][name] = {"num_prompts": len(prompts), "methods": table}
     ar = next(m for m in methods if m.name == "ours_ar")
-    for drafter in (d for d in pair.drafters if d in SWEPT):
+    for drafter in (d for d in pair.drafters if d in SWEPT and config.selects(f"ours_{short_name(d)}")):
         name = names[0] if drafter == "draft_model" else names[-1]
         phase = f"{name}: k sweep, {drafter}"
         with stopwatch(seconds, phase):

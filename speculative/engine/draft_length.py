@@ -9,7 +9,12 @@ the tokens; not the target's prefill of rows admitted in between, which costs th
 a drafter's intake of their prompts is its next drafting step's), a moving mean for each k
 tried (decay _TIME_DECAY per sample; a mean, not a median, so that rare long periods, such as the
 prefill of a whole batch of new rows, count for what they cost), the line through them for k not
-tried. The step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step:
+tried. The machine's pace moves every k's time alike (another process on the cores, a longer
+context), while only the k being run is measured: so a sample of the k that the step before was
+also measured at rescales the other k's times by as much as it moved k's mean (kept apart, a plain
+step's time from a slow minute made drafting look better for good), while a k measured after others
+(an exploration) moves its own time only, which is how the times' ratios are learned.
+The step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step:
 speculation switched off for batch sizes where it does not pay. After a plain step, drafting must
 promise _SWITCH_GAIN times plain decoding's tokens a second to be switched on (a drafter then takes in
 every token it skipped, a cost no step time holds), so that where the two are about even (a weak
@@ -29,7 +34,8 @@ batch size, then at intervals that double (up to _EXPLORE_MAX) while the best k 
 to _EXPLORE when it changes. A drafting step right after plain steps is not a sample of its k's time:
 its drafter first takes in every token it skipped (a draft model also prefills the rows that joined
 meanwhile), a cost of switching, not of drafting; an exploration from plain decoding is therefore
-measured twice, the second time clean.
+measured twice, the second time clean. Nor is a step that compiled a graph (a compiled model's first
+call of a shape, seconds where the step takes milliseconds): the engine passes no time for it.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class DraftLength:
         self._last_k: int | None = None  # the k of the step observed last
         self._explored: int | None = None  # the k of the step being an exploration
         self._again: int | None = None  # an exploration to measure once more (it came after plain steps)
+        self._last_sample: tuple[int, int] | None = None  # (B, k) of the latest step time taken
 
     def choose(self, batch_size: int) -> int:
         """The k for the next step of a batch of `batch_size` rows."""
@@ -111,9 +118,10 @@ class DraftLength:
             self.borrowed[batch_size] = set(self.times[batch_size])
 
     def observe(
-        self, batch_size: int, k: int, seconds: float, accepted: list[int], drafted: list[int]
+        self, batch_size: int, k: int, seconds: float | None, accepted: list[int], drafted: list[int]
     ) -> None:
-        """One step's figures: its k and time (module docstring), and per row the drafts accepted and
+        """One step's figures: its k and time (module docstring; None where the step compiled a graph:
+        not a step of that k, which the chooser measures again), and per row the drafts accepted and
         proposed."""
         self.history.append(k)
         if not self.adaptive:
@@ -122,12 +130,13 @@ class DraftLength:
         explored, self._explored = self._explored, None
         if switched and explored == k:
             self._again = k
-        self.times.setdefault(batch_size, {})
-        counts = self.counts.setdefault(batch_size, {})
-        if not switched:
-            self._time(batch_size, k, seconds)
-        counts[k] = counts.get(k, 0) + 1
-        self.seen.setdefault(batch_size, {})[k] = sum(counts.values())
+        if seconds is not None:  # None: the step compiled a graph, which its time holds
+            self.times.setdefault(batch_size, {})
+            counts = self.counts.setdefault(batch_size, {})
+            if not switched:
+                self._time(batch_size, k, seconds)
+            counts[k] = counts.get(k, 0) + 1
+            self.seen.setdefault(batch_size, {})[k] = sum(counts.values())
         if k == 0:
             return
         self.reached = [r * _DECAY for r in self.reached]
@@ -153,12 +162,27 @@ class DraftLength:
             self._sums[key], times[k] = (seconds, 1.0), seconds
             self._provisional.add(key)
             return
+        # k's time was measured here already (not the warm-up's, nor borrowed or interpolated)
+        previous = times[k] if key in self._sums and key not in self._provisional else None
         if key in self._provisional:  # the warm-up's figure gives way to the first measured after it
             self._provisional.discard(key)
             total, weight = 0.0, 0.0
         total, weight = _TIME_DECAY * total + seconds, _TIME_DECAY * weight + 1.0
         self._sums[key] = (total, weight)
         times[k] = total / weight
+        if previous is not None and self._last_sample == key:  # a run of k: the machine's pace moved
+            self._rescale(batch_size, times[k] / previous, but=k)  # every k's time as it moved k's
+        self._last_sample = key
+
+    def _rescale(self, batch_size: int, factor: float, but: int) -> None:
+        """Multiply the step times of every k but `but` at `batch_size` by `factor`."""
+        times = self.times[batch_size]
+        for j in times:
+            if j != but:
+                times[j] *= factor
+                if (batch_size, j) in self._sums:
+                    total, weight = self._sums[batch_size, j]
+                    self._sums[batch_size, j] = (total * factor, weight)
 
     def expected_tokens(self, k: int) -> float:
         """E(k): tokens per row per step when drafting k."""

@@ -52,6 +52,7 @@ from speculative.engine.sequence import NoTokenAllowed, Sequence, StopStrings
 from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
+from speculative.models.compiled import graphs_compiled
 from speculative.proposers.base import FeatureProposer, LearningProposer, Proposal, Proposer
 from speculative.proposers.grammar import cut_to_grammar
 from speculative.sampling_params import SamplingParams
@@ -233,6 +234,7 @@ class Engine:
             return []
         start, rows, clock = time.perf_counter(), len(batch.sequences), StepClock(self.target.device)
         self._close_period(start)
+        graphs = graphs_compiled()
         k = self.draft_length.choose(rows) if self.proposer is not None else 0
         draft_ids, draft_probs, parents = self._propose(batch, k)  # [B, j] (-1: none), [B, j, V], tree
         clock.mark()
@@ -262,7 +264,15 @@ class Engine:
         self._settle(batch, self.cache, self.proposer, commit)
         seconds = time.perf_counter() - start
         if self.proposer is not None:
-            self._unobserved = (rows, draft_ids.shape[1], start, seconds, commit.accepted, commit.drafted)
+            timed = graphs_compiled() == graphs  # a step that compiled a graph is no measure of its k
+            self._unobserved = (
+                rows,
+                draft_ids.shape[1],
+                start,
+                seconds if timed else None,
+                commit.accepted,
+                commit.drafted,
+            )
         if self.step_stats is not None:
             propose_s, verify_s = clock.intervals()
             self.step_stats.append(
@@ -286,11 +296,12 @@ class Engine:
         step's start (what the host did in between, such as publishing its tokens, is part of its
         cost; admitting rows, the target's prefill of their prompts, is not: it costs the same whatever
         k the step had, and in a server it would make one step of many look several times as slow), or
-        with None (no next step: the batch ended) its own duration."""
+        with None (no next step: the batch ended) its own duration; no time (None) for a step that
+        compiled a graph."""
         if self._unobserved is not None:
             rows, k, start, seconds, accepted, drafted = self._unobserved
             admitting, self._unobserved, self._admitting = self._admitting, None, 0.0
-            period = seconds if now is None else now - start - admitting
+            period = seconds if now is None or seconds is None else now - start - admitting
             self.draft_length.observe(rows, k, period, accepted, drafted)
 
     def _score(self, query: Tensor, parents: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -41,6 +41,7 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 from torch import Tensor
+from torch._dynamo.utils import counters
 
 from speculative.kv_cache import StaticKVCache
 from speculative.models.base import LanguageModel, decode, decode_steps
@@ -66,6 +67,12 @@ def _standard_strides(tensor: Tensor) -> Tensor:
             return tensor.clone(memory_format=torch.contiguous_format)
         expected *= size
     return tensor
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has made in this process so far: a call during which the count rose
+    compiled one, and its time is mostly that."""
+    return counters["stats"]["unique_graphs"]
 
 
 def default_mode(device: torch.device) -> str | None:
@@ -472,15 +479,18 @@ def warm_up_pair(
     precompile: PreCompileConfig,
     num_speculative_tokens: int,
     every_width: bool = False,
+    every_draft_length: bool = False,
 ) -> None:
     """Warm up (compiling where compiled) every standalone shape of `precompile` on the calls the engine
     makes: the target's prefill, plain step (q = 1) and verification (q = k + 1; with `every_width`,
     every q in 2 .. k + 1, the widths of a proposer that may propose fewer than k, such as n-gram
-    lookup: a batch-1 verification has a graph per q on CPU); the draft's prefill and its drafting: k
-    steps from a query of 1 token or of 2 (2 tokens, last logits, and one-token steps; compiled, a
-    greedy drafting is one greedy_decode)."""
+    lookup, or of adaptive k: a batch-1 verification has a graph per q on CPU); the draft's prefill and
+    its drafting: k steps (with `every_draft_length`, each of 1 .. k steps: adaptive k) from a query of
+    1 token or of 2 (2 tokens, last logits, and one-token steps; compiled, a greedy drafting is one
+    greedy_decode)."""
     k = num_speculative_tokens
     widths = range(2, k + 2) if every_width else [k + 1] if k else []
     warm_up(target, precompile, [(1, False)] + [(q, False) for q in widths])
     if draft is not None:
-        warm_up(draft, precompile, [(2, True), (1, False)], greedy=[(1, k), (2, k)])
+        lengths = range(1, k + 1) if every_draft_length else [k]
+        warm_up(draft, precompile, [(2, True), (1, False)], greedy=[(q, j) for j in lengths for q in (1, 2)])
