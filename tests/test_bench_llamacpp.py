@@ -278,10 +278,13 @@ def test_report_adds_the_llamacpp_column_and_timings_only_where_it_ran() -> None
     }
     assert report.method_columns(without) == report.METHOD_COLUMNS
     assert report.engine_timings_line(without) is None
+    ours = {"ours_ar": _entry("ours AR", engine="ours", prefill_ms=9.0, decode_tokens_per_s=90.0)}
+    assert "ours AR: outside its steps 9.0 ms, decode only 90.0 tokens/s" in report.engine_timings_line(ours)
     ran = {
         "ours_ar": _entry("ours AR", speedup_vs_llamacpp=1.2),
         "llamacpp": _entry(
             "llama.cpp",
+            engine="llama.cpp",
             speedup_vs_llamacpp=1.0,
             prefill_ms=3.0,
             decode_tokens_per_s=400.0,

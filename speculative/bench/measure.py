@@ -101,7 +101,8 @@ def speculation_stats(method: Method, generations: Sequence[Generation]) -> dict
 
 
 def engine_timings(runs: list[list[Generation]], tokens: list[int]) -> dict:
-    """The engine's own prefill / decode split of a method's runs, where it reports one (llama.cpp):
+    """The engine's own prefill / decode split of a method's runs, where it reports one (llama.cpp's;
+    ours: the time outside its decoding steps / the steps'):
     prefill_ms (median over prompts), decode_tokens_per_s (tokens / decode time, the engine's own
     decode-only speed) and engine_tokens_per_s (tokens / (prefill + decode): the call without the
     transport), medians over prompts of each prompt's median over repeats; {} where it reports none."""

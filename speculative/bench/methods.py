@@ -32,7 +32,8 @@ class Generation:
     accepted_per_position / drafted_per_position: the same at draft positions 1..k (ours only).
     calls: the times of the call's decoding forwards and draftings (clock.py; None for other engines).
     prefill_seconds / decode_seconds: the engine's own split of the call, where it reports one
-    (llama.cpp: prompt_ms / predicted_ms); None otherwise.
+    (llama.cpp: prompt_ms / predicted_ms; ours: the call's time outside its decoding steps, the prefill
+    and LLM.generate's own work, / its steps' time); None otherwise.
     """
 
     token_ids: list[list[int]]
@@ -90,6 +91,7 @@ class OursMethod(Method):
             synchronize(self.llm.device)
             seconds = time.perf_counter() - start
         metrics = [o.metrics for o in outputs]
+        decode = sum(step.step_s for step in steps)
         return Generation(
             [o.outputs[0].token_ids for o in outputs],
             seconds,
@@ -99,6 +101,8 @@ class OursMethod(Method):
             [sum(c) for c in zip(*(m.accepted_per_position for m in metrics))] if self.k else [],
             [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [],
             CallTimes.from_steps(steps, first_proposal_prefills=self.llm.engine.hidden_layers is not None),
+            prefill_seconds=seconds - decode,
+            decode_seconds=decode,
         )
 
 
