@@ -54,6 +54,19 @@ def test_compiled_greedy_equals_eager_without_recompiles(pair) -> None:
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_int8_prefills_short_and_long_are_compiled_by_the_warm_up(pair) -> None:
+    """Compiled int8 prefills of at most 16 rows and of more run in graphs of their own (where the
+    vector ISA takes packed.py's reduction): the warm-up makes both, so that a first prompt of 17-64
+    tokens compiles nothing during its request (it did: 9-47 s on SmolLM2-135M)."""
+    target, _ = pair
+    compiled = LLM(target, compile=True, quantization="int8", precompile=PreCompileConfig(batch_size=[1]))
+    graphs = counters["stats"]["unique_graphs"]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for prompt in ([5, 6, 7], PROMPTS[1], [3, 4] * 16):  # 3, 20 and 32 tokens
+        compiled.generate([prompt], params)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_a_shrinking_batch_and_a_longer_cache_compile_nothing_new(pair) -> None:
     """Without buckets, rows leave a compiled batch as they finish, and a later batch has more rows
     and a longer cache: the cache's views of its buffers keep their batch and length dynamic, so the

@@ -26,6 +26,10 @@ from speculative.models.base import GreedyDecoding, LanguageModel, TreeForward
 from speculative.precompile import PreCompileConfig
 
 WARM_UP_PROMPT = 8  # prompt length of a warm-up without prefill buckets
+# ... and of its second prefill: a compiled model on CPU runs a prefill of a few rows and one of a few
+# dozen in graphs of their own (models/packed.py's few-row reductions against its matmul kernels), so
+# without it a first chat prompt of 17-64 tokens compiled during its request (9-47 s on SmolLM2-135M)
+WARM_UP_LONG_PROMPT = 48
 
 
 class BucketedModel:
@@ -102,8 +106,9 @@ def warm_up(
     (WARM_UP_PROMPT without buckets; fewer where the model's context leaves no room for the steps, the
     padding of a BucketedModel still making it the bucket's width), then one forward per
     (q, wants_last_logits) of `steps`, then, if the model has GreedyDecoding (CompiledCausalLM),
-    one greedy decode per (query tokens, steps) of `greedy`. Returns the (batch_size, prompt length)
-    pairs run."""
+    one greedy decode per (query tokens, steps) of `greedy`; without buckets, also a prefill of
+    WARM_UP_LONG_PROMPT tokens where the context holds it. Returns the (batch_size, prompt length)
+    pairs run, the steps' prefill first."""
     done = []
     greedy = [(q, n) for q, n in greedy if n > 0] if isinstance(model, GreedyDecoding) else []
     written = sum(q for q, _ in steps) + sum(q + n - 1 for q, n in greedy)
@@ -127,4 +132,12 @@ def warm_up(
             model.greedy_decode(ids[:, start : start + q], cache, n)
             start += q + n - 1
         done.append((batch, length))
+        if standalone.prefill_length is None and WARM_UP_LONG_PROMPT <= model.max_length:
+            long = WARM_UP_LONG_PROMPT
+            ids = (torch.arange(long, device=model.device) % model.vocab_size).expand(batch, long)
+            last = torch.full((batch, 1), long - 1, dtype=torch.long, device=model.device)
+            model.forward(
+                ids, model.new_cache(batch, long), torch.full((batch,), long, device=model.device), last
+            )
+            done.append((batch, long))
     return done
