@@ -54,6 +54,27 @@ def test_exploration_thins_out_while_the_best_k_holds() -> None:
     assert 6 <= explorations <= 16  # at 16, 48, 112, 240, 496 and 752 steps: still measured, rarely
 
 
+def test_plain_batch_sizes_explore_together_as_rarely_as_one_batch_size() -> None:
+    """A server's batch size wanders as rows join and finish. Where drafting pays at none of its sizes,
+    they share one exploration schedule: over 17 sizes no more drafting steps than at one size (each
+    size on its own schedule drafted in 60-69 of 1000 steps, 28-34 switches from plain decoding, each
+    making the drafter catch up on every row)."""
+    rng = random.Random(0)
+
+    def accepted(k: int) -> int:  # drafts accepted before the first rejection, each with chance 0.3
+        return next((i for i in range(k) if rng.random() >= 0.3), k)
+
+    chooser, size = DraftLength(4, adaptive=True), 16
+    for _ in range(1000):
+        size = min(24, max(8, size + rng.choice((-1, 0, 1))))
+        k = chooser.choose(size)
+        rows = [accepted(k) for _ in range(size)]
+        chooser.observe(size, k, (10.0 + 6.0 * k) * size / 16, rows, [k] * size)
+    one_size = _measured(4, lambda k: 10.0 + 6.0 * k, acceptance=0.3, steps=1000)
+    assert len(chooser.counts) == 17
+    assert 1000 - chooser.history.count(0) <= 1000 - one_size.history.count(0) + 4
+
+
 def test_a_middle_k_when_acceptance_falls_off() -> None:
     chooser = _measured(6, lambda k: 10.0 + 2.0 * k, acceptance=0.6)
     assert 1 <= chooser.choose(1) <= 3

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.demo import corpus, train_eagle
 from speculative.demo.train import SMOKE, heldout_loss, train_loop
-from speculative.demo.train_eagle import eagle_head, ttt_loss, ttt_losses
+from speculative.demo.train_eagle import LAYOUT_NAMES, eagle_head, ttt_loss, ttt_losses
 from speculative.models.eagle_checkpoint import save_eagle_head
 
 SIZES = {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -213,16 +213,17 @@ def test_answer_losses_count_each_pass_against_the_token_it_drafts(layout) -> No
     assert torch.isclose(out_losses["loss"], expected, rtol=1e-4), (out_losses["loss"], expected)
 
 
-def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
-    """--target / --data: a few steps on the target's answers lower the loss and raise the held-out
-    agreement; the head, its card and training.json are written; the features file serves a second
+@pytest.mark.parametrize("layout", ["eagle", "eagle3"])
+def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path, layout) -> None:
+    """--target / --data, both layouts: a few steps on the target's answers lower the loss and the held-out
+    cross-entropy; the head, its card and training.json are written; the features file serves a second
     (resumed) piece without the target, which starts where the first ended; through the engine greedy
     output is the target's alone."""
 
-    root, out, features = chat_target, tmp_path / "eagle3", tmp_path / "features.pt"
+    root, out, features = chat_target, tmp_path / layout, tmp_path / "features.pt"
     argv = [
         "--target", str(root / "target"), "--data", str(root / "data"), "--out", str(out),
-        "--layout", "eagle3", "--steps", "30", "--intermediate", "64", "--batch-tokens", "1024",
+        "--layout", layout, "--steps", "30", "--intermediate", "64", "--batch-tokens", "1024",
         "--seq-len", "200", "--warmup", "1", "--lr", "3e-3", "--prompts", "2", "--new-tokens", "8",
         "--draft-vocab", "64", "--features", str(features),
     ]  # fmt: skip
@@ -232,9 +233,9 @@ def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
     assert sum(trace[-3:]) / 3 < 0.9 * sum(trace[:5]) / 5, trace  # batches differ: means
     before, after = info["heldout_before"], info["heldout_after"]
     assert before["positions"] == after["positions"] > 0
-    assert sum(after["agreement_per_depth"]) > sum(before["agreement_per_depth"])
+    assert sum(after["ce_per_depth"]) < sum(before["ce_per_depth"])  # (agreement: ~50 positions, noisy)
     card = (out / "README.md").read_text()
-    assert "EAGLE-3 head for target" in card and "64 tokens most frequent" in card
+    assert f"{LAYOUT_NAMES[layout]} head for target" in card and "64 tokens most frequent" in card
     assert json.loads((out / "training.json").read_text())["steps"] == 30
 
     resumed = train_eagle.main([*argv[:8], "--steps", "5", *argv[10:], "--resume"])
@@ -249,7 +250,7 @@ def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
     drafted = LLM(
         str(root / "target"),
         draft_model=str(out),
-        speculative_config=SpeculativeConfig(method="eagle3"),
+        speculative_config=SpeculativeConfig(method=layout),
         dtype="float32",
     ).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in alone]

@@ -253,8 +253,8 @@ def train(args) -> dict:
     features = target_features(target, rows + heldout, head.target_layers, args.features)
     train_features, heldout_features = features[: len(rows)], features[len(rows) :]
     scale = input_scale(train_features, config.hidden_size)
-    with torch.no_grad():  # the same head on features / scale (input_scale)
-        head.fc.weight.mul_(scale)
+    with torch.no_grad():  # the same head on features / scale (input_scale): fc's feature columns,
+        head.fc.weight[:, -len(scale) :].mul_(scale)  # EAGLE-1's after the token embedding's
     feature_seconds = time.monotonic() - start
     del target
     deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
@@ -276,7 +276,7 @@ def train(args) -> dict:
     totals = {name: round(sum(p[name] for p in pieces), 1) for name in ("steps", "tokens", "seconds")}
     after = figures()
     with torch.no_grad():  # back to the target's own features
-        head.fc.weight.div_(scale)
+        head.fc.weight[:, -len(scale) :].div_(scale)
     save_eagle_head(head, args.out)
     prompts = [a["prompt"][-args.seq_len :] for a in heldout_answers[: args.prompts]]
     drafters = {args.layout: (args.out, args.layout)}

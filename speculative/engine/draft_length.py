@@ -31,11 +31,14 @@ Now and then a neighbour of the best k, or plain decoding, whichever was measure
 measured again so that the estimates follow the workload (without plain decoding among them, a plain
 step's time from long ago kept speculation on at 32 rows, where it lost): after _EXPLORE steps at a
 batch size, then at intervals that double (up to _EXPLORE_MAX) while the best k stays the same, back
-to _EXPLORE when it changes. A drafting step right after plain steps is not a sample of its k's time:
-its drafter first takes in every token it skipped (a draft model also prefills the rows that joined
-meanwhile), a cost of switching, not of drafting; an exploration from plain decoding is therefore
-measured twice, the second time clean. Nor is a step that compiled a graph (a compiled model's first
-call of a shape, seconds where the step takes milliseconds): the engine passes no time for it.
+to _EXPLORE when it changes. The batch sizes where plain decoding is best share one such schedule,
+counted in steps of every size: a server's batch size wanders as rows join and finish, and a schedule
+of each size's own would explore as often as there are sizes, each time from plain decoding, a switch.
+A drafting step right after plain steps is not a sample of its k's time: its drafter first takes in
+every token it skipped (a draft model also prefills the rows that joined meanwhile), a cost of
+switching, not of drafting; an exploration from plain decoding is therefore measured twice, the
+second time clean. Nor is a step that compiled a graph (a compiled model's first call of a shape,
+seconds where the step takes milliseconds): the engine passes no time for it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class DraftLength:
         self.counts: dict[int, dict[int, int]] = {}
         self.seen: dict[int, dict[int, int]] = {}  # batch size -> k -> its steps there when k was last run
         self.explore: dict[int, tuple[int, int, int]] = {}  # batch size -> (best k, interval, next step)
+        self._plain_explore = (_EXPLORE, _EXPLORE)  # (interval, next step) where plain decoding is best
+        self._steps = 0  # steps observed, of every batch size
         self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
         self._sums: dict[tuple[int, int], tuple[float, float]] = {}  # (B, k) -> decayed (seconds, samples)
         self._provisional: set[tuple[int, int]] = set()  # (B, k) whose time is still the warm-up's
@@ -98,13 +103,20 @@ class DraftLength:
         last, interval, due = self.explore.get(batch_size, (best, _EXPLORE, _EXPLORE))
         if best != last:
             interval, due = _EXPLORE, steps + _EXPLORE
-        if steps < due:
-            self.explore[batch_size] = (best, interval, due)
+        self.explore[batch_size] = (best, interval, due)
+        if best == 0:  # plain decoding's batch sizes share one schedule, in steps of every size
+            interval, due = self._plain_explore
+            if self._steps < due:
+                return 0
+            interval = min(2 * interval, _EXPLORE_MAX)
+            self._plain_explore = (interval, self._steps + interval)
+        elif steps < due:
             return best
-        interval = min(2 * interval, _EXPLORE_MAX)
-        self.explore[batch_size] = (best, interval, steps + interval)
+        else:
+            interval = min(2 * interval, _EXPLORE_MAX)
+            self.explore[batch_size] = (best, interval, steps + interval)
         others = {k for k in (best - 1, best + 1, 0) if 0 <= k <= self.max_k} - {best}
-        seen = self.seen[batch_size]
+        seen = self.seen.get(batch_size, {})  # empty at a batch size first met in an exploration
         self._explored = min(sorted(others), key=lambda k: seen.get(k, -1))  # the least recently measured
         return self._explored
 
@@ -126,6 +138,7 @@ class DraftLength:
         self.history.append(k)
         if not self.adaptive:
             return
+        self._steps += 1
         switched, self._last_k = k > 0 and self._last_k == 0, k
         explored, self._explored = self._explored, None
         if switched and explored == k:
