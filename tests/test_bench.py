@@ -16,7 +16,9 @@ from conftest import byte_tokenizer, tiny_model
 
 from speculative import cli
 from speculative.bench import run as bench_run
+from speculative.bench.measure import interleaved
 from speculative.bench.memory import copy_bandwidth, memory_bound, weight_bytes
+from speculative.bench.methods import Generation, Method
 from speculative.bench.prompts import BUNDLED_DIR
 from speculative.bench.report import memory_bound_line
 from speculative.bench.run import skipped_heads
@@ -329,3 +331,26 @@ def test_compiled_methods_compile_the_eagle_head(model_dirs) -> None:
         assert method.engine == "ours_compiled" and method.llm.target.model is pair.compiled_target
         assert isinstance(method.llm.engine.proposer.compiled, CompiledCausalLM)
         assert pair.ours("eagle", 3, tree=tree).llm.engine.proposer.compiled is None
+
+
+def test_the_warm_up_runs_two_prompt_lengths_before_the_timed_runs() -> None:
+    """torch.compile makes a prefill's length dynamic at its second length: the discarded warm-up
+    calls each method with two, so that no timed run compiles; every timed run is one prompt's."""
+
+    @dataclasses.dataclass
+    class Recording(Method):
+        calls: list = dataclasses.field(default_factory=list)
+
+        def generate(self, prompts, max_tokens):
+            self.calls.append([len(p) for p in prompts])
+            return Generation([[0] * max_tokens], 1.0)
+
+    methods = [Recording("a", "a", "ours"), Recording("b", "b", "hf")]
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    runs = interleaved(methods, prompts, 3, 1, lambda *_: None, "phase", warmup=True)
+    for method in methods:
+        assert method.calls == [[4], [3], [4], [2]]
+        assert [len(r) for r in runs[method.name]] == [1, 1]
+    one_token = Recording("c", "c", "ours")
+    interleaved([one_token], [[7]], 3, 1, lambda *_: None, "phase", warmup=True)
+    assert one_token.calls == [[1], [1]]  # one warm-up, then the timed run

@@ -40,13 +40,16 @@ def interleaved(
     warmup: bool,
 ) -> dict[str, list[list[Generation]]]:
     """runs[method][prompt] = its timed Generations: every method on prompt 1, then on prompt 2, ...;
-    with `warmup`, first one discarded run of each method on the first prompt. Each pass over the
-    prompts starts from reset methods (Method.reset), so that a method learns only from the prompts
-    before the current one in its pass (suffix decoding's multi-turn case)."""
-    total = len(methods) * (len(prompts) * repeats + warmup)
-    if warmup:
+    with `warmup`, first two discarded runs of each method, on the first prompt and on it less its last
+    token: torch.compile makes a prefill's length dynamic only at its second length, a graph compiled
+    otherwise inside the first timed run of another length. Each pass over the prompts starts from
+    reset methods (Method.reset), so that a method learns only from the prompts before the current one
+    in its pass (suffix decoding's multi-turn case)."""
+    warm_ups = [p for p in (prompts[0], prompts[0][:-1]) if p] if warmup else []
+    total = len(methods) * (len(prompts) * repeats + len(warm_ups))
+    for prompt in warm_ups:
         for method in methods:
-            method.generate([prompts[0]], max_tokens)
+            method.generate([prompt], max_tokens)
             advance(phase, total)
     runs: dict[str, list[list[Generation]]] = {m.name: [[] for _ in prompts] for m in methods}
     for _ in range(repeats):

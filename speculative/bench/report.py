@@ -251,8 +251,8 @@ def markdown(results: dict, plots: list[str]) -> str:
         "# speculative bench",
         f"Target `{config['model']}`, draft `{config['draft_model']}`, k={config['k']}, "
         f"{config['max_tokens']} tokens per prompt (greedy, EOS ignored), {precision(config)}{draft_dtype} "
-        f"on {m['device']}; {config['repeats']} timed run(s) per prompt and method after a discarded "
-        f"warm-up, runs interleaved, medians over prompts.",
+        f"on {m['device']}; {config['repeats']} timed run(s) per prompt and method after two discarded "
+        f"warm-ups (the first prompt, and it less its last token), runs interleaved, medians over prompts.",
         f"Machine: {m['nproc']} CPUs ({m['cpu']}{features}), torch {m['torch']}, "
         f"transformers {m['transformers']}, "
         f"Python {m['python']}, OMP_WAIT_POLICY={m['omp_wait_policy']}"

@@ -1,6 +1,6 @@
 """The benchmark run: configuration, the loaded pair, the methods, and the order of the measurements.
 
-One process, the same prompts and pair for every method, a warm-up run discarded, runs interleaved,
+One process, the same prompts and pair for every method, two warm-up runs discarded, runs interleaved,
 medians (measure.py). A speculative method's speed bound (timing.py) uses its measured tokens per step
 and the step times its runs paid (clock.py); its efficiency divides its speedup over its own engine's
 plain decoding (ours: our baseline; HF: HF `generate`) by that bound.
