@@ -102,3 +102,48 @@ def test_a_packaged_draft_goes_on_training(trained, tmp_path) -> None:
     assert info["training"]["steps"] == 2
     assert read_draft_vocabulary(tmp_path / "more").tolist() == read_draft_vocabulary(root / "draft").tolist()
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "more").config.hidden_size == 32
+
+
+def test_the_teacher_gives_the_targets_top_distribution_over_the_draft_vocabulary(trained) -> None:
+    root, target, _ = trained
+    answers = train_draft.stored_answers(root / "draft" / "data")[:3]
+    vocabulary = read_draft_vocabulary(root / "draft")
+    rows = train_draft.training_rows(answers, vocabulary, 64)
+    soft = train_draft.teacher_targets(target, rows, vocabulary, 5, 512)
+    for (tokens, labels), (indices, probs) in zip(rows, soft):
+        with torch.no_grad():
+            logits = target(tokens[None]).logits[0, labels >= 0][:, vocabulary].float()
+        expected = logits.softmax(-1)
+        assert indices.shape == probs.shape == (int((labels >= 0).sum()), 5)
+        kept = expected.gather(1, indices.long())  # the target's most likely draft tokens, renormalized
+        torch.testing.assert_close(probs.float(), kept / kept.sum(-1, keepdim=True), atol=3e-2, rtol=0)
+        assert (kept.min(-1).values >= expected.topk(5).values[:, -1] - 3e-2).all()
+
+
+def test_a_batchs_teacher_targets_line_up_with_its_labelled_positions(trained) -> None:
+    """batch_targets concatenates the rows' targets in the order logits[labels >= 0] takes them."""
+    root, _, _ = trained
+    answers = train_draft.stored_answers(root / "draft" / "data")
+    vocabulary = read_draft_vocabulary(root / "draft")
+    rows = train_draft.training_rows(answers, vocabulary, 64)
+    one_hot = [(labels[labels >= 0][:, None].to(torch.int16), torch.ones(int((labels >= 0).sum()), 1).half())
+               for _, labels in rows]  # fmt: skip
+    group = [5, 0, 11, 3]  # rows of different lengths, not in order
+    _, _, labels = train_draft.collate(rows, group)
+    indices, probs = train_draft.batch_targets(one_hot, group)
+    assert indices[:, 0].long().tolist() == labels[labels >= 0].tolist()
+    logits = torch.randn(len(indices), len(vocabulary))
+    hard = torch.nn.functional.cross_entropy(logits, labels[labels >= 0])
+    torch.testing.assert_close(train_draft.soft_loss(logits, (indices, probs)), hard)
+
+
+def test_the_recipe_learns_the_targets_distribution_with_soft_top(trained, tmp_path) -> None:
+    root, _, _ = trained
+    argv = [
+        "--target", str(root / "target"), "--out", str(tmp_path / "soft"), "--resume", str(root / "package"),
+        "--data", str(root / "draft" / "data"), "--chats", "6", "--followed", "6", "--sampled", "0",
+        "--soft-top", "8", "--steps", "2", "--warmup", "1", "--eval-every", "5", "--batch-tokens", "512",
+    ]  # fmt: skip
+    info = train_draft.main(argv)
+    assert info["training"]["steps"] == 2 and info["args"]["soft_top"] == 8
+    assert "its 8 most likely tokens (--soft-top)" in (tmp_path / "soft" / "README.md").read_text()

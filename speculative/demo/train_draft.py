@@ -16,7 +16,13 @@
    token reads that many rows instead of the whole vocabulary's; the engine never drafts another
    token, and the output stays exact (speculative.models.llama: NativeCausalLM.restrict_vocabulary).
    Training uses the same cut: the loss is the cross-entropy over the draft vocabulary of the
-   target's token, at response positions whose token it holds.
+   target's token, at response positions whose token it holds. With `--soft-top K` the draft learns
+   the target's whole distribution there instead (knowledge distillation, Hinton et al. 2015; for
+   drafts, DistillSpec, Zhou et al. 2024, arXiv:2310.08461): the cross-entropy against the target's
+   probabilities over the draft vocabulary, cut to its K most likely tokens and renormalized,
+   computed once by a teacher-forced pass of the target over the answers. A greedy answer tells
+   the draft only which token won; the distribution also says by how much and what came second,
+   which matters where a few thousand answers are all the data.
 4. Written to `--out` as a Hugging Face folder that loads anywhere (`draft_vocabulary.json` beside it
    for this engine), and with `--package DIR` also without the embedding, which is the target's: the
    committed form, rebuilt by `assemble_draft(package, target, out)`.
@@ -186,6 +192,42 @@ def batches(rows: list, batch_tokens: int, rng: random.Random) -> list[list[int]
     return groups
 
 
+@torch.no_grad()
+def teacher_targets(
+    target: LlamaForCausalLM, rows: list, vocabulary: Tensor, top: int, batch_tokens: int
+) -> list[tuple[Tensor, Tensor]]:
+    """Per row of `training_rows`, (indices [m, top] int16 into the draft vocabulary, probabilities
+    [m, top] float16) at its m positions with a label, in order: the target's `top` most likely tokens
+    of the draft vocabulary after that position and their probabilities, renormalized over those.
+    One teacher-forced pass of the target (bf16 autocast where native) over the rows."""
+    head = target.get_output_embeddings().weight[vocabulary].float()  # [draft vocab, hidden]
+    out: list = [None] * len(rows)
+    groups = batches(rows, batch_tokens, random.Random(0))
+    for group in tqdm(groups, desc="teacher", mininterval=10.0):
+        tokens, mask, labels = collate(rows, group)
+        with autocast():
+            hidden = target.model(input_ids=tokens, attention_mask=mask).last_hidden_state
+        for b, i in enumerate(group):
+            logits = hidden[b][labels[b] >= 0].float() @ head.T  # [m, draft vocab]
+            values, indices = logits.topk(min(top, len(vocabulary)), dim=-1)
+            out[i] = (indices.to(torch.int16), values.softmax(-1).half())
+    return out
+
+
+def batch_targets(soft: list, indices: list[int]) -> tuple[Tensor, Tensor]:
+    """The teacher's (indices, probabilities) of the rows `indices`, concatenated in their order: the
+    order of `logits[labels >= 0]` for the batch `collate(rows, indices)`."""
+    return torch.cat([soft[i][0] for i in indices]), torch.cat([soft[i][1] for i in indices])
+
+
+def soft_loss(logits: Tensor, soft: tuple[Tensor, Tensor]) -> Tensor:
+    """The cross-entropy of logits [m, draft vocab] against the teacher's (indices, probabilities)
+    [m, top] (`teacher_targets`)."""
+    indices, probs = soft
+    logq = logits.log_softmax(-1).gather(1, indices.long())
+    return -(probs.float() * logq).sum(-1).mean()
+
+
 def collate(rows: list, indices: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     """tokens, attention mask, labels [batch, longest] of the rows, right-padded (labels -100)."""
     longest = max(len(rows[i][0]) for i in indices)
@@ -233,10 +275,14 @@ def autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=native)
 
 
-def train(draft: Distilled, rows: list, heldout: list, args: argparse.Namespace) -> dict:
+def train(
+    draft: Distilled, rows: list, heldout: list, args: argparse.Namespace, soft: list | None = None
+) -> dict:
     """Train `draft` on `rows` for args.steps steps or args.max_minutes, whichever ends first; the
     learning rate warms up over args.warmup steps, then decays along a cosine to a tenth of args.lr
-    as the run progresses (the larger of its fractions of steps and of minutes). Returns the record."""
+    as the run progresses (the larger of its fractions of steps and of minutes). The loss is the
+    cross-entropy of the labels, or of the teacher's distributions `soft` (`teacher_targets`, one per
+    row) where given. Returns the record."""
     rng = random.Random(args.seed)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = optimizer(draft, args.lr)
@@ -246,14 +292,18 @@ def train(draft: Distilled, rows: list, heldout: list, args: argparse.Namespace)
     while progress < 1:
         if not groups:
             groups = batches(rows, args.batch_tokens, rng)
-        tokens, mask, labels = collate(rows, groups.pop())
+        group_rows = groups.pop()
+        tokens, mask, labels = collate(rows, group_rows)
         warm = min(1.0, (step + 1) / args.warmup)
         for group in opt.param_groups:
             group["lr"] = args.lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         with autocast():
             logits = draft(tokens, mask)
         wanted = labels >= 0
-        loss = F.cross_entropy(logits[wanted], labels[wanted])
+        if soft is None:
+            loss = F.cross_entropy(logits[wanted], labels[wanted])
+        else:  # logits[wanted] runs row by row, each row's labelled positions in order, as soft's do
+            loss = soft_loss(logits[wanted], batch_targets(soft, group_rows))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -419,6 +469,12 @@ def card(info: dict) -> str:
         else ""
     )
     resumed = ", going on from an earlier draft of this recipe (--resume)" if a.get("resume") else ""
+    loss = (
+        f"the cross-entropy against the target's distribution over the draft vocabulary, cut to its "
+        f"{a['soft_top']} most likely tokens (--soft-top)"
+        if a.get("soft_top")
+        else "the cross-entropy of the target's tokens"
+    )
     return f"""# A draft for {info["target_name"]}
 
 A {a["layers"]}-layer Llama of width {a["hidden"]} (MLP {a["intermediate"]}) with the target's tokenizer,
@@ -439,7 +495,8 @@ answer pasted in){sampled}. No data set was downloaded. One answer in 33 is held
 
 ## Training
 
-{t["steps"]} steps of about {a["batch_tokens"]} tokens (AdamW, peak lr {a["lr"]}, cosine decay){resumed},
+{t["steps"]} steps of about {a["batch_tokens"]} tokens (AdamW, peak lr {a["lr"]}, cosine decay){resumed};
+loss: {loss};
 {t["seconds"] / 60:.1f} minutes at {t["tokens_per_second"]:.0f} tokens/s; final train loss
 {t["final_train_loss"]:.3f}. Held out, teacher-forced: the draft's top token is the target's on
 {held["top1"]:.1%} of response positions; the chance that a chain's first 1 / 2 / 3 / 4 drafts are all
@@ -477,6 +534,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--resume", type=Path, help="go on training this packaged draft (--package's; its sizes, vocabulary)"
     )
     parser.add_argument("--draft-vocab", type=int, default=8192, help="the draft vocabulary's size")
+    parser.add_argument(
+        "--soft-top", type=int, default=0, help="learn the target's top-K distribution (0: its tokens)"
+    )
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -528,10 +588,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume is not None and projection is not None:
         with torch.no_grad():
             distilled.projection.copy_(projection)
-    del target
     rows = training_rows(train_answers, vocabulary, args.max_length)
     heldout = training_rows([answers[i] for i in sorted(heldout_ids)], vocabulary, args.max_length)
-    record = train(distilled, rows, heldout, args)
+    soft = None
+    if args.soft_top:
+        teacher_started = time.monotonic()
+        soft = teacher_targets(target, rows, vocabulary, args.soft_top, args.batch_tokens)
+        data_seconds += time.monotonic() - teacher_started
+    del target
+    record = train(distilled, rows, heldout, args, soft)
     finished = distilled.finished()
     save_draft(finished, tokenizer, vocabulary, args.out)
     held_tokens = [t for i in sorted(heldout_ids) for t in answers[i]["response"]]
