@@ -75,6 +75,25 @@ def test_plain_batch_sizes_explore_together_as_rarely_as_one_batch_size() -> Non
     assert 1000 - chooser.history.count(0) <= 1000 - one_size.history.count(0) + 4
 
 
+def test_explorations_from_plain_decoding_spend_a_bounded_share_on_switches() -> None:
+    """Where plain decoding is best and a switch to drafting costs a dozen plain steps (the drafter's
+    intake of every row's context), explorations keep switches to about _SWITCH_SHARE of the time
+    (with explorations every _EXPLORE_MAX steps alone, switches took 8% of these 3000 steps' time)."""
+    rng = random.Random(0)
+    chooser, previous, drafting = DraftLength(4, adaptive=True), 0, 0
+    switching = total = 0.0
+    for _ in range(3000):
+        k = chooser.choose(32)
+        seconds = 6.0 + 8.0 * k + (70.0 if k and not previous else 0.0)  # ms: a switch's intake
+        switching += seconds - (6.0 + 8.0 * k) if k and not previous else 0.0
+        total += seconds
+        rows = [next((i for i in range(k) if rng.random() >= 0.3), k) for _ in range(32)]
+        chooser.observe(32, k, seconds, rows, [k] * 32)
+        previous, drafting = k, drafting + (k > 0)
+    assert drafting < 100
+    assert switching / total < 0.03
+
+
 def test_a_middle_k_when_acceptance_falls_off() -> None:
     chooser = _measured(6, lambda k: 10.0 + 2.0 * k, acceptance=0.6)
     assert 1 <= chooser.choose(1) <= 3
@@ -215,9 +234,10 @@ def test_a_k_measured_again_after_others_learns_its_time_against_theirs() -> Non
 def test_what_a_drafter_catches_up_on_after_plain_steps_is_not_its_step_time() -> None:
     """The first drafting step after plain steps also takes in what they left (here 100 ms, against
     10.25 ms for a drafting step): counted as that k's time, drafting, which has become much better
-    than plain decoding (acceptance rose), would look worse for good."""
+    than plain decoding (acceptance rose), would look worse for good. (So dear a switch also makes
+    explorations from plain decoding wait 500 plain steps: _SWITCH_SHARE.)"""
     chooser, acceptance, last = DraftLength(1, adaptive=True), 0.0, 0
-    for step in range(800):
+    for step in range(1400):
         if step == 200:
             acceptance = 0.9
         k = chooser.choose(1)

@@ -34,6 +34,12 @@ batch size, then at intervals that double (up to _EXPLORE_MAX) while the best k 
 to _EXPLORE when it changes. The batch sizes where plain decoding is best share one such schedule,
 counted in steps of every size: a server's batch size wanders as rows join and finish, and a schedule
 of each size's own would explore as often as there are sizes, each time from plain decoding, a switch.
+A switch costs what the drafter takes in (below): up to a prefill of every row's context, many plain
+steps' time at a large batch, which an interval of _EXPLORE_MAX steps would pay again and again (the
+figures: docs/server.md#under-load). So that schedule also waits until the plain steps since its last
+exploration took 1 / _SWITCH_SHARE times the latest switch's extra cost (its step time over its k's
+mean there): explorations from plain decoding cost at most that share of the time, however dear a
+switch.
 A drafting step right after plain steps is not a sample of its k's time: its drafter first takes in
 every token it skipped (a draft model also prefills the rows that joined meanwhile), a cost of
 switching, not of drafting; an exploration from plain decoding is therefore measured twice, the
@@ -51,6 +57,7 @@ _EXPLORE_MAX = 256  # ... an interval that doubles up to this while the best k s
 _DECAY = 0.98  # per step, for the acceptance counts
 _TIME_DECAY = 0.9  # per sample of a k at a batch size, for its moving mean
 _SWITCH_GAIN = 1.1  # drafting's promised tokens a second over plain decoding's to switch it on
+_SWITCH_SHARE = 0.02  # of the plain steps' time, at most, for the switches of explorations from them
 
 
 class DraftLength:
@@ -69,6 +76,8 @@ class DraftLength:
         self.seen: dict[int, dict[int, int]] = {}  # batch size -> k -> its steps there when k was last run
         self.explore: dict[int, tuple[int, int, int]] = {}  # batch size -> (best k, interval, next step)
         self._plain_explore = (_EXPLORE, _EXPLORE)  # (interval, next step) where plain decoding is best
+        self._plain_seconds = 0.0  # plain steps' time since the last exploration from them
+        self._switch_cost = 0.0  # seconds: the latest switch's step time over its k's mean
         self._steps = 0  # steps observed, of every batch size
         self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
         self._sums: dict[tuple[int, int], tuple[float, float]] = {}  # (B, k) -> decayed (seconds, samples)
@@ -106,10 +115,10 @@ class DraftLength:
         self.explore[batch_size] = (best, interval, due)
         if best == 0:  # plain decoding's batch sizes share one schedule, in steps of every size
             interval, due = self._plain_explore
-            if self._steps < due:
+            if self._steps < due or self._plain_seconds * _SWITCH_SHARE < self._switch_cost:
                 return 0
             interval = min(2 * interval, _EXPLORE_MAX)
-            self._plain_explore = (interval, self._steps + interval)
+            self._plain_explore, self._plain_seconds = (interval, self._steps + interval), 0.0
         elif steps < due:
             return best
         else:
@@ -148,6 +157,10 @@ class DraftLength:
             counts = self.counts.setdefault(batch_size, {})
             if not switched:
                 self._time(batch_size, k, seconds)
+            elif self.times[batch_size]:
+                self._switch_cost = max(0.0, seconds - self.step_time(batch_size, k))
+            if k == 0:
+                self._plain_seconds += seconds
             counts[k] = counts.get(k, 0) + 1
             self.seen.setdefault(batch_size, {})[k] = sum(counts.values())
         if k == 0:
