@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from speculative.models import packed
 from speculative.models.gemv import GEMV_PASS
-from speculative.models.packed import REDUCTION_MAX_ROWS, STATIC_ROWS_MAX
+from speculative.models.packed import REDUCTION_MAX_ROWS, STATIC_REDUCTION_MAX_ROWS, STATIC_ROWS_MAX
 
 
 def _compiled(fn):
@@ -71,15 +71,17 @@ def test_packed_linear_leaves_few_rows_to_the_reduction_where_told(monkeypatch) 
         torch.testing.assert_close(got, linear(x) + residual)
 
 
-def test_packed_linear_leaves_few_static_rows_to_the_reduction_on_every_cpu(monkeypatch) -> None:
-    """A compiled PackedLinear call of a few float32 rows known statically (a batch-1 verification) is
-    a reduction per row whatever FLOAT_REDUCTION_MAX_ROWS says."""
+def test_packed_linear_leaves_two_or_three_static_rows_to_the_reduction_on_every_cpu(monkeypatch) -> None:
+    """A compiled PackedLinear call of up to STATIC_REDUCTION_MAX_ROWS float32 rows known statically (a
+    short batch-1 verification) is a reduction per row whatever FLOAT_REDUCTION_MAX_ROWS says; one more
+    static row calls the prepacked op (oneDNN's few-row kernel)."""
     monkeypatch.setattr(packed, "FLOAT_REDUCTION_MAX_ROWS", 1)
     linear = torch.nn.Linear(48, 80).requires_grad_(False)
     layer = packed.PackedLinear([linear])
-    x, residual = torch.randn(STATIC_ROWS_MAX, 48), torch.randn(STATIC_ROWS_MAX, 80)
-    with inductor_config.patch(force_disable_caches=True), torch.inference_mode():
-        counters.clear()
-        got = _compiled(layer.__call__)(x, residual)
-    assert dict(counters["speculative"]) == {"static_rows": 1}
-    torch.testing.assert_close(got, linear(x) + residual)
+    for rows, kinds in ((STATIC_REDUCTION_MAX_ROWS, {"static_rows": 1}), (STATIC_REDUCTION_MAX_ROWS + 1, {})):
+        x, residual = torch.randn(rows, 48), torch.randn(rows, 80)
+        with inductor_config.patch(force_disable_caches=True), torch.inference_mode():
+            counters.clear()
+            got = _compiled(layer.__call__)(x, residual)
+        assert dict(counters["speculative"]) == kinds
+        torch.testing.assert_close(got, linear(x) + residual)

@@ -6,8 +6,8 @@ dtype, the shape and the number of rows (the per-shape timings that chose what f
 docs/internals.md#measured-choices). On CPU, in float32 and bfloat16, a oneDNN prepacked copy serves
 every call, except one-row calls in a compiled graph, which inductor compiles into a reduction over
 W as stored, faster still (models/gemv.py), and where oneDNN has AVX2 only, float32 calls of a few
-rows too (FLOAT_REDUCTION_MAX_ROWS), and on every CPU float32 calls of a few rows known statically
-(STATIC_ROWS_MAX). Elsewhere (CUDA, other dtypes, no oneDNN), F.linear on W.
+rows too (FLOAT_REDUCTION_MAX_ROWS), and on every CPU float32 calls of 2 or 3 rows known statically
+(STATIC_REDUCTION_MAX_ROWS). Elsewhere (CUDA, other dtypes, no oneDNN), F.linear on W.
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
 
@@ -53,10 +53,13 @@ REDUCTION_MAX_ROWS = 16
 FLOAT_REDUCTION_MAX_ROWS = 6 if _AVX2_ONLY else 1
 # Compiled calls of at most this many rows whose row count is static (a batch-1 verification or
 # drafting: CompiledCausalLM gives each such query length a graph of its own) unroll over the rows:
-# float32 matmuls are reductions with one accumulator per row in one loop over W (models/gemv.py),
-# on every CPU, and attention runs query by query (attention.FusedAttention): together faster at 5 rows, each
-# alone not (docs/internals.md#measured-choices); bfloat16 (oneDNN's few-row calls) is unchanged.
+# attention runs query by query (attention.FusedAttention), and float32 matmuls that are reductions
+# (models/gemv.py) have one accumulator per row in one loop over W.
 STATIC_ROWS_MAX = 6
+# Compiled float32 calls of 2 to this many static rows are such a reduction on every CPU; with more
+# rows, oneDNN's few-row kernel streams a weight that does not fit in cache faster where it has
+# AVX-512 (docs/internals.md#measured-choices); bfloat16 (oneDNN's few-row calls) is unchanged.
+STATIC_REDUCTION_MAX_ROWS = 3
 # oneDNN makes a kernel for each shape it is called with and keeps it in a process-wide cache (up to
 # 1,024 kernels, ONEDNN_PRIMITIVE_CACHE_CAPACITY; about 0.6 MB each for the demo pair's shapes). A
 # server meets ever new numbers of rows: a step of B rows and q tokens each (B * q), a prefill of r
@@ -251,7 +254,7 @@ class PackedLinear:
                 if statically_known_true(x.shape[0] == 1) or (  # left to inductor: a reduction (gemv.py)
                     x.dtype == torch.float32
                     and (
-                        statically_known_true(x.shape[0] <= STATIC_ROWS_MAX)
+                        statically_known_true(x.shape[0] <= STATIC_REDUCTION_MAX_ROWS)
                         or (FLOAT_REDUCTION_MAX_ROWS > 1 and x.shape[0] <= FLOAT_REDUCTION_MAX_ROWS)
                     )
                 ):  # a guard
