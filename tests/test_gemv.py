@@ -49,33 +49,31 @@ def test_a_few_float32_rows_are_one_reduction_and_more_are_left_to_the_matmul() 
         assert counters["speculative"]["rows"] == 0
 
 
-def test_packed_linear_leaves_few_rows_to_the_reduction_where_told(monkeypatch) -> None:
-    """Where FLOAT_REDUCTION_MAX_ROWS allows (AVX2 CPUs), a compiled PackedLinear call of a few float32
-    rows, a dynamic size guarded by it, is the reduction (bias and residual added); more rows call the
-    prepacked op."""
-    monkeypatch.setattr(packed, "FLOAT_REDUCTION_MAX_ROWS", 8)
+def test_packed_linear_leaves_dynamic_rows_to_oneDNN_without_a_guard_on_them() -> None:
+    """A compiled PackedLinear call whose row count is dynamic (a batch) calls the prepacked op, however
+    few its rows: no guard on them, so one graph serves 5 rows and 12 (a guard split each kind of call
+    into two graphs on AVX2 CPUs, which the warm-up did not compile)."""
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(48, 80).requires_grad_(False)
     layer = packed.PackedLinear([linear])
-    for rows, rewritten in ((5, 1), (12, 0)):
-        x, residual = torch.randn(rows, 48, generator=generator), torch.randn(rows, 80, generator=generator)
-        torch._dynamo.mark_dynamic(x, 0)
-        torch._dynamo.mark_dynamic(residual, 0)
-        with inductor_config.patch(force_disable_caches=True), torch.inference_mode():
-            counters.clear()
-            torch._dynamo.reset()
-            got = torch.compile(layer.__call__, options={"post_grad_custom_post_pass": GEMV_PASS})(
-                x, residual
-            )
-        assert counters["speculative"]["rows"] == rewritten
-        torch.testing.assert_close(got, linear(x) + residual)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer.__call__, options={"post_grad_custom_post_pass": GEMV_PASS})
+    with inductor_config.patch(force_disable_caches=True), torch.inference_mode():
+        counters.clear()
+        for rows in (5, 12):
+            x = torch.randn(rows, 48, generator=generator)
+            residual = torch.randn(rows, 80, generator=generator)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(residual, 0)
+            torch.testing.assert_close(compiled(x, residual), linear(x) + residual)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert dict(counters["speculative"]) == {}
 
 
-def test_packed_linear_leaves_two_or_three_static_rows_to_the_reduction_on_every_cpu(monkeypatch) -> None:
+def test_packed_linear_leaves_a_few_static_rows_to_the_reduction() -> None:
     """A compiled PackedLinear call of up to STATIC_REDUCTION_MAX_ROWS float32 rows known statically (a
-    short batch-1 verification) is a reduction per row whatever FLOAT_REDUCTION_MAX_ROWS says; one more
-    static row calls the prepacked op (oneDNN's few-row kernel)."""
-    monkeypatch.setattr(packed, "FLOAT_REDUCTION_MAX_ROWS", 1)
+    short batch-1 verification) is a reduction per row; one more static row calls the prepacked op
+    (oneDNN's few-row kernel)."""
     linear = torch.nn.Linear(48, 80).requires_grad_(False)
     layer = packed.PackedLinear([linear])
     for rows, kinds in ((STATIC_REDUCTION_MAX_ROWS, {"static_rows": 1}), (STATIC_REDUCTION_MAX_ROWS + 1, {})):

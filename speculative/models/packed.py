@@ -5,9 +5,9 @@ streaming the weights from memory, and which kernel streams them fastest depends
 dtype, the shape and the number of rows (the per-shape timings that chose what follows:
 docs/internals.md#measured-choices). On CPU, in float32 and bfloat16, a oneDNN prepacked copy serves
 every call, except one-row calls in a compiled graph, which inductor compiles into a reduction over
-W as stored, faster still (models/gemv.py), and where oneDNN has AVX2 only, float32 calls of a few
-rows too (FLOAT_REDUCTION_MAX_ROWS), and on every CPU float32 calls of 2 or 3 rows known statically
-(STATIC_REDUCTION_MAX_ROWS). Elsewhere (CUDA, other dtypes, no oneDNN), F.linear on W.
+W as stored, faster still (models/gemv.py), and float32 calls of a few rows known statically
+(STATIC_REDUCTION_MAX_ROWS: 2 or 3, and where oneDNN has AVX2 only up to STATIC_ROWS_MAX). Elsewhere
+(CUDA, other dtypes, no oneDNN), F.linear on W.
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
 
@@ -47,19 +47,17 @@ INT8_REDUCTION_DTYPES = () if _AVX2_ONLY else (torch.float32, torch.bfloat16, to
 # reads each int8 row once for all rows; in bfloat16 torch's kernel is faster (the crossing points:
 # docs/internals.md#measured-choices).
 REDUCTION_MAX_ROWS = 16
-# Compiled float32 calls of 2 to this many rows (a verification of k + 1 tokens) are that reduction
-# too where oneDNN has AVX2 only: there its few-row kernel streams W slowly. With AVX-512, oneDNN is
-# as fast as the reduction from 5 rows on, so it keeps them (docs/internals.md#measured-choices).
-FLOAT_REDUCTION_MAX_ROWS = 6 if _AVX2_ONLY else 1
 # Compiled calls of at most this many rows whose row count is static (a batch-1 verification or
 # drafting: CompiledCausalLM gives each such query length a graph of its own) unroll over the rows:
 # attention runs query by query (attention.FusedAttention), and float32 matmuls that are reductions
 # (models/gemv.py) have one accumulator per row in one loop over W.
 STATIC_ROWS_MAX = 6
-# Compiled float32 calls of 2 to this many static rows are such a reduction on every CPU; with more
-# rows, oneDNN's few-row kernel streams a weight that does not fit in cache faster where it has
-# AVX-512 (docs/internals.md#measured-choices); bfloat16 (oneDNN's few-row calls) is unchanged.
-STATIC_REDUCTION_MAX_ROWS = 3
+# Compiled float32 calls of 2 to this many static rows are such a reduction; with more rows, oneDNN's
+# few-row kernel streams a weight that does not fit in cache faster where it has AVX-512, but where it
+# has AVX2 only it streams W slowly, so the reduction takes them all (docs/internals.md#measured-choices);
+# bfloat16 (oneDNN's few-row calls) is unchanged. Calls whose row count is dynamic (batches) keep
+# oneDNN: choosing by their rows would be a guard, which splits each kind of call into two graphs.
+STATIC_REDUCTION_MAX_ROWS = STATIC_ROWS_MAX if _AVX2_ONLY else 3
 # oneDNN makes a kernel for each shape it is called with and keeps it in a process-wide cache (up to
 # 1,024 kernels, ONEDNN_PRIMITIVE_CACHE_CAPACITY; about 0.6 MB each for the demo pair's shapes). A
 # server meets ever new numbers of rows: a step of B rows and q tokens each (B * q), a prefill of r
@@ -251,13 +249,10 @@ class PackedLinear:
             return self._quantized(x, residual)
         if self.prepacked is not None:
             if torch.compiler.is_compiling():
-                if statically_known_true(x.shape[0] == 1) or (  # left to inductor: a reduction (gemv.py)
-                    x.dtype == torch.float32
-                    and (
-                        statically_known_true(x.shape[0] <= STATIC_REDUCTION_MAX_ROWS)
-                        or (FLOAT_REDUCTION_MAX_ROWS > 1 and x.shape[0] <= FLOAT_REDUCTION_MAX_ROWS)
-                    )
-                ):  # a guard
+                rows = x.shape[0]
+                if statically_known_true(rows == 1) or (  # left to inductor: a reduction (gemv.py)
+                    x.dtype == torch.float32 and statically_known_true(rows <= STATIC_REDUCTION_MAX_ROWS)
+                ):
                     return _linear(x, self.weight, self.bias, residual)
                 # an opaque op to the compiler, which calls it as it is
                 return torch.ops.speculative.prepacked_linear(x, residual, self.handle)
