@@ -182,10 +182,13 @@ def test_speculative_greedy_output_is_the_quantized_targets_own(family: str) -> 
 
 
 @pytest.mark.slow
-def test_compiled_quantized_greedy_output_is_the_eager_quantized_targets_own() -> None:
-    """Compiled, a plain step's graph reads the int8 weights in inductor's loop and a verification's
-    calls torch's kernel as an op: speculating (n-gram drafts, so that the target's two graphs are
-    all that compiles) gives the eager quantized target's own tokens."""
+@pytest.mark.parametrize("words", [False, True])
+def test_compiled_quantized_greedy_output_is_the_eager_quantized_targets_own(monkeypatch, words) -> None:
+    """Compiled, a plain step's graph reads the int8 weights in inductor's loop (as int32 words with
+    packed.INT8_WORDS, forced here on any CPU, as is a batch-1 verification's) and a verification's
+    calls torch's kernel as an op otherwise: speculating (n-gram drafts, so that the target's graphs
+    are all that compiles) gives the eager quantized target's own tokens."""
+    monkeypatch.setattr(packed_module, "INT8_WORDS", words)
     target = tiny_model("llama", hidden_size=32, num_layers=2)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompt = [[3, 4, 5] * 6 + [8]]
@@ -203,11 +206,22 @@ def test_compiled_quantized_greedy_output_is_the_eager_quantized_targets_own() -
 
 
 @pytest.mark.parametrize(
-    ("rows", "kind"), [(1, "gemv"), (5, "static_rows"), (packed_module.STATIC_ROWS_MAX + 1, "rows")]
+    ("words", "rows", "kind"),
+    [
+        (False, 1, "gemv"),
+        (False, 5, "static_rows"),
+        (False, packed_module.STATIC_ROWS_MAX + 1, "rows"),
+        (True, 1, "words"),
+        (True, packed_module.STATIC_ROWS_MAX, "words"),
+        (True, packed_module.STATIC_ROWS_MAX + 1, "rows"),
+    ],
 )
-def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(rows: int, kind: str) -> None:
+def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(monkeypatch, words, rows, kind) -> None:
     """gemv.py rewrites F.linear(x, q.float()) (q int8) into a reduction that reads q as it is: one row
-    as any one-row matmul, several rows as a few-row float32 matmul is (test_gemv.py)."""
+    as any one-row matmul, several rows as a few-row float32 matmul is (test_gemv.py); with
+    packed.INT8_WORDS (AVX2 CPUs; forced here on any), up to STATIC_ROWS_MAX static rows read q as
+    int32 words."""
+    monkeypatch.setattr(packed_module, "INT8_WORDS", words)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(300, 72, generator=generator)  # [out, in]: sizes off any vector width
     qweight, scales = q.quantize_int8(weight)

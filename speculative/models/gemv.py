@@ -19,7 +19,9 @@ weight), into
 converted in the loop) and multiplies it by every row of x while it is in cache. Where the number of
 rows is static, it is one `sum(x[r] * w.T, -1)` per row r instead, which inductor fuses into one loop
 over w with an accumulator per row: independent chains of additions, where the loop over rows had one
-chain after the other (see packed.STATIC_ROWS_MAX for what it gains). PackedLinear leaves
+chain after the other (see packed.STATIC_ROWS_MAX for what it gains). With packed.INT8_WORDS (AVX2
+CPUs), a matmul of up to STATIC_ROWS_MAX static rows by an int8 weight converted to float reads that
+weight as int32 words instead (_words), four int8 columns a load. PackedLinear leaves
 such a matmul in a compiled graph only where this reduction is the faster kernel (models/packed.py).
 """
 
@@ -38,9 +40,11 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from speculative.models import packed
 from speculative.models.packed import REDUCTION_MAX_ROWS, STATIC_ROWS_MAX
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 _PATTERNS = PatternMatcherPass(pass_name="speculative_gemv")
 
 
@@ -76,6 +80,11 @@ def _few_cpu_rows(x: torch.fx.Node, w: torch.fx.Node) -> bool:
     )
 
 
+def _few_static_cpu_rows(x: torch.fx.Node, w: torch.fx.Node) -> bool:
+    """_few_cpu_rows, with rows statically <= STATIC_ROWS_MAX."""
+    return _few_cpu_rows(x, w) and statically_known_true(x.meta["val"].shape[0] <= STATIC_ROWS_MAX)
+
+
 def _rows(x: Tensor, w: Tensor) -> Tensor:  # x [rows, in], w [in, out] -> [rows, out]
     if statically_known_true(x.shape[0] <= STATIC_ROWS_MAX):  # static and few: a reduction per row, fused
         return torch.stack([torch.sum(x[row, None, :] * w.t(), dim=-1) for row in range(x.shape[0])]).to(
@@ -90,15 +99,21 @@ def _replace_rows(match: Match, example, args: list[torch.fx.Node], x: torch.fx.
     (inductor's hint). Left to inductor, every
     consumer would read the [out, rows] buffer instead, vectorized and parallel along rows, which are
     few: one thread doing the residual adds and norms with strided loads."""
+    _replace_realizing(match, example, args)
+    _replaced(
+        x, "static_rows" if statically_known_true(x.meta["val"].shape[0] <= STATIC_ROWS_MAX) else "rows"
+    )
+
+
+def _replace_realizing(match: Match, example, args: list[torch.fx.Node]) -> None:
+    """Replace the matched matmul by `example`, each contiguous copy it makes realized as such
+    (inductor's hint) rather than recomputed where it is read."""
     graph = match.graph
     before = set(graph.nodes)
     match.replace_by_example(example, args)
     for node in graph.nodes:
         if node not in before and node.target == aten.clone.default:
             node.meta["inductor_realize_to_strides"] = True
-    _replaced(
-        x, "static_rows" if statically_known_true(x.meta["val"].shape[0] <= STATIC_ROWS_MAX) else "rows"
-    )
 
 
 def _replaced(x: torch.fx.Node, kind: str = "gemv") -> None:
@@ -107,9 +122,46 @@ def _replaced(x: torch.fx.Node, kind: str = "gemv") -> None:
     counters["speculative"][kind] += 1
 
 
+def _int8_source(w: torch.fx.Node) -> torch.fx.Node | None:
+    """The int8 [out, in] tensor whose float conversion, transposed, w is (a quantized PackedLinear's
+    weight as F.linear takes it), if packed.INT8_WORDS reads such weights as words and `in` is a
+    multiple of 4; else None."""
+    if not packed.INT8_WORDS or w.target != aten.permute.default:
+        return None
+    converted = w.args[0]
+    if not isinstance(converted, torch.fx.Node) or converted.target != prims.convert_element_type.default:
+        return None
+    q = converted.args[0]
+    val = q.meta.get("val") if isinstance(q, torch.fx.Node) else None
+    if isinstance(val, Tensor) and val.dtype == torch.int8 and val.dim() == 2 and val.shape[1] % 4 == 0:
+        return q
+    return None
+
+
+def _words(x: Tensor, q: Tensor) -> Tensor:  # x [rows, in] float32, q [out, in] int8 -> x @ q.T [rows, out]
+    """The product of a few static rows with q read as int32 words [out, in / 4], word j holding
+    columns 4j to 4j + 3 (little-endian: x86), each byte sign-extended by two shifts; x de-interleaved
+    once into [rows, 4, in / 4], so that every load is contiguous and inductor's loop is vectorized
+    along the words, with an accumulator per row (each word decoded once for all rows)."""
+    words = q.view(torch.int32)
+    xt = x.view(x.shape[0], -1, 4).transpose(1, 2).contiguous()  # xt[r, b, j] = x[r, 4j + b]
+    decoded = [((words << (24 - 8 * b)) >> 24).float() for b in range(4)]  # byte b of each word
+
+    def row_product(row: int) -> Tensor:  # [out]
+        total = xt[row, 0] * decoded[0]
+        for b in range(1, 4):
+            total = total + xt[row, b] * decoded[b]
+        return total.sum(-1)
+
+    return torch.stack([row_product(row) for row in range(x.shape[0])])
+
+
 @register_graph_pattern(CallFunction(aten.mm, Arg(), Arg()), pass_dict=_PATTERNS)
 def _mm(match: Match, x: torch.fx.Node, w: torch.fx.Node) -> None:
-    if _one_cpu_row(x, w):
+    if (q := _int8_source(w)) is not None and _few_static_cpu_rows(x, w):
+        _replace_realizing(match, _words, [x, q])
+        _replaced(x, "words")
+    elif _one_cpu_row(x, w):
         match.replace_by_example(_gemv, [x, w])
         _replaced(x)
     elif _few_cpu_rows(x, w):
@@ -131,8 +183,8 @@ class _GemvPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         _PATTERNS.apply(graph)
 
-    def uuid(self) -> bytes:  # inductor's compile cache keys on it: the source of this file
-        return get_hash_for_files((__file__,))
+    def uuid(self) -> bytes:  # inductor's compile cache keys on it: the source of this file, the layout
+        return get_hash_for_files((__file__,)) + bytes([packed.INT8_WORDS])
 
 
 GEMV_PASS = _GemvPass()

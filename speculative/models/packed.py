@@ -18,8 +18,9 @@ INT8_KERNEL_MAX_ROWS rows); otherwise (float32, where torch's int8 kernel is a s
 converted a chunk of rows at a time into a buffer that stays in cache, and multiplied
 (_dequantized_mm). Compiled int8 calls of one row (and in float32 of up to REDUCTION_MAX_ROWS) are
 `F.linear(x, q.float()) * scales`, which models/gemv.py rewrites into a reduction that loads the int8
-weight and converts it in inductor's loop, with no float copy of it (not where the vector ISA is
-AVX2); other compiled calls call the eager path as an opaque op (timings per dtype and row count:
+weight and converts it in inductor's loop, with no float copy of it (where the vector ISA is AVX2,
+float32 calls of up to STATIC_ROWS_MAX static rows, the weight read as int32 words: INT8_WORDS);
+other compiled calls call the eager path as an opaque op (timings per dtype and row count:
 docs/internals.md#measured-choices).
 """
 
@@ -39,10 +40,13 @@ from speculative.models import quantization as quant
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 _AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"  # ATen's (and inductor's) vector ISA
-# dtypes whose compiled one-row int8 calls are inductor's reduction (the others call torch's kernel);
-# none where the vector ISA is AVX2: inductor's loop converting int8 weights to float is 3.5x slower
-# there than the eager dequantization (docs/internals.md#measured-choices)
-INT8_REDUCTION_DTYPES = () if _AVX2_ONLY else (torch.float32, torch.bfloat16, torch.float16)
+# Where the vector ISA is AVX2, inductor's loop converting int8 weights to float loads them 8 bytes at
+# a time through a buffer, 3.5x slower than the eager dequantization; there a compiled float32 int8
+# call of up to STATIC_ROWS_MAX static rows (a batch-1 step or verification) reads the weight as int32
+# words instead (models/gemv.py), and other calls take the eager path (docs/internals.md#measured-choices).
+INT8_WORDS = _AVX2_ONLY
+# dtypes whose compiled one-row int8 calls are inductor's reduction (the others call torch's kernel)
+INT8_REDUCTION_DTYPES = (torch.float32,) if INT8_WORDS else (torch.float32, torch.bfloat16, torch.float16)
 # Compiled float32 (and float16) int8 calls of 2 to this many rows are a reduction as well, which
 # reads each int8 row once for all rows; in bfloat16 torch's kernel is faster (the crossing points:
 # docs/internals.md#measured-choices).
@@ -238,8 +242,8 @@ class PackedLinear:
                     self.quantization == "int8"
                     and x.dtype in INT8_REDUCTION_DTYPES
                     and (
-                        statically_known_true(x.shape[0] == 1)
-                        or (x.dtype != torch.bfloat16 and x.shape[0] <= REDUCTION_MAX_ROWS)
+                        statically_known_true(x.shape[0] <= (STATIC_ROWS_MAX if INT8_WORDS else 1))
+                        or (not INT8_WORDS and x.dtype != torch.bfloat16 and x.shape[0] <= REDUCTION_MAX_ROWS)
                     )
                 ):  # a guard
                     # left to inductor: a reduction over the int8 weight, converted in the loop (gemv.py)
