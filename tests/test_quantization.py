@@ -312,14 +312,19 @@ def test_cli_quantization_flag(model_dirs, capsys) -> None:
     assert "native forward" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("dtypes", "rewritten"), [((torch.float32,), {"gemv": 1}), ((), {})])
+@pytest.mark.parametrize(
+    ("dtypes", "words", "rewritten"),
+    [((torch.float32,), False, {"gemv": 1}), ((torch.float32,), True, {"words": 1}), ((), False, {})],
+)
 def test_compiled_int8_call_is_the_reduction_only_where_the_vector_isa_takes_it(
-    monkeypatch, dtypes: tuple, rewritten: dict
+    monkeypatch, dtypes: tuple, words: bool, rewritten: dict
 ) -> None:
     """A compiled one-row float32 call of an int8 PackedLinear is inductor's reduction where
-    INT8_REDUCTION_DTYPES holds float32 (AVX-512), and the eager dequantization as an opaque op where
-    it is empty (AVX2, where inductor's loop is slow): the same values either way."""
+    INT8_REDUCTION_DTYPES holds float32, converting int8 in its loop (AVX-512) or reading the weight
+    as int32 words (INT8_WORDS: AVX2), and the eager dequantization as an opaque op where it is
+    empty: the same values either way."""
     monkeypatch.setattr(packed_module, "INT8_REDUCTION_DTYPES", dtypes)
+    monkeypatch.setattr(packed_module, "INT8_WORDS", words)
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(48, 80).requires_grad_(False)
     layer = PackedLinear([linear])
