@@ -240,9 +240,10 @@ class EngineArgs:
     )
     quantization: str | None = arg(
         None,
-        "weight-only quantization of the target's and the draft's projections (CPU, native forward; "
-        "int4: bfloat16 models)",
-        choices=("int8", "int4"),
+        "quantization of the target's and the draft's projections (CPU, native forward): int8, int4 "
+        "weight-only (int4: bfloat16 models), w8a8 int8 weights and activations (llama.cpp's Q8_0 "
+        "arithmetic; builds a C++ kernel on first use)",
+        choices=("int8", "int4", "w8a8"),  # models/quantization.py QUANTIZATIONS (no torch import here)
     )
     compile: bool = arg(
         False,

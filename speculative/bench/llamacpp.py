@@ -20,7 +20,7 @@ greedily (temperature 0, top-k 1, the sampler chain cut to those two) for exactl
 (`ignore_eos`), and the generated ids come back (`return_tokens`). Batch 1 only: `--parallel 1`
 decodes one sequence at a time.
 
-With `speculative bench --quantization int8 | int4` the servers run GGUFs of the llama.cpp type of the
+With `speculative bench --quantization int8 | int4 | w8a8` the servers run GGUFs of the llama.cpp type of the
 same kind (gguf_cache.QUANT_TYPES: Q8_0, Q4_1), quantized from the f32 conversions by the checkout's
 own `llama-quantize`, which must then be built beside llama-server (the KV caches stay in the bench's
 dtype). `--llama-cpp-target-gguf PATH` gives the target's GGUF ready-made instead (a published file,
@@ -71,7 +71,7 @@ def llama_cpp_unavailable(
     checkout: str | None, build: str = "build", quantization: str | None = None
 ) -> str | None:
     """Why the llama.cpp methods cannot run (a note for the results), or None when they can; a quantized
-    run (`quantization` "int8" or "int4") also needs llama-quantize."""
+    run (any `quantization`) also needs llama-quantize."""
     if checkout is None:
         return "no --llama-cpp given (a llama.cpp checkout with llama-server built)"
     binaries = [server_binary(checkout, build)] + ([quantize_binary(checkout, build)] if quantization else [])
@@ -235,7 +235,7 @@ class LlamaCppMethod(Method):
 class LlamaCppSetup:
     """What the llama.cpp methods need: the checkout and build folder, the pair (local folders) and their
     dtypes (the bench's), k, threads per server, the context, and where the GGUF files are cached;
-    `quantization` ("int8", "int4" or None) picks the GGUF type (gguf_cache.QUANT_TYPES) and
+    `quantization` ("int8", "int4", "w8a8" or None) picks the GGUF type (gguf_cache.QUANT_TYPES) and
     `target_gguf` a ready target GGUF of that type (else the target is converted like the draft)."""
 
     checkout: str

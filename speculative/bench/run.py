@@ -98,9 +98,9 @@ class BenchConfig:
     llama_cpp: a llama.cpp checkout whose folder `llama_cpp_build` holds bin/llama-server (llamacpp.py);
         None skips the llama.cpp methods. The pair must then be local folders (converted to GGUF once,
         cached in `gguf_cache`, gguf_cache.py).
-    quantization: None, "int8" or "int4": ours runs target and draft weight-only quantized
+    quantization: None, "int8", "int4" or "w8a8": ours runs target and draft quantized
         (LLM(quantization=...); int4: bfloat16 models), llama.cpp GGUFs of the matching type made by
-        the checkout's llama-quantize (int8: Q8_0, int4: Q4_1; gguf_cache.QUANT_TYPES). HF's methods
+        the checkout's llama-quantize (int8 and w8a8: Q8_0, int4: Q4_1; gguf_cache.QUANT_TYPES). HF's methods
         run the float models, labelled so, and stay the identical column's reference; the EAGLE
         methods skip (a head needs an unquantized target).
     llama_cpp_target_gguf: a ready GGUF for llama.cpp's target instead of converting `model` (e.g. the
@@ -189,9 +189,9 @@ class BenchConfig:
         default=None,
         metadata={
             "engine": "quantization",
-            "help": "compare quantized weights: ours runs target and draft weight-only quantized (int4: "
-            "bfloat16 models), llama.cpp GGUFs its llama-quantize makes (int8: Q8_0, int4: Q4_1); HF stays "
-            "unquantized",
+            "help": "compare quantized weights: ours runs target and draft quantized (int4: bfloat16 "
+            "models; w8a8: int8 activations too), llama.cpp GGUFs its llama-quantize makes (int8 and "
+            "w8a8: Q8_0, int4: Q4_1); HF stays unquantized",
         },
     )
     llama_cpp_target_gguf: str | None = field(
@@ -635,13 +635,14 @@ def bound_weights(pair: Pair, gguf: Path | None, llama_cpp: dict | None) -> dict
 def quantization_note(quantization: str, hf_dtype: str) -> str:
     """The results' note on a quantized run (--quantization)."""
     return (
-        f"Quantized run (--quantization {quantization}): ours runs target and draft with weight-only "
+        f"Quantized run (--quantization {quantization}): ours runs target and draft with "
         f"{quantization} projections and lm_head (models/quantization.py: "
-        + (
-            "symmetric per output channel"
-            if quantization == "int8"
-            else "asymmetric, a scale and zero per group"
-        )
+        + {
+            "int8": "weight-only, symmetric per output channel",
+            "int4": "weight-only, asymmetric, a scale and zero per group",
+            "w8a8": "int8 weights symmetric per output channel, times activations quantized to int8 "
+            "per blocks of 32 inside each matmul",
+        }[quantization]
         + f"); llama.cpp runs {QUANT_TYPES[quantization]} GGUFs made by its own llama-quantize with its "
         "default choices for that type from the f32 conversion (or the given --llama-cpp-target-gguf). "
         f"HF's methods run the {hf_dtype} models (rows labelled so) and HF generate's greedy output stays "

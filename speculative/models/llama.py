@@ -160,10 +160,10 @@ class NativeCausalLM(nn.Module):
     layout, so state_dict() and load_state_dict() see the HF names and shapes. Loading a state dict
     or moving the model (`.to`) lays the weights out again; so does a forward after an in-place
     change of a weight.
-    `quantize("int8" | "int4")` quantizes the projections in place (weight-only, CPU); see there.
+    `quantize("int8" | "int4" | "w8a8")` quantizes the projections in place (CPU); see there.
     """
 
-    quantization: str | None = None  # None, "int8" or "int4": what quantize() was given
+    quantization: str | None = None  # None, "int8", "int4" or "w8a8": what quantize() was given
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -249,13 +249,15 @@ class NativeCausalLM(nn.Module):
         return self
 
     def quantize(self, quantization: str, lm_head: bool | None = None) -> None:
-        """Quantize the projection weights in place, weight-only (models/quantization.py): every
-        layer's q/k/v, o, gate/up and down, and the lm_head when `lm_head` (default QUANTIZE_LM_HEAD);
-        the embeddings, norms and biases stay as they are. "int8": per output channel, symmetric;
-        "int4": group-wise asymmetric (groups of 64 along in_features, or 32), bfloat16 models only
-        in practice (torch's int4 CPU kernel is vectorized for bfloat16 alone). The float weights are
-        freed (their nn.Linear `weight` parameters become None), so memory drops; an lm_head tied to
-        the embeddings keeps the embedding, so quantizing it adds its int8 copy. CPU only.
+        """Quantize the projection weights in place (models/quantization.py): every layer's q/k/v, o,
+        gate/up and down, and the lm_head when `lm_head` (default QUANTIZE_LM_HEAD); the embeddings,
+        norms and biases stay as they are. "int8": weight-only, per output channel, symmetric;
+        "int4": weight-only, group-wise asymmetric (groups of 64 along in_features, or 32), bfloat16
+        models only in practice (torch's int4 CPU kernel is vectorized for bfloat16 alone); "w8a8":
+        int8's weights, the matmuls' activations quantized to int8 per blocks of 32 (models/w8a8.py).
+        The float weights are freed (their nn.Linear `weight` parameters become None), so memory
+        drops; an lm_head tied to the embeddings keeps the embedding, so quantizing it adds its int8
+        copy. CPU only.
 
         A quantized model is final: state_dict(), load_state_dict() and .to() / .float() / ... raise a
         RuntimeError (the float weights are gone; save the float checkpoint, and move or cast the

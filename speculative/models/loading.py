@@ -178,8 +178,8 @@ def quantize_model(model, quantization: str | None, role: str = "model", dtype_n
         return model
     if model.device.type != "cpu":
         raise ValueError(
-            f"quantization={quantization!r} runs on CPU only (torch's weight-only int8/int4 "
-            f"kernels used here are CPU ones); the {role} is on {model.device}"
+            f"quantization={quantization!r} runs on CPU only (its kernels are CPU ones); the {role} "
+            f"is on {model.device}"
         )
     if quantization == "int4" and model.dtype != torch.bfloat16:
         raise ValueError(

@@ -11,9 +11,10 @@ W as stored, faster still (models/gemv.py), and float32 calls of a few rows know
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
 
-A PackedLinear can be quantized (`quantize("int8" | "int4")`, models/quantization.py): it then holds
-the int8 (or int4-packed) weight and its scales instead of the float weight, which it frees along
-with the nn.Linear weights. Eager calls: torch's int4 kernel; in bfloat16 torch's int8 kernel (up to
+A PackedLinear can be quantized (`quantize("int8" | "int4" | "w8a8")`, models/quantization.py): it
+then holds the int8 (or int4-packed) weight and its scales instead of the float weight, which it frees
+along with the nn.Linear weights. w8a8 calls, eager and compiled, are models/w8a8.py's kernel. Other
+eager calls: torch's int4 kernel; in bfloat16 torch's int8 kernel (up to
 INT8_KERNEL_MAX_ROWS rows); otherwise (float32, where torch's int8 kernel is a scalar loop) W
 converted a chunk of rows at a time into a buffer that stays in cache, and multiplied
 (_dequantized_mm). Compiled int8 calls of one row (and in float32 of up to REDUCTION_MAX_ROWS) are
@@ -37,6 +38,7 @@ from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from speculative.models import quantization as quant
+from speculative.models import w8a8
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 _AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"  # ATen's (and inductor's) vector ISA
@@ -135,7 +137,7 @@ class PackedLinear:
     follows the parameters any more) and `pack()` raises.
     """
 
-    quantization: str | None = None  # None, "int8" or "int4" (int4 quantize() of an unfit shape: "int8")
+    quantization: str | None = None  # None, "int8", "int4" or "w8a8" (either of an unfit shape: "int8")
     group_size: int | None = None  # int4: the group size along in_features
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
@@ -189,8 +191,8 @@ class PackedLinear:
         """Replace the float weight by its int8 (per output channel) or int4 (group-wise) quantization
         (models/quantization.py) and free the float weights: this layer's, its prepacked copy, and the
         nn.Linears' `weight` parameters (set to None; a tied lm_head's embedding stays the
-        embedding's). int4 of a shape torch's int4 kernel does not take (out % 16, in % 32) is int8.
-        CPU only."""
+        embedding's). int4 of a shape torch's int4 kernel does not take (out % 16, in % 32) is int8, and
+        so is w8a8 (int8 weights, activations quantized on the fly: models/w8a8.py) of in % 32. CPU only."""
         quant.check_quantization(quantization)
         if self.quantization is not None:
             raise RuntimeError(f"this PackedLinear is already quantized ({self.quantization})")
@@ -198,7 +200,12 @@ class PackedLinear:
             raise ValueError(f"quantization runs on CPU only; this weight is on {self.weight.device}")
         out_features, in_features = self.weight.shape
         group_size = quant.int4_group_size(out_features, in_features) if quantization == "int4" else None
-        if group_size is not None:
+        if quantization == "w8a8" and in_features % w8a8.BLOCK == 0:
+            w8a8.load()
+            self.qweight, scales = quant.quantize_int8(self.weight)
+            self.scales = scales.float()
+            self.quantization = "w8a8"
+        elif group_size is not None:
             packed, scales, zeros = quant.quantize_int4(self.weight, group_size)
             self.qweight, self.scales_and_zeros = quant.pack_int4(packed, scales, zeros)
             self.group_size, self.quantization = group_size, "int4"
@@ -236,6 +243,8 @@ class PackedLinear:
             and (x.requires_grad or self.linears[0].weight.requires_grad)
         ):
             return self._differentiable(x, residual)
+        if self.quantization == "w8a8":  # eager and compiled: the kernel's op
+            return w8a8.linear(x, self.qweight, self.scales, self.bias, residual)
         if self.quantization is not None:
             if torch.compiler.is_compiling():
                 if (

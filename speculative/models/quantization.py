@@ -1,6 +1,6 @@
-"""Weight-only quantization of the native forward's projections: int8 and int4, on CPU.
+"""Quantization of the native forward's projections, on CPU: int8 and int4 weight-only, and w8a8.
 
-`LLM(..., quantization="int8" | "int4")` quantizes the target's and the draft's q/k/v, o, gate/up
+`LLM(..., quantization="int8" | "int4" | "w8a8")` quantizes the target's and the draft's q/k/v, o, gate/up
 and down projections (and the lm_head, see `NativeCausalLM.quantize`) after loading; the
 embeddings, norms and biases stay as they are, and so do the activations: a quantized matmul is
 x @ dequantized(W).T computed in the model's dtype (float32 accumulation), with W read as int8 (or
@@ -28,6 +28,10 @@ errors at import) and the math is a dozen lines: per-output-channel symmetric ab
 (`get_groupwise_affine_qparams` / `groupwise_affine_quantize_tensor`: scale = (max - min) / 15, zero =
 min + 8 * scale, q = round((w - min) / scale)), with q computed from the scales and zeros as rounded
 to the model's dtype, so that dequantization reproduces the nearest representable weights.
+
+"w8a8" keeps int8's weights and quantizes the activations too, per blocks of 32 values, inside the
+matmul (models/w8a8.py: a C++ kernel built on first use); the activations outside the matmuls stay in
+the model's dtype. Layers whose in_features is not a multiple of 32 are "int8".
 """
 
 from __future__ import annotations
@@ -37,14 +41,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 INT4_GROUP_SIZES = (64, 32)  # the first that divides a layer's in_features is its group size
 
 
 def check_quantization(quantization: object, name: str = "quantization") -> str | None:
-    """`quantization` if it is None, "int8" or "int4"; a ValueError naming `name` otherwise."""
+    """`quantization` if it is None, "int8", "int4" or "w8a8"; a ValueError naming `name` otherwise."""
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"{name} must be None, 'int8' or 'int4'; got {quantization!r}")
+        raise ValueError(f"{name} must be None, 'int8', 'int4' or 'w8a8'; got {quantization!r}")
     return quantization
 
 
