@@ -76,37 +76,50 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d
   }
 }
 
-// sum over blocks b of d[b] * (the dot product of w and x's 32 int8 values of block b)
-inline float dot(const int8_t* w, const int8_t* x, const float* d, int64_t blocks) {
+// For each of R rows i of x (row stride `in`, block scales stride `blocks`): out[i] = the sum over
+// blocks b of d_i[b] * (the dot product of w's and x_i's 32 int8 values of block b). The R rows are
+// R independent chains of the same instructions (a row's result is the same for any R), interleaved
+// so that one row's fused multiply-add latency does not hold the others up.
+template <int R>
+inline void dot_rows(const int8_t* w, const int8_t* x, const float* d, int64_t in, int64_t blocks, float* out) {
 #if defined(__AVX2__)
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock));
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
-    const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-    acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[b]), acc);
-  }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-#else
-  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t lane = 0; lane < 8; ++lane) {
-      int32_t sum = 0;
-      for (int64_t i = 0; i < 4; ++i) {
-        const int64_t j = b * kBlock + 4 * lane + i;
-        sum += static_cast<int32_t>(w[j]) * static_cast<int32_t>(x[j]);
-      }
-      lanes[lane] = std::fma(static_cast<float>(sum), d[b], lanes[lane]);
+    for (int i = 0; i < R; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * in + b * kBlock));
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      acc[i] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[i * blocks + b]), acc[i]);
     }
   }
-  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+  for (int i = 0; i < R; ++i) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    out[i] = _mm_cvtss_f32(s);
+  }
+#else
+  for (int i = 0; i < R; ++i) {
+    float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t lane = 0; lane < 8; ++lane) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < 4; ++k) {
+          const int64_t j = b * kBlock + 4 * lane + k;
+          sum += static_cast<int32_t>(w[j]) * static_cast<int32_t>(x[i * in + j]);
+        }
+        lanes[lane] = std::fma(static_cast<float>(sum), d[i * blocks + b], lanes[lane]);
+      }
+    }
+    out[i] = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+  }
 #endif
 }
+
+constexpr int64_t kRows = 8;  // rows of x a weight row's blocks are loaded for at once
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
@@ -143,13 +156,30 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   float* yp = y.data_ptr<float>();
   const int64_t blocks = in / kBlock;
   at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    float dots[kRows];
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* wn = w + n * in;
-      for (int64_t r = 0; r < rows; ++r) {
-        float v = dot(wn, qx + r * in, dx + r * blocks, blocks) * s[n];
-        if (bp) v += bp[n];
-        if (rp) v += rp[r * out + n];
-        yp[r * out + n] = v;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+        const int64_t count = std::min(kRows, rows - r0);
+        const int8_t* xr = qx + r0 * in;
+        const float* dr = dx + r0 * blocks;
+        switch (count) {
+          case 8: dot_rows<8>(wn, xr, dr, in, blocks, dots); break;
+          case 7: dot_rows<7>(wn, xr, dr, in, blocks, dots); break;
+          case 6: dot_rows<6>(wn, xr, dr, in, blocks, dots); break;
+          case 5: dot_rows<5>(wn, xr, dr, in, blocks, dots); break;
+          case 4: dot_rows<4>(wn, xr, dr, in, blocks, dots); break;
+          case 3: dot_rows<3>(wn, xr, dr, in, blocks, dots); break;
+          case 2: dot_rows<2>(wn, xr, dr, in, blocks, dots); break;
+          default: dot_rows<1>(wn, xr, dr, in, blocks, dots);
+        }
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t r = r0 + i;
+          float v = dots[i] * s[n];
+          if (bp) v += bp[n];
+          if (rp) v += rp[r * out + n];
+          yp[r * out + n] = v;
+        }
       }
     }
   });
