@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import noisy_copy, tiny_model
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
@@ -85,6 +86,40 @@ def test_a_shrinking_batch_and_a_longer_cache_compile_nothing_new(pair) -> None:
     graphs = counters["stats"]["unique_graphs"]
     run([PROMPTS[2], PROMPTS[1], [4, 5] * 30, [6, 7, 8]], [30, 9, 20, 16])  # 4 rows, a longer cache
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def _tag_safe_roots(node) -> list[str]:
+    """The sources of the guard tree's nn.Modules whose guards one dict-tag check skips."""
+    if node.is_tag_safe_root():
+        return [node.get_source()]
+    return [source for child in node.get_child_managers() for source in _tag_safe_roots(child)]
+
+
+def test_guards_of_unchanged_layers_are_skipped_and_a_changed_model_is_followed(pair) -> None:
+    """A compiled call's guards over the fused layers and the lm_head are one dict-tag check each
+    (models/compiled.py), yet the graph follows what changes: an in-place change of a weight (its
+    prepacked copy laid out again) and a draft vocabulary (a new lm_head) give eager's logits."""
+    target, _ = pair
+    native = NativeCausalLM.from_hf(target)
+    compiled = CompiledCausalLM(native)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+
+    def same_logits() -> None:
+        caches = [model.new_cache(1, 16) for model in (native, compiled)]
+        for cache in caches:
+            native.forward(ids[:, :-1], cache)
+        want = native.forward(ids[:, -1:], caches[0])
+        torch.testing.assert_close(compiled.forward(ids[:, -1:], caches[1]), want, atol=1e-5, rtol=0)
+
+    same_logits()
+    entries = _debug_get_cache_entry_list(NativeCausalLM.run.__code__)
+    roots = {source for entry in entries for source in _tag_safe_roots(entry.guard_manager.root)}
+    assert {"L['self']._layers", "L['self']._lm_head"} <= roots
+    with torch.no_grad():
+        native.model.layers[0].mlp.down_proj.weight.mul_(-1.5)
+    same_logits()
+    native.restrict_vocabulary(torch.arange(0, native.vocab_size, 2))
+    same_logits()
 
 
 @pytest.mark.parametrize("batch", [2, 1])  # batch 1: verifications in graphs of their own query length

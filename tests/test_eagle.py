@@ -20,6 +20,7 @@ from speculative.demo import DEMO_DIR
 from speculative.engine.state import SampleState
 from speculative.models.eagle_checkpoint import load_eagle_head, save_eagle_head, write_draft_vocabulary
 from speculative.models.llama import NativeCausalLM
+from speculative.models.packed import hold
 from speculative.precompile import PreCompileConfig
 
 HIDDEN, HEADS, KV_HEADS, VOCAB = 64, 4, 2, 96
@@ -415,11 +416,12 @@ def test_fc_runs_packed_and_follows_its_weight(tmp_path, target, layout) -> None
 
     def with_f_linear() -> tuple[torch.Tensor, torch.Tensor]:
         fc = head.fc
-        packed, head._fc = head._fc, lambda x: torch.nn.functional.linear(x, fc.weight, fc.bias)
+        packed = head._fc
+        hold(head, "_fc", lambda x: torch.nn.functional.linear(x, fc.weight, fc.bias))
         try:
             return head.forward(ids, features, head.new_cache(1, 8))
         finally:
-            head._fc = packed
+            hold(head, "_fc", packed)
 
     for _ in range(2):
         logits, hidden = head.forward(ids, features, head.new_cache(1, 8))

@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +50,9 @@ from torch import Tensor, nn
 from transformers import AutoConfig, PretrainedConfig
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.llama import DecoderLayer, NativeCausalLM
+from speculative.models.llama import DecoderLayer, FusedLayer, NativeCausalLM
 from speculative.models.norms import RMSNorm, rms_norm
-from speculative.models.packed import PackedLinear
+from speculative.models.packed import PackedLinear, hold
 from speculative.models.rope import apply_rope, rope_init, rope_tables
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -72,19 +71,6 @@ def default_target_layers(num_target_layers: int, count: int) -> tuple[int, ...]
     low = min(1, top)
     high = num_target_layers - 3 if num_target_layers - 3 > low else top  # a small target: up to its last
     return tuple(min(round(low + i * (high - low) / (count - 1)), top) for i in range(count))
-
-
-class _Layer(NamedTuple):
-    """One draft layer as the forward runs it: its modules and fused projections."""
-
-    attn: nn.Module
-    input_norm: RMSNorm
-    post_norm: RMSNorm
-    act: nn.Module | None  # None: SiLU
-    qkv: PackedLinear  # q_proj, k_proj, v_proj
-    o: PackedLinear
-    gate_up: PackedLinear
-    down: PackedLinear
 
 
 class DFlashDrafter(nn.Module):
@@ -163,8 +149,8 @@ class DFlashDrafter(nn.Module):
     def pack_weights(self) -> None:
         """Lay the projections out as PackedLinears (q/k/v and gate/up fused), from the parameters."""
         silu = self.config.hidden_act == "silu"
-        self._layers = [
-            _Layer(
+        layers = [
+            FusedLayer(
                 layer.self_attn,
                 layer.input_layernorm,
                 layer.post_attention_layernorm,
@@ -176,8 +162,9 @@ class DFlashDrafter(nn.Module):
             )
             for layer in self.layers
         ]
-        self._fc = PackedLinear([self.fc])
-        self._packed = [self._fc, *(p for layer in self._layers for p in layer[4:])]
+        hold(self, "_layers", nn.ModuleList(layers))
+        hold(self, "_fc", PackedLinear([self.fc]))
+        self._packed = [self._fc, *(p for layer in self._layers for p in layer.projections())]
         self._cos = self._sin = torch.empty(0)
 
     def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the parameters got new tensors

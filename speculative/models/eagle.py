@@ -41,7 +41,7 @@ from transformers import PretrainedConfig
 from speculative.kv_cache import StaticKVCache
 from speculative.models.llama import DecoderLayer, NativeCausalLM
 from speculative.models.norms import RMSNorm, rms_norm
-from speculative.models.packed import PackedLinear
+from speculative.models.packed import PackedLinear, hold
 
 EagleLayout = Literal["eagle", "eagle3"]
 
@@ -87,7 +87,7 @@ class EagleHead(NativeCausalLM):
         faster than F.linear at a verification's few rows (docs/internals.md#measured-choices)."""
         super().pack_weights()
         if hasattr(self, "fc"):  # NativeCausalLM.__init__ packs before fc exists
-            self._fc = PackedLinear([self.fc])
+            hold(self, "_fc", PackedLinear([self.fc]))
             if self._fc.prepacked is not None:
                 self._prepacked.append(self._fc)
                 self._note_versions()

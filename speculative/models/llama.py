@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from speculative.kv_cache import StaticKVCache
 from speculative.models.attention import AttentionBackend, FusedAttention
 from speculative.models.cpu_tuning import SMALL_CALL_ROWS, small_call_threads
 from speculative.models.norms import RMSNorm, rms_norm
-from speculative.models.packed import PackedLinear
+from speculative.models.packed import PackedLinear, hold
 from speculative.models.quantization import check_quantization
 from speculative.models.rope import (
     UNSUPPORTED_ROPE_TYPES,
@@ -139,17 +139,31 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class _Layer(NamedTuple):
-    """One decoder layer as the forward runs it: its modules (read at every call) and fused projections."""
+class FusedLayer(nn.Module):
+    """One decoder layer as the forward runs it: its modules (read at every call) and fused projections
+    (qkv: q_proj, k_proj, v_proj; gate_up: gate_proj, up_proj). act None is SiLU. An nn.Module, like
+    PackedLinear, so that a compiled forward's guards over an unchanged layer are skipped after one
+    dict-tag check (models/compiled.py); models hold their list of them with `hold`, outside their
+    state_dict."""
 
-    attn: Attention
-    input_norm: RMSNorm
-    post_norm: RMSNorm
-    act: nn.Module | None  # None: SiLU
-    qkv: PackedLinear  # q_proj, k_proj, v_proj
-    o: PackedLinear
-    gate_up: PackedLinear  # gate_proj, up_proj
-    down: PackedLinear
+    def __init__(
+        self,
+        attn: nn.Module,
+        input_norm: RMSNorm,
+        post_norm: RMSNorm,
+        act: nn.Module | None,
+        qkv: PackedLinear,
+        o: PackedLinear,
+        gate_up: PackedLinear,
+        down: PackedLinear,
+    ) -> None:
+        super().__init__()
+        self.attn, self.input_norm, self.post_norm, self.act = attn, input_norm, post_norm, act
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+
+    def projections(self) -> tuple[PackedLinear, PackedLinear, PackedLinear, PackedLinear]:
+        """qkv, o, gate_up, down."""
+        return self.qkv, self.o, self.gate_up, self.down
 
 
 class NativeCausalLM(nn.Module):
@@ -210,8 +224,8 @@ class NativeCausalLM(nn.Module):
         """Lay the projection weights out for the matmul kernels (PackedLinear), from the parameters."""
         self._check_not_quantized("laying the weights out again")
         silu = self.config.hidden_act == "silu"
-        self._layers = [
-            _Layer(
+        layers = [
+            FusedLayer(
                 a,
                 layer.input_layernorm,
                 layer.post_attention_layernorm,
@@ -223,8 +237,9 @@ class NativeCausalLM(nn.Module):
             )
             for layer, a, m in ((layer, layer.self_attn, layer.mlp) for layer in self.model.layers)
         ]
-        self._lm_head = self._head_linear()
-        packed = [p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        hold(self, "_layers", nn.ModuleList(layers))
+        hold(self, "_lm_head", self._head_linear())
+        packed = [p for layer in self._layers for p in layer.projections()]
         # only a prepacked copy can go stale: every other layout is the parameters' own storage
         self._prepacked = [p for p in (*packed, self._lm_head) if p.prepacked is not None]
         self._note_versions()
@@ -312,7 +327,7 @@ class NativeCausalLM(nn.Module):
     def packed_linears(self) -> list[PackedLinear]:
         """Every PackedLinear of the forward: each layer's q/k/v, o, gate/up and down, then the lm_head."""
         return [
-            *(p for layer in self._layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+            *(p for layer in self._layers for p in layer.projections()),
             self._lm_head,
         ]
 

@@ -119,7 +119,14 @@ def _should_prepack(weight: Tensor) -> bool:  # weight [out, in]
     return weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-class PackedLinear:
+def hold(owner: nn.Module, name: str, value: object) -> None:
+    """`owner.name = value` as a plain attribute, even for an nn.Module value: not a registered
+    submodule, so that state_dict(), .to() and named_modules() do not see it (the fused layers of a
+    forward, which hold the model's own modules and parameters under other names)."""
+    object.__setattr__(owner, name, value)
+
+
+class PackedLinear(nn.Module):
     """y = x @ W.T + bias (+ residual), W [out, in] the concatenation of several nn.Linear weights.
 
     Several nn.Linears are concatenated once and their weights (and biases) become views into the
@@ -135,12 +142,18 @@ class PackedLinear:
     and `prepacked` are None, and each nn.Linear's `weight` parameter is None (its bias stays): the
     float weights are freed unless something else holds them. `stale()` is then always False (nothing
     follows the parameters any more) and `pack()` raises.
+
+    It is an nn.Module that registers nothing (its tensors are plain attributes, its nn.Linears a
+    list), so that a compiled forward's guards over it are skipped while its attributes stay as they
+    were (dynamo's recursive dict tags, which take nn.Modules only: models/compiled.py); models hold
+    it with `hold`, outside their state_dict and their registered submodules.
     """
 
     quantization: str | None = None  # None, "int8", "int4" or "w8a8" (either of an unfit shape: "int8")
     group_size: int | None = None  # int4: the group size along in_features
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        super().__init__()
         self.linears = list(linears)
         self.pack()
 
@@ -183,7 +196,7 @@ class PackedLinear:
         self.out_features = self.weight.shape[0]
         # the tensors whose in-place changes make the prepacked copy stale (inference tensors have none)
         self.versioned = tuple(t for t in (self.weight, self.bias) if t is not None and not t.is_inference())
-        self._version = self._weights_version()
+        self._packed_version = self._weights_version()
         self.handle = next(_handles)
         _REGISTRY[self.handle] = self
 
@@ -231,7 +244,7 @@ class PackedLinear:
         """Whether a weight changed in place since `pack()`: the prepacked copy, if any, is out of date
         (the weight itself is the parameters' own storage and follows the change). Always False once
         quantized."""
-        return self.quantization is None and self._version != self._weights_version()
+        return self.quantization is None and self._packed_version != self._weights_version()
 
     def __call__(self, x: Tensor, residual: Tensor | None = None) -> Tensor:  # x [rows, in] -> [rows, out]
         """x @ W.T + bias, plus `residual` ([rows, out]) when given. With gradients enabled and x or the

@@ -6,8 +6,9 @@ more instructions than the memory saves where the vector ISA is AVX2 (models/pac
 Here the activations are quantized instead, per row and per block of 32 values (an int8 each and one
 float32 scale a block, the scheme of llama.cpp's Q8_0 dot products), and each block's 32 products are
 summed exactly in integers by two instructions (AVX2's maddubs and madd), then scaled: a block of 32
-weights costs about six instructions, where converting them to float costs four or five a weight. The weights are models/quantization.py's int8, symmetric per output
-channel (`quantize_int8`), as for "int8".
+weights costs about six instructions, where converting them to float costs four or five a weight.
+The weights are models/quantization.py's int8, symmetric per output channel (`quantize_int8`), as
+for "int8".
 
 The kernel (w8a8.cpp, beside this file) is a C++ extension built with torch.utils.cpp_extension the
 first time a model is quantized "w8a8" (about a minute; kept in torch's extensions cache, so later
