@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from speculative.fields import DictRoundTrip, check, is_int, is_number
@@ -21,7 +23,9 @@ class SpeculativeConfig:
         model, `LLM(draft_model=...)`), "ngram" (prompt lookup), "suffix" (suffix decoding over the
         request and past responses), or "eagle" / "eagle3": an EAGLE-1 / EAGLE-3 head
         (`LLM(draft_model=<its directory>)`) drafting a chain or a tree from the target's hidden states.
-    num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32.
+    num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32. Where LLM builds the config
+        (no speculative_config, or a dict without it), a draft model's folder may set it
+        (`with_declared_k`).
     acceptance: a registered acceptance rule (speculative/acceptance/registry.py): "rejection" (lossless:
         the output follows the target's distribution exactly) or "typical" (Medusa's typical
         acceptance: faster at temperature > 0, NOT lossless).
@@ -144,6 +148,28 @@ class SpeculativeConfig:
 
 
 _check = functools.partial(check, owner="SpeculativeConfig")
+
+# transformers' field for the tokens an assistant (draft) model drafts per step, in its generation config
+DECLARED_K = "num_assistant_tokens"
+
+
+def with_declared_k(data: dict[str, Any], draft_model: object) -> dict[str, Any]:
+    """SpeculativeConfig.from_dict's `data`, with num_speculative_tokens the draft model's own where
+    `data` gives none and its method is "draft_model": the k a draft's folder declares, as
+    `num_assistant_tokens` in its generation_config.json (the field transformers' assisted generation
+    reads), which the one who trained it measured as what pays (SpeculativeConfig's default where the
+    draft is not a folder or its file sets none). A ValueError naming the file where that value is not
+    an integer in [1, 32]."""
+    if "num_speculative_tokens" in data or data.get("method", "draft_model") != "draft_model":
+        return data
+    path = Path(draft_model) / "generation_config.json" if isinstance(draft_model, (str, Path)) else None
+    if path is None or not path.is_file():
+        return data
+    k = json.loads(path.read_text(encoding="utf-8")).get(DECLARED_K)
+    if k is None:
+        return data
+    check(is_int(k) and 1 <= k <= 32, DECLARED_K, k, "an integer in [1, 32]", str(path))
+    return {**data, "num_speculative_tokens": k}
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculative.config import SpeculativeConfig
+from speculative.config import DECLARED_K, SpeculativeConfig, with_declared_k
 from speculative.console import progress
 from speculative.demo import DEMO_DIR, DEMO_DIR_ENV, smollm2
 from speculative.methods import METHODS, method_config
@@ -201,8 +201,12 @@ class EngineArgs:
         choices=lambda: tuple(METHODS),
         show_default=False,
     )
-    num_speculative_tokens: int = _spec(
-        "num_speculative_tokens", "draft tokens per step (k)", flags=("-k", "--num-speculative-tokens")
+    num_speculative_tokens: int | None = arg(
+        None,
+        "draft tokens per step (k)",
+        flags=("-k", "--num-speculative-tokens"),
+        default_text=f"the draft model folder's own ({DECLARED_K} in its generation_config.json), else "
+        f"{default_of(SpeculativeConfig, 'num_speculative_tokens')}",
     )
     acceptance: str = _spec(
         "acceptance",
@@ -351,10 +355,11 @@ class EngineArgs:
         common = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(SpeculativeConfig)
-            if f.name != "options"
+            if f.name != "options" and getattr(self, f.name) is not None
         }
         try:
-            return SpeculativeConfig.from_dict({**common, "method": method, **self.options})
+            data = with_declared_k({**common, "method": method, **self.options}, self.draft_model)
+            return SpeculativeConfig.from_dict(data)
         except ValueError as error:
             raise ValueError(_name_the_flag(str(error))) from None
 

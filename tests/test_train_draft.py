@@ -75,6 +75,22 @@ def test_a_packaged_draft_assembles_into_the_same_draft(trained, tmp_path) -> No
     assert read_draft_vocabulary(out).tolist() == read_draft_vocabulary(root / "draft").tolist()
 
 
+def test_an_assembled_draft_keeps_the_k_its_package_declares(trained, tmp_path) -> None:
+    """The package's generation config (num_assistant_tokens: the draft's k) reaches the assembled
+    folder, where LLM takes it as the draft's k."""
+    root, _, _ = trained
+    package = tmp_path / "package"
+    package.mkdir()
+    for path in (root / "package").iterdir():
+        (package / path.name).write_bytes(path.read_bytes())
+    declared = json.loads((package / "generation_config.json").read_text()) | {"num_assistant_tokens": 2}
+    (package / "generation_config.json").write_text(json.dumps(declared))
+    out = train_draft.assemble_draft(package, root / "target", tmp_path / "assembled")
+    assert json.loads((out / "generation_config.json").read_text())["num_assistant_tokens"] == 2
+    llm = LLM(str(root / "target"), draft_model=str(out), dtype="float32")
+    assert llm.speculative_config.num_speculative_tokens == 2
+
+
 def _tensors(path) -> list[str]:
     from safetensors import safe_open
 

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from speculative.demo.train import optimizer
 from speculative.machine import machine
@@ -391,6 +391,7 @@ def assemble_draft(package: str | Path, target: str | Path, out: str | Path) -> 
     if projection is not None:
         embedding = embedding @ projection
     draft = LlamaForCausalLM(config)
+    draft.generation_config = GenerationConfig.from_pretrained(package)  # its declared k, where it has one
     missing = draft.load_state_dict(tensors, strict=False).missing_keys
     if set(missing) - {"model.embed_tokens.weight", "lm_head.weight"}:
         raise ValueError(f"{package / PACKAGE_FILE} lacks {sorted(missing)}")

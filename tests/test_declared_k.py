@@ -1,0 +1,61 @@
+"""A draft model's own k: `num_assistant_tokens` in its folder's generation_config.json, taken where the
+user gives no k (LLM without speculative_config or with a dict lacking it, the commands without -k)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from speculative import LLM, SpeculativeConfig
+from speculative.config import with_declared_k
+from speculative.engine_args import EngineArgs
+
+
+def _declaring(draft: str, tmp_path, k: object) -> str:
+    """A copy of the draft folder `draft` whose generation config declares k (num_assistant_tokens)."""
+    out = tmp_path / "draft"
+    shutil.copytree(draft, out)
+    path = out / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(config | {"num_assistant_tokens": k}))
+    return str(out)
+
+
+def test_a_draft_folder_declares_its_k_where_none_is_given(model_dirs, tmp_path) -> None:
+    draft = _declaring(model_dirs["draft"], tmp_path, 2)
+    assert with_declared_k({"method": "draft_model"}, draft)["num_speculative_tokens"] == 2
+    assert with_declared_k({}, draft)["num_speculative_tokens"] == 2
+    assert with_declared_k({"num_speculative_tokens": 3}, draft)["num_speculative_tokens"] == 3
+    assert "num_speculative_tokens" not in with_declared_k({"method": "ngram"}, draft)
+    # a folder whose file declares nothing, a name that is no folder, a model object: the default
+    assert with_declared_k({}, model_dirs["draft"]) == {}
+    assert with_declared_k({}, "some-org/some-draft") == {}
+    assert with_declared_k({}, object()) == {}
+
+
+@pytest.mark.parametrize("k", [0, 33, 2.5, "2"])
+def test_a_declared_k_out_of_range_is_an_error_naming_the_file(model_dirs, tmp_path, k) -> None:
+    draft = _declaring(model_dirs["draft"], tmp_path, k)
+    with pytest.raises(
+        ValueError, match=r"generation_config.json.num_assistant_tokens must be an integer in \[1, 32\]"
+    ):
+        with_declared_k({}, draft)
+
+
+def test_llm_and_the_commands_take_the_declared_k_unless_told_otherwise(model_dirs, tmp_path) -> None:
+    draft = _declaring(model_dirs["draft"], tmp_path, 2)
+    target = model_dirs["target"]
+    assert LLM(target, draft_model=draft).speculative_config.num_speculative_tokens == 2
+    flat = LLM(target, draft_model=draft, speculative_config={"method": "draft_model"})
+    assert flat.speculative_config.num_speculative_tokens == 2
+    given = LLM(target, draft_model=draft, speculative_config={"num_speculative_tokens": 3})
+    assert given.speculative_config.num_speculative_tokens == 3
+    explicit = LLM(target, draft_model=draft, speculative_config=SpeculativeConfig())
+    assert explicit.speculative_config.num_speculative_tokens == 4  # a config object is taken as it is
+    assert EngineArgs(model=target, draft_model=draft).speculative_config().num_speculative_tokens == 2
+    told = EngineArgs(model=target, draft_model=draft, num_speculative_tokens=3)
+    assert told.speculative_config().num_speculative_tokens == 3
+    plain = EngineArgs(model=target, draft_model=model_dirs["draft"])
+    assert plain.speculative_config().num_speculative_tokens == 4
