@@ -47,10 +47,10 @@ from transformers import AutoModelForCausalLM
 from speculative.demo.answers_loop import LoopArgs, train_on_answers
 from speculative.demo.model_card import engine_acceptance
 from speculative.demo.self_distill import read_answers
+from speculative.demo.train import autocast
 from speculative.demo.train_draft import (
     ANSWER_FILES,
     HELDOUT_EVERY,
-    autocast,
     batches,
     collate,
     frequent_tokens,
@@ -81,7 +81,7 @@ def target_features(target, rows: list, layers: tuple[int, ...], path: Path | No
     """Per row of `rows` ((tokens [n], labels [n])), [n, len(layers) * hidden] bfloat16: the target's
     hidden states `layers` (Hugging Face's output_hidden_states indices, concatenated) over the row's
     tokens, computed FEATURE_BATCH_TOKENS padded tokens at a time (right padding never reaches a real
-    position: the attention is causal) under train_draft.autocast. Read from `path` where it holds the
+    position: the attention is causal) under train.autocast. Read from `path` where it holds the
     same rows' (rows_key) for these layers or more, else computed and written there (when given)."""
     key, width = rows_key(rows), target.config.hidden_size
     if path is not None and path.is_file():

@@ -187,7 +187,8 @@ Python and nothing more. Both directories load unchanged with `AutoModelForCausa
 
 Sequence length {info["seq_len"]}, batch {info["batch"]} random windows, AdamW (betas 0.9/0.95, weight decay
 0.1), {info["warmup_steps"]} warmup steps then cosine decay to 10%, gradient clipping at 1.0, bf16 autocast
-on CPU, seed {info["seed"]}. Tied input/output embeddings, `max_position_embeddings` = {info["seq_len"]}.
+where the CPU computes bf16 natively (float32 elsewhere), seed {info["seed"]}. Tied input/output embeddings,
+`max_position_embeddings` = {info["seq_len"]}.
 The draft is distilled from the finished (bf16) target: forward KL to the target's distribution at every
 position; its embeddings start as {d["embedding_init"]}. Losses are means over the last 50 steps (train)
 and over {info["heldout_windows"]} fixed held-out windows (cross-entropy).

@@ -20,7 +20,8 @@ The text:
   --pair: windows of the demo corpus's training files (the pair's held-out files for the
       measurements), encoded with the pair's tokenizer; every position of a window may be drafted.
       `--generated N` mixes in the target's own greedy text as train_eagle.py does (half the windows).
-      train.py's train_loop, at the draft's learning rate unless `--lr`, under its bf16 autocast.
+      train.py's train_loop, at the draft's learning rate unless `--lr`, under its autocast (bf16 where
+      the CPU computes it natively).
   --target: the target's own greedy answers to chat requests, the JSONL files train_draft collects
       under its `--data` (train_draft.stored_answers: first.jsonl, second.jsonl, sampled.jsonl, each line
       {"prompt": the chat template's token ids, "response": the target's tokens}; requests.jsonl beside

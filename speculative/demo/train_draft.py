@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from speculative.demo.train import optimizer
+from speculative.demo.train import autocast, optimizer
 from speculative.machine import machine
 
 ANSWER_FILES = ("first.jsonl", "second.jsonl", "sampled.jsonl")
@@ -267,12 +267,6 @@ def agreement(draft: Distilled, rows: list, batch_tokens: int, depth: int = 4) -
         "ce": round(sum(losses) / len(losses), 4),
         "positions": total,
     }
-
-
-def autocast():
-    """bf16 autocast where the CPU computes bf16 natively (AVX512-BF16 or AMX), else nothing."""
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=native)
 
 
 def train(
