@@ -145,6 +145,7 @@ def run_quick(out: Path, *model_args: str) -> dict:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ours draft k=4" in result.stdout and "vs ours AR" in result.stdout
+    assert "s] loading the pair: 1/1" in result.stderr  # progress as lines where stderr is not a terminal
     results = json.loads((out / "results.json").read_text())
     assert set(results["sets"]) == {"code", "multiturn", "edit"}
     for data in results["sets"].values():

@@ -1,6 +1,6 @@
 """On a CUDA GPU (skipped elsewhere): compiled, graph-replayed decoding gives the eager and Hugging Face
-greedy text, rows joining and leaving a graphed batch give their solo outputs, and a speculative step
-synchronizes the host with the device a bounded number of times."""
+greedy text, rows joining and leaving a graphed batch give their solo outputs, and a decoding step, plain
+or speculative, synchronizes the host with the device once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.demo import DEMO_DIR
+from speculative.transfer import to_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -68,19 +69,63 @@ def test_rows_joining_and_leaving_a_graphed_batch_give_their_solo_outputs() -> N
     assert [group[0].output_token_ids for group in sequences] == alone
 
 
-def test_host_syncs_per_speculative_step() -> None:
-    """At most one host-device synchronization per step (the acceptance's read-back), counted by
-    torch's sync debug mode, beyond the prefill's."""
-    llm = _llm(compile=True)
-    prompt = [{"prompt_token_ids": PROMPTS[0]}]
-    llm.generate(prompt, GREEDY)  # graphs recorded
-    torch.cuda.set_sync_debug_mode("warn")
+def test_to_device_copies_without_a_host_sync() -> None:
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing call raises
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            output = llm.generate(prompt, GREEDY)[0]
+        rows = to_device([[3, 1], [4, 1]], torch.long, "cuda")
+        kept = to_device(torch.tensor([5, 9]), torch.long, "cuda")
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    steps = output.metrics.num_steps
-    assert syncs <= steps + 2, f"{syncs} host syncs over {steps} steps"
+    assert rows.device.type == "cuda" and rows.tolist() == [[3, 1], [4, 1]] and kept.tolist() == [5, 9]
+
+
+def test_eager_attention_spans_come_in_few_shapes() -> None:
+    """Eagerly on CUDA, attention spans are rounded up to multiples of the models' SPAN_MULTIPLE (SDPA
+    plans a kernel per shape there), and the output stays HF's."""
+    llm = LLM(str(DEMO_DIR / "target"), dtype="float32", device="cuda")
+    model = llm.target.model
+    spans, prepare = [], model.prepare
+    model.prepare = lambda span: (spans.append(span), prepare(span))[1]
+    output = llm.generate([{"prompt_token_ids": PROMPTS[2]}], GREEDY)[0].outputs[0].token_ids
+    hf = AutoModelForCausalLM.from_pretrained(str(DEMO_DIR / "target"), dtype=torch.float32).cuda().eval()
+    prompt = torch.tensor([PROMPTS[2]], device="cuda")
+    expected = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)[
+        0, len(PROMPTS[2]) :
+    ]
+    assert output == expected.tolist()
+    assert len(spans) > 30 and len(set(spans)) <= 2, sorted(set(spans))  # one a token without the rounding
+
+
+def _syncs_per_step(llm: LLM) -> list[int]:
+    """The host syncs of each decoding step of one greedy request (its admission not counted), counted
+    by torch's sync debug mode, once the request's graphs are recorded."""
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)  # graphs recorded
+    engine = llm.engine
+    engine.add(llm.make_sequences(PROMPTS[0], GREEDY, 0))
+    counts = []
+    while engine.sequences:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    return counts
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft"])
+def test_a_decoding_step_syncs_the_host_once(speculative: bool) -> None:
+    """A step's one host-device synchronization is its read of the step's tokens: the tensors it sends
+    to the device (tokens kept, row indices) go through pinned memory without one. The last step, in
+    which the row finishes and leaves the batch, may add the cache's compaction (a data-dependent
+    index: at most 2 more)."""
+    llm = (
+        _llm(compile=True)
+        if speculative
+        else LLM(str(DEMO_DIR / "target"), dtype="float32", device="cuda", compile=True)
+    )
+    counts = _syncs_per_step(llm)
+    assert len(counts) > 3 and max(counts[:-1]) == 1, counts
+    assert counts[-1] <= 3, counts

@@ -689,6 +689,7 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
             "(speculative.models.llama.small_call_threads). Compare runs made under the same policy."
         )
     pair = Pair(config)
+    advance("loading the pair" + (" and compiling every shape its methods use" if config.compile else ""), 1)
     if pair.synthetic is not None:
         notes.insert(0, pair.synthetic.describe())
     if config.quantization is not None:
@@ -780,26 +781,46 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
     return results
 
 
+def logged_progress(console: Console) -> Advance:
+    """An Advance that prints a line with the seconds since it was made when a phase's first run and
+    its last are done."""
+    done: dict[str, int] = {}
+    start = time.perf_counter()
+
+    def advance(phase: str, total: int) -> None:
+        done[phase] = done.get(phase, 0) + 1
+        if done[phase] in (1, total):
+            line = f"[{time.perf_counter() - start:.0f} s] {phase}: {done[phase]}/{total}"
+            console.print(line, markup=False, highlight=False)
+
+    return advance
+
+
 def run_and_report(config: BenchConfig, out: Path, console: Console) -> dict:
-    """Run the benchmark with a progress bar, print the tables, write results.json, report.md and plots."""
+    """Run the benchmark with a progress bar (a line a phase's start and end where stderr is not a
+    terminal), print the tables, write results.json, report.md and plots."""
     transformers.logging.set_verbosity_error()  # HF's deprecation chatter from inside assisted generation
     transformers.logging.disable_progress_bar()
-    tasks: dict[str, int] = {}
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    ) as progress:
+    stderr = Console(stderr=True)
+    if stderr.is_terminal:
+        tasks: dict[str, int] = {}
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=stderr,
+            transient=False,
+        ) as progress:
 
-        def advance(phase: str, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(phase, total=total)
-            progress.advance(tasks[phase])
+            def advance(phase: str, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = progress.add_task(phase, total=total)
+                progress.advance(tasks[phase])
 
-        results = run_bench(config, advance)
+            results = run_bench(config, advance)
+    else:  # a log, where a bar would show only at the end: a line as each phase starts and ends
+        results = run_bench(config, logged_progress(stderr))
     print_tables(results, console)
     plots = write_plots(results, out)
     paths = write_outputs(results, out, plots)

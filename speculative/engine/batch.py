@@ -12,6 +12,7 @@ from speculative.kv_cache import KVCache
 from speculative.proposers.base import Proposer
 from speculative.sampling import SampleStrategy
 from speculative.sampling.context import TokenContext
+from speculative.transfer import to_device
 
 # Prefill groups on a CPU, where a prefill's cost is its padded tokens: a row joins the group of the
 # longer rows before it when its padding is at most PREFILL_PADDING tokens or 1/8 of the group's width
@@ -65,21 +66,18 @@ class Batch:
         contexts = [s.prompt_token_ids + s.output_token_ids for s in sequences]
         self.host_lengths = [len(c) for c in contexts]
         self.capacity = max(len(s.prompt_token_ids) + s.max_tokens for s in sequences) + room + 1
-        self.tokens = torch.zeros(len(sequences), self.capacity + room + 1, dtype=torch.long, device=device)
+        tokens = torch.zeros(len(sequences), self.capacity + room + 1, dtype=torch.long)
         for row, context in enumerate(contexts):
-            self.tokens[row, : len(context)] = torch.tensor(context)
-        self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=device)
-        self.prompt_lengths = torch.tensor(
-            [len(s.prompt_token_ids) for s in sequences], dtype=torch.long, device=device
-        )
+            tokens[row, : len(context)] = torch.tensor(context)
+        self.tokens = to_device(tokens, torch.long, device)
+        self.lengths = to_device(self.host_lengths, torch.long, device)
+        self.prompt_lengths = to_device([len(s.prompt_token_ids) for s in sequences], torch.long, device)
         stops = [
             sorted(set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(eos_token_ids)))
             for s in sequences
         ]
         width = max(1, max(len(s) for s in stops))
-        self.stop_ids = torch.tensor(
-            [s + [-1] * (width - len(s)) for s in stops], dtype=torch.long, device=device
-        )
+        self.stop_ids = to_device([s + [-1] * (width - len(s)) for s in stops], torch.long, device)
         self.host_stop_ids = [frozenset(s) for s in stops]
         self.strategy = SampleStrategy(
             [s.params for s in sequences],
@@ -126,7 +124,7 @@ class Batch:
         self.host_lengths = [self.host_lengths[i] for i in rows]
         self.host_stop_ids = [self.host_stop_ids[i] for i in rows]
         self.strategy.select_rows(rows)
-        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
+        index = to_device(rows, torch.long, self.tokens.device)
         for name in ("tokens", "lengths", "prompt_lengths", "stop_ids"):
             setattr(self, name, getattr(self, name).index_select(0, index))
         for cache in caches:

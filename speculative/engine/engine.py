@@ -56,6 +56,7 @@ from speculative.models.compiled import graphs_compiled
 from speculative.proposers.base import FeatureProposer, LearningProposer, Proposal, Proposer
 from speculative.proposers.grammar import cut_to_grammar
 from speculative.sampling_params import SamplingParams
+from speculative.transfer import to_device
 from speculative.tree import tree_depths
 
 
@@ -384,7 +385,7 @@ class Engine:
             emitted if drafted is None else torch.cat([emitted, drafted[:, None]], dim=1)
         ).tolist()  # sync
         cuts = [self._cut(batch, row, values[:width]) for row, values in enumerate(host)]
-        kept = torch.tensor([n for n, _ in cuts], dtype=torch.long, device=emitted.device)  # [B]
+        kept = to_device([n for n, _ in cuts], torch.long, emitted.device)  # [B]
         positions = torch.arange(width, device=emitted.device)
         batch.tokens.scatter_(1, batch.lengths[:, None] + positions, emitted.clamp(min=0))
         batch.lengths += kept
@@ -437,7 +438,7 @@ class Engine:
             if proposer is not None:
                 rows = [i for i, s in enumerate(batch.sequences) if id(s) in gone]
                 proposer.on_finish(
-                    batch.tokens, batch.lengths, torch.tensor(rows, device=batch.tokens.device)
+                    batch.tokens, batch.lengths, to_device(rows, torch.long, batch.tokens.device)
                 )
             kept = _fill_holes([id(s) not in gone for s in batch.sequences])
             batch.select(kept, [cache], proposer)
@@ -562,7 +563,7 @@ class Engine:
             logits = self._prompt_logprobs(batch, heads, order, logits)
         rows = [order[bisect.bisect_right(heads, row) - 1] for row in range(len(sequences))]  # -> cache row
         if rows != list(range(len(rows))):
-            index = torch.tensor(rows, dtype=torch.long, device=batch.tokens.device)
+            index = to_device(rows, torch.long, batch.tokens.device)
             cache.select_rows(index)
             logits = logits[index]
             features = None if features is None else features[index]
@@ -594,7 +595,7 @@ class Engine:
         extra = {"hidden_layers": self.hidden_layers} if self.hidden_layers else {}
         longest = max(prompt_lengths)
         for group in groups:  # the cache's rows: the groups' rows one after the other
-            index = torch.tensor([heads[i] for i in group], dtype=torch.long, device=batch.tokens.device)
+            index = to_device([heads[i] for i in group], torch.long, batch.tokens.device)
             lengths = batch.lengths[index]
             part = self.target.new_cache(len(group), batch.capacity)
             width = max(prompt_lengths[i] for i in group)
@@ -634,7 +635,7 @@ class Engine:
                 )
                 for s in batch.sequences[head:end]:
                     s.prompt_logprobs = found
-        index = torch.tensor(heads, dtype=torch.long, device=batch.tokens.device)
+        index = to_device(heads, torch.long, batch.tokens.device)
         last = (batch.lengths[index] - 1)[:, None, None].expand(-1, 1, logits.shape[-1])  # [P, 1, V]
         return logits.gather(1, last)
 

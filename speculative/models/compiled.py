@@ -24,7 +24,7 @@ so they could need graphs of their own. Inductor (C++) fuses the norms, RoPE, th
 gating between the matmuls; the matmuls stay PackedLinear's, its prepacked oneDNN kernels called as
 an opaque custom op.
 CUDA: every call compiled, mode "reduce-overhead" (CUDA graphs), the cache tensors marked as static
-addresses (new_cache); untested here, for want of a GPU.
+addresses (new_cache); tests/test_cuda.py checks it on a GPU.
 
 Process-wide settings made on first use: dynamo's limit of graphs per code object raised to
 MIN_RECOMPILE_LIMIT (every model's graphs share NativeCausalLM.run's code object), duck sizing
@@ -56,11 +56,10 @@ from speculative.models.base import LanguageModel, decode, decode_steps
 from speculative.models.bucketed import BucketedModel, warm_up
 from speculative.models.cpu_tuning import SMALL_CALL_ROWS
 from speculative.models.gemv import GEMV_PASS
-from speculative.models.llama import NativeCausalLM
+from speculative.models.llama import SPAN_MULTIPLE, NativeCausalLM
 from speculative.models.packed import STATIC_ROWS_MAX
 from speculative.precompile import PreCompileConfig
 
-SPAN_MULTIPLE = 64
 # Graphs of every model share the one code object of NativeCausalLM.run, and dynamo's default limit
 # on graphs per code object (8) is below a target's and a draft's together.
 MIN_RECOMPILE_LIMIT = 64

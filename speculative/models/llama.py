@@ -58,6 +58,11 @@ from speculative.tree import tree_ancestors, tree_query
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # NativeCausalLM.quantize's default: quantize the lm_head too (see the README's Quantization section).
 QUANTIZE_LM_HEAD = True
+# Attention spans are rounded up to a multiple of this (the causal mask hides the positions past each
+# row's length) where a new span costs: a compiled forward (CompiledCausalLM; a CUDA graph per shape)
+# and an eager one on CUDA, where SDPA's cuDNN backend makes a plan for each new shape: without the
+# rounding, a plan a token.
+SPAN_MULTIPLE = 64
 
 
 def supports(config: PretrainedConfig) -> bool:
@@ -433,7 +438,7 @@ class NativeCausalLM(nn.Module):
         parents: Tensor,  # [batch, M] int64, the whole tree (speculative/tree.py's convention), M >= q
         hidden_layers: tuple[int, ...] | None = None,
         body: Callable[..., Any] | None = None,
-        span_multiple: int = 1,
+        span_multiple: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, q, vocab] float32
         """Score the nodes of token trees: each query node's logits predict the token after the path
         from the root (node 0, the row's last context token) to that node.
@@ -495,14 +500,16 @@ class NativeCausalLM(nn.Module):
         cache: StaticKVCache,
         num_tokens: Tensor | None = None,
         logits_indices: Tensor | None = None,
-        span_multiple: int = 1,
+        span_multiple: int | None = None,
         written: int | None = None,
     ) -> Any:
         """`forward` with `run` (this model's, or a compiled one) computing the logits; returns what
         `run` returns.
 
         span_multiple: attend over the cache's first `span` positions rounded up to a multiple of
-        this (capped at the cache's length), so that a compiled `run` sees few distinct spans.
+        this (capped at the cache's length), so that a compiled `run` sees few distinct spans; None:
+        SPAN_MULTIPLE on CUDA (there an eager attention call plans its kernel per shape), 1
+        elsewhere.
         written: the positions `run` writes per row (default q); a `run` of several decoding steps
         writes one per step, at positions + step.
         """
@@ -510,6 +517,8 @@ class NativeCausalLM(nn.Module):
         written = q if written is None else written
         cache.check_room(written)
         span = cache.host_max_length + written
+        if span_multiple is None:
+            span_multiple = SPAN_MULTIPLE if input_ids.device.type == "cuda" else 1
         span = min(-(-span // span_multiple) * span_multiple, cache.max_length)
         self.prepare(span)
         threads, previous = self.small_call_threads, torch.get_num_threads()

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from speculative.transfer import to_device
+
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -32,7 +34,7 @@ class RowRandom:
     def _index(self) -> None:
         self._seeded = [(i, g) for i, g in enumerate(self.generators) if g is not None]
         unseeded = [i for i, g in enumerate(self.generators) if g is None]
-        self._unseeded = torch.tensor(unseeded, dtype=torch.long, device=self.device)
+        self._unseeded = to_device(unseeded, torch.long, self.device)
         self._all_unseeded = len(unseeded) == len(self.generators)
 
     def select_rows(self, rows: list[int]) -> None:

@@ -28,6 +28,7 @@ from speculative.sampling import processors as P
 from speculative.sampling.context import TokenContext
 from speculative.sampling.random import RowRandom
 from speculative.sampling_params import SamplingParams
+from speculative.transfer import to_device
 
 
 class SampleStrategy:
@@ -74,7 +75,7 @@ class SampleStrategy:
         ps, dev, vocab = self.params, self.device, self.vocab_size
 
         def column(values, dtype=torch.float32) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return to_device(values, dtype, dev)
 
         self.greedy_rows = column([p.greedy for p in ps], torch.bool)  # [B]
         self.temperature = column([1.0 if p.greedy else p.temperature for p in ps])  # [B]
@@ -140,7 +141,7 @@ class SampleStrategy:
         """Keep only `rows` (host indices into the batch, repeats allowed), in that order."""
         self.params = [self.params[i] for i in rows]
         self.random.select_rows(rows)
-        self.stop_ids = self.stop_ids[torch.tensor(rows, dtype=torch.long, device=self.stop_ids.device)]
+        self.stop_ids = self.stop_ids[to_device(rows, torch.long, self.stop_ids.device)]
         self.bad_words = [self.bad_words[i] for i in rows]
         self.guides = [self.guides[i] for i in rows]
         self._build()
