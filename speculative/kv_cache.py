@@ -165,7 +165,7 @@ class StaticKVCache(RowLengths):
         whose place changes are copied, unless there are more of them than the buffers hold."""
         if rows.shape[0] > self.capacity:
             self._buffers = [buffer.index_select(0, rows) for buffer in self._buffers]
-        else:
+        elif rows.shape[0]:  # with no row kept there is nothing to move, nor an index to sync on
             moved = rows != torch.arange(rows.shape[0], device=rows.device)
             sources, destinations = rows[moved], moved.nonzero().squeeze(1)
             with torch.inference_mode():  # the buffers may be inference tensors (made by a forward)

@@ -320,3 +320,14 @@ def test_compiled_trees_keep_greedy_output_and_compile_only_their_own_graphs(pai
     assert any(trees)  # the verifications went through the compiled run
     if method == "draft_model":  # each proposal grew its tree in one compiled call
         assert list(compiled.engine.proposer.model._trees) == [(3, tree, 4, 8), (3, tree, 2, 4)]
+
+
+def test_a_graph_outside_cuda_graphs_warns(pair) -> None:
+    """In mode "reduce-overhead", a graph inductor cannot put in a CUDA graph runs without one, and
+    says so: here every graph, on a CPU; on a GPU none should (tests/test_cuda.py)."""
+    model = NativeCausalLM.from_hf(pair[0])
+    compiled = CompiledCausalLM(model, mode="reduce-overhead")
+    ids = torch.tensor([PROMPTS[0]])
+    with pytest.warns(RuntimeWarning, match="runs without CUDA graphs"):
+        logits = compiled.forward(ids, compiled.new_cache(1, 32))
+    assert torch.equal(logits.argmax(-1), model.forward(ids, model.new_cache(1, 32)).argmax(-1))

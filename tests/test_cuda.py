@@ -20,39 +20,50 @@ PROMPTS = [[15, 2005, 77, 1024, 9], [300, 41], [12, 13, 14, 15, 16, 17, 18, 19, 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
-def _llm(compile: bool) -> LLM:
+def _llm(compile: bool, speculative: bool = True) -> LLM:
     return LLM(
         str(DEMO_DIR / "target"),
-        draft_model=str(DEMO_DIR / "draft"),
-        speculative_config=SpeculativeConfig("draft_model", 4),
+        draft_model=str(DEMO_DIR / "draft") if speculative else None,
+        speculative_config=SpeculativeConfig("draft_model", 4) if speculative else None,
         dtype="float32",
         device="cuda",
         compile=compile,
     )
 
 
-def _tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
+@pytest.fixture(scope="module")
+def compiled() -> LLM:
+    """The compiled pair, shared: its graphs compile once for the module (most of its time)."""
+    return _llm(compile=True)
 
 
-@torch.no_grad()
-def test_graph_replayed_greedy_is_eager_and_hf() -> None:
+@pytest.fixture(scope="module")
+def hf_greedy() -> list[list[int]]:
+    """HF `generate`'s greedy continuation of each of PROMPTS."""
     hf = AutoModelForCausalLM.from_pretrained(str(DEMO_DIR / "target"), dtype=torch.float32).cuda().eval()
-    expected = [
+    return [
         hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, do_sample=False, eos_token_id=None)[
             0, len(p) :
         ].tolist()
         for p in PROMPTS
     ]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_graph_replayed_greedy_is_eager_and_hf(compiled: LLM, hf_greedy: list[list[int]]) -> None:
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    assert _tokens(_llm(compile=False).generate(prompts, GREEDY)) == expected
-    compiled = _llm(compile=True)
-    for _ in range(2):  # the second run replays the graphs the first one recorded
-        assert _tokens(compiled.generate(prompts, GREEDY)) == expected
+    assert _tokens(_llm(compile=False).generate(prompts, GREEDY)) == hf_greedy
+    with warnings.catch_warnings():  # every graph in CUDA graphs
+        warnings.filterwarnings("error", message=".*runs without CUDA graphs")
+        for _ in range(2):  # the second run replays the graphs the first one recorded
+            assert _tokens(compiled.generate(prompts, GREEDY)) == hf_greedy
 
 
-def test_rows_joining_and_leaving_a_graphed_batch_give_their_solo_outputs() -> None:
-    llm = _llm(compile=True)
+def test_rows_joining_and_leaving_a_graphed_batch_give_their_solo_outputs(compiled: LLM) -> None:
+    llm = compiled
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 30, 7, 20)]
     alone = [
         llm.generate([{"prompt_token_ids": p}], q)[0].outputs[0].token_ids for p, q in zip(PROMPTS, params)
@@ -79,20 +90,15 @@ def test_to_device_copies_without_a_host_sync() -> None:
     assert rows.device.type == "cuda" and rows.tolist() == [[3, 1], [4, 1]] and kept.tolist() == [5, 9]
 
 
-def test_eager_attention_spans_come_in_few_shapes() -> None:
+def test_eager_attention_spans_come_in_few_shapes(hf_greedy: list[list[int]]) -> None:
     """Eagerly on CUDA, attention spans are rounded up to multiples of the models' SPAN_MULTIPLE (SDPA
     plans a kernel per shape there), and the output stays HF's."""
-    llm = LLM(str(DEMO_DIR / "target"), dtype="float32", device="cuda")
+    llm = _llm(compile=False, speculative=False)
     model = llm.target.model
     spans, prepare = [], model.prepare
     model.prepare = lambda span: (spans.append(span), prepare(span))[1]
     output = llm.generate([{"prompt_token_ids": PROMPTS[2]}], GREEDY)[0].outputs[0].token_ids
-    hf = AutoModelForCausalLM.from_pretrained(str(DEMO_DIR / "target"), dtype=torch.float32).cuda().eval()
-    prompt = torch.tensor([PROMPTS[2]], device="cuda")
-    expected = hf.generate(prompt, max_new_tokens=32, do_sample=False, eos_token_id=None)[
-        0, len(PROMPTS[2]) :
-    ]
-    assert output == expected.tolist()
+    assert output == hf_greedy[2]
     assert len(spans) > 30 and len(set(spans)) <= 2, sorted(set(spans))  # one a token without the rounding
 
 
@@ -116,16 +122,11 @@ def _syncs_per_step(llm: LLM) -> list[int]:
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft"])
-def test_a_decoding_step_syncs_the_host_once(speculative: bool) -> None:
+def test_a_decoding_step_syncs_the_host_once(speculative: bool, compiled: LLM) -> None:
     """A step's one host-device synchronization is its read of the step's tokens: the tensors it sends
     to the device (tokens kept, row indices) go through pinned memory without one. The last step, in
-    which the row finishes and leaves the batch, may add the cache's compaction (a data-dependent
-    index: at most 2 more)."""
-    llm = (
-        _llm(compile=True)
-        if speculative
-        else LLM(str(DEMO_DIR / "target"), dtype="float32", device="cuda", compile=True)
-    )
-    counts = _syncs_per_step(llm)
+    which the row finishes and leaves, is allowed 2 more (rows leaving a batch that keeps others
+    compact the caches by a data-dependent index; here none is kept, which needs none)."""
+    counts = _syncs_per_step(compiled if speculative else _llm(compile=True, speculative=False))
     assert len(counts) > 3 and max(counts[:-1]) == 1, counts
     assert counts[-1] <= 3, counts

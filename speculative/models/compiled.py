@@ -24,7 +24,8 @@ so they could need graphs of their own. Inductor (C++) fuses the norms, RoPE, th
 gating between the matmuls; the matmuls stay PackedLinear's, its prepacked oneDNN kernels called as
 an opaque custom op.
 CUDA: every call compiled, mode "reduce-overhead" (CUDA graphs), the cache tensors marked as static
-addresses (new_cache); tests/test_cuda.py checks it on a GPU.
+addresses (new_cache); a graph inductor leaves out of CUDA graphs runs without one and warns
+(_compile). tests/test_cuda.py checks it on a GPU.
 
 Process-wide settings made on first use: dynamo's limit of graphs per code object raised to
 MIN_RECOMPILE_LIMIT (every model's graphs share NativeCausalLM.run's code object), duck sizing
@@ -42,6 +43,7 @@ none.)
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -110,17 +112,36 @@ class CompiledCausalLM:
         config.recompile_limit = max(config.recompile_limit, MIN_RECOMPILE_LIMIT)
         config.use_recursive_dict_tags_for_guards = True
         fx_config.use_duck_shape = False
-        self._compiled = torch.compile(model.run, **self._compile_options())
+        self._compiled = self._compile(model.run)
         self._positions: dict[tuple[int, int], Tensor] = {}  # (batch, q) -> _every_position
         self._marked = lambda: None  # a weak reference to the first cache view marked dynamic (_dynamic)
         self._greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # steps -> compiled greedy_decode
         self._head_greedy: dict[int, Callable[..., tuple[Tensor, Tensor]]] = {}  # head_greedy_decode's
         self._trees: dict[tuple, Callable[..., tuple[Tensor, Tensor]]] = {}  # draft_with's, by key
 
-    def _compile_options(self) -> dict:
+    def _compile(self, fn: Callable) -> Callable:
+        """torch.compile of `fn` in this model's mode; in "reduce-overhead", a call during which inductor
+        left a graph out of CUDA graphs (it then runs without one) warns."""
         if self.model.device.type != "cpu" or self.mode is not None:
-            return {"mode": self.mode}
-        return {"options": {"post_grad_custom_post_pass": GEMV_PASS}}
+            compiled = torch.compile(fn, mode=self.mode)
+        else:
+            compiled = torch.compile(fn, options={"post_grad_custom_post_pass": GEMV_PASS})
+        if self.mode != "reduce-overhead":
+            return compiled
+
+        def call(*args, **kwargs):
+            skipped = counters["inductor"]["cudagraph_skips"]
+            out = compiled(*args, **kwargs)
+            if counters["inductor"]["cudagraph_skips"] > skipped:
+                warnings.warn(
+                    f"a compiled graph of {getattr(fn, '__name__', 'a call')} runs without CUDA graphs "
+                    "(TORCH_LOGS=cudagraphs says why): slower, still exact",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return out
+
+        return call
 
     vocab_size = property(lambda self: self.model.vocab_size)
     max_length = property(lambda self: self.model.max_length)
@@ -294,9 +315,7 @@ class CompiledCausalLM:
             return decode(self, input_ids, cache, steps)
         compiled = self._greedy.get(steps)
         if compiled is None:
-            compiled = self._greedy[steps] = torch.compile(
-                _greedy_run(self.model.run, steps), **self._compile_options()
-            )
+            compiled = self._greedy[steps] = self._compile(_greedy_run(self.model.run, steps))
 
         def run(
             input_ids: Tensor,
@@ -334,7 +353,7 @@ class CompiledCausalLM:
         if self.max_compiled_rows is None or input_ids.numel() <= self.max_compiled_rows:
             compiled = self._head_greedy.get(steps)
             if compiled is None:
-                compiled = self._head_greedy[steps] = torch.compile(greedy, **self._compile_options())
+                compiled = self._head_greedy[steps] = self._compile(greedy)
             greedy = compiled
 
         def run(
@@ -387,7 +406,7 @@ class CompiledCausalLM:
         if self.max_compiled_rows is None or input_ids.numel() <= self.max_compiled_rows:
             compiled = self._trees.get(key)
             if compiled is None:
-                compiled = self._trees[key] = torch.compile(grow, **self._compile_options())
+                compiled = self._trees[key] = self._compile(grow)
             grow = compiled
 
         def run(
