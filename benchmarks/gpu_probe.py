@@ -1,7 +1,8 @@
 """Where a compiled run's time goes on a GPU, stage by stage, for a lease too short for the whole
 benchmark: each stage's wall time (the first call of a shape compiles it), tokens/s of the calls after
-it, and the host syncs of one call with the places in the engine that made them. Every line is
-flushed as it is made, so a run stopped by its time limit still says how far it got.
+it, the host syncs of one call with the places in the engine that made them, and a profiled call's
+kernel time and count a step against its wall time. Every line is flushed as it is made, so a run
+stopped by its time limit still says how far it got.
 
     python3 benchmarks/gpu_probe.py --size 1b --dtype bfloat16 > probe.log     (on a CUDA machine)
     python3 benchmarks/gpu_probe.py --device cpu --size tiny --dtype float32   (a dry run)
@@ -86,6 +87,34 @@ def syncs(llm: LLM, tokens: int) -> str:
     return "\n".join(lines)
 
 
+def kernel_time(llm: LLM, tokens: int, device: torch.device) -> str:
+    """Where a batch-1 call's time goes, by torch.profiler: the device's kernel time and kernel count
+    a step against the step's wall time (their difference is the host's share, not overlapped), and
+    the kernels that take the most."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    synchronize(device)
+    began = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as profiler:
+        output = llm.generate(prompts(1), params)[0]
+        synchronize(device)
+    wall = time.perf_counter() - began
+    steps = max(output.metrics.num_steps, 1)
+    events = profiler.key_averages()
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in on_device) / 1e3  # ms
+    lines = [
+        f"{wall * 1e3 / steps:.3f} ms a step of wall time (profiled), {busy / steps:.3f} ms of kernels, "
+        f"{sum(e.count for e in on_device) / steps:.0f} kernels a step, over {steps} steps"
+    ]
+    top = sorted(on_device, key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    for e in top:
+        lines.append(f"    {e.self_device_time_total / 1e3 / steps:7.3f} ms  {e.count:6d}x  {e.key[:80]}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -130,6 +159,9 @@ def main() -> None:
         if batch == 1 and device.type == "cuda":
             say("compiled plain, host syncs: " + syncs(plain, 32))
             say(f"compiled draft k={args.k}, host syncs: " + syncs(spec, 32))
+        if batch == 1:
+            say("compiled plain, profiled: " + kernel_time(plain, 64, device))
+            say(f"compiled draft k={args.k}, profiled: " + kernel_time(spec, 64, device))
     say("done")
 
 
