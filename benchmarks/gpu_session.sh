@@ -7,7 +7,11 @@
 # left out here, adds a graph per draft length). benchmarks/gpu_probe.py reports stage by stage.
 #
 # On a GPU machine without network, from the repository root, with wheels of packages newer than the
-# machine's (transformers) in .whl/:   OUT=/some/dir bash benchmarks/gpu_session.sh
+# machine's in .whl/ (ignored by git; transformers is the one the project's pin needs: the H200 image
+# had 5.17.0), fetched beforehand where there is network:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl transformers==5.23.0
+# then:   OUT=/some/dir bash benchmarks/gpu_session.sh
 # Dry run on a CPU:   DEVICE=cpu SIZE=tiny DTYPE=float32 OUT=/tmp/gpu bash benchmarks/gpu_session.sh
 set -u
 OUT=${OUT:?set OUT to the folder the results go to}
