@@ -142,7 +142,7 @@ def main() -> None:
         speculative_config=SpeculativeConfig("draft_model", args.k),
         **loading,
     )
-    say("eager draft k=4: " + timed(eager, 1, args.tokens, device, 1))
+    say(f"eager draft k={args.k}: " + timed(eager, 1, args.tokens, device, 1))
     target = CompiledCausalLM(eager.target.model)
     draft = CompiledCausalLM(eager.draft.model)
     plain = LLM(target, compile=True, **loading)
