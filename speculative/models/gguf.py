@@ -43,6 +43,15 @@ _FILE_SPELLING = {
 `general.architecture` spells them as llama.cpp does (load_gguf_checkpoint renames them)."""
 
 
+QUANTIZED_DTYPE = torch.bfloat16
+"""The float type a file of quantized blocks is dequantized to where nothing else is asked: the demo's
+conversion, and LLM's dtype "auto" where the device computes it natively (float32 elsewhere). Rounded
+to bfloat16 (8 significant bits), a dequantized weight moves by at most 1/256 of itself: a block's
+largest weight no more than Q8_0 already rounded it by (half its step, 1/254 of that weight), smaller
+weights less, and a small fraction of a 4-bit format's step; and a decoding step streams half the
+bytes of float32."""
+
+
 def gguf_source(path: str) -> tuple[str, str] | None:
     """(folder, file name) of the GGUF file `path` names: `path` itself when it is a file whose name
     ends in `.gguf`, or the one `.gguf` in the folder `path` when that folder has no `config.json`.

@@ -16,8 +16,14 @@ from transformers import (
 
 from speculative.models import hf_tensor_parallel, llama
 from speculative.models.base import LanguageModel
-from speculative.models.dtypes import DtypeChoice, check_dtype, resolve_dtype
-from speculative.models.gguf import check_not_split, gguf_dtype, gguf_source, load_gguf
+from speculative.models.dtypes import (
+    DtypeChoice,
+    check_dtype,
+    cpu_computes_natively,
+    cpu_features,
+    resolve_dtype,
+)
+from speculative.models.gguf import QUANTIZED_DTYPE, check_not_split, gguf_dtype, gguf_source, load_gguf
 from speculative.models.hf import HFCausalLM
 from speculative.models.quantization import check_quantization
 from speculative.models.tensor_parallel import RankGroup, TensorParallelCausalLM, check_model
@@ -56,7 +62,8 @@ def load_model(
     dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype (a ValueError naming `dtype_name`
         otherwise). "auto" is the checkpoint's dtype (a model object's own; a GGUF file's float type),
         except on a CPU that does not compute it natively, where it is float32 (models/dtypes.py);
-        float32 if it names none, and for a quantized GGUF file.
+        float32 if it names none. A quantized GGUF file names none: "auto" is bfloat16 for it where the
+        device computes bfloat16 natively (_quantized_gguf_dtype), float32 elsewhere.
     model_impl: "auto" uses the native forward for Llama, Mistral, Qwen2 and Qwen3 and transformers'
         forward otherwise; "native" requires the native one; "transformers" forces transformers'.
     tensor_parallel: this rank's group: on the native forward the model is loaded whole, then this
@@ -75,7 +82,7 @@ def load_model(
         name, checkpoint = model, gguf_dtype(model)
         choice = resolve_dtype(dtype, checkpoint, device, dtype_name)
         if dtype == "auto" and checkpoint is None:
-            choice = DtypeChoice(torch.float32, "auto: a quantized GGUF file, dequantized to float32")
+            choice = _quantized_gguf_dtype(device)
         model, file_tokenizer = load_gguf(name, choice.dtype, tokenizer=tokenizer is None)
         config, tokenizer = model.config, file_tokenizer if tokenizer is None else tokenizer
     elif isinstance(model, str):
@@ -112,6 +119,25 @@ def load_model(
         else:
             wrapped = llama.NativeCausalLM.from_hf(hf) if native else HFCausalLM(hf)
     return LoadedModel(wrapped, _tokenizer(tokenizer), _eos_token_ids(hf, wrapped.vocab_size), name, choice)
+
+
+def _quantized_gguf_dtype(device: torch.device) -> DtypeChoice:
+    """dtype "auto" for a GGUF file of quantized blocks: gguf.QUANTIZED_DTYPE (bfloat16, which says why)
+    where the device computes it natively (a GPU; a CPU with AVX512-BF16 or AMX), float32 elsewhere."""
+    name = str(QUANTIZED_DTYPE).removeprefix("torch.")
+    if device.type != "cpu":
+        return DtypeChoice(QUANTIZED_DTYPE, f"auto: a quantized GGUF file, dequantized to {name}")
+    if cpu_computes_natively(QUANTIZED_DTYPE):
+        return DtypeChoice(
+            QUANTIZED_DTYPE,
+            f"auto: a quantized GGUF file, dequantized to {name}, which this CPU ({cpu_features()}) "
+            f"computes natively",
+        )
+    return DtypeChoice(
+        torch.float32,
+        f"auto: a quantized GGUF file, dequantized to float32: this CPU ({cpu_features()}) has no native "
+        f"{name}",
+    )
 
 
 def _whole(model: str | PreTrainedModel, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
