@@ -62,8 +62,8 @@ def load_model(
     dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype (a ValueError naming `dtype_name`
         otherwise). "auto" is the checkpoint's dtype (a model object's own; a GGUF file's float type),
         except on a CPU that does not compute it natively, where it is float32 (models/dtypes.py);
-        float32 if it names none. A quantized GGUF file names none: "auto" is bfloat16 for it where the
-        device computes bfloat16 natively (_quantized_gguf_dtype), float32 elsewhere.
+        float32 if it names none. A quantized GGUF file names none: "auto" is bfloat16 for it off the
+        CPU and on a CPU that computes bfloat16 natively (_quantized_gguf_dtype), float32 elsewhere.
     model_impl: "auto" uses the native forward for Llama, Mistral, Qwen2 and Qwen3 and transformers'
         forward otherwise; "native" requires the native one; "transformers" forces transformers'.
     tensor_parallel: this rank's group: on the native forward the model is loaded whole, then this
@@ -123,7 +123,8 @@ def load_model(
 
 def _quantized_gguf_dtype(device: torch.device) -> DtypeChoice:
     """dtype "auto" for a GGUF file of quantized blocks: gguf.QUANTIZED_DTYPE (bfloat16, which says why)
-    where the device computes it natively (a GPU; a CPU with AVX512-BF16 or AMX), float32 elsewhere."""
+    off the CPU (as a bfloat16 checkpoint's "auto" is there) and on a CPU that computes it natively
+    (AVX512-BF16 or AMX), float32 on other CPUs."""
     name = str(QUANTIZED_DTYPE).removeprefix("torch.")
     if device.type != "cpu":
         return DtypeChoice(QUANTIZED_DTYPE, f"auto: a quantized GGUF file, dequantized to {name}")
