@@ -12,6 +12,7 @@ from scipy.stats import chi2
 from test_distribution import LENGTH, SAMPLES, chi_square, exact_probs, pair, sample  # noqa: F401
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.engine import draft_length
 from speculative.engine.draft_length import DraftLength
 
 
@@ -92,6 +93,51 @@ def test_explorations_from_plain_decoding_spend_a_bounded_share_on_switches() ->
         previous, drafting = k, drafting + (k > 0)
     assert drafting < 100
     assert switching / total < 0.03
+
+
+def _loaded_server(chooser: DraftLength, steps: int, acceptance: float, draft_ms: float, rng) -> tuple:
+    """`steps` steps at 32 rows: a plain step 6 ms, a drafting one 6 + draft_ms * k, a switch from plain
+    decoding 70 ms more (the drafter's intake); per-draft acceptance `acceptance`. Returns (the
+    switches' ms, all ms, drafting steps) and the k of each step."""
+    switching = total = 0.0
+    ks, previous = [], chooser._last_k or 0
+    for _ in range(steps):
+        k = chooser.choose(32)
+        seconds = 6.0 + draft_ms * k + (70.0 if k and not previous else 0.0)
+        switching += seconds - (6.0 + draft_ms * k)
+        total += seconds
+        rows = [next((i for i in range(k) if rng.random() >= acceptance), k) for _ in range(32)]
+        chooser.observe(32, k, seconds, rows, [k] * 32)
+        previous = k
+        ks.append(k)
+    return switching, total, ks
+
+
+def test_explorations_that_keep_finding_plain_decoding_best_fade_out() -> None:
+    """Where drafting keeps losing, each exploration from plain decoding that confirms it halves the
+    share of time explorations may spend on switches, down to _SWITCH_SHARE_MIN: over a long run they
+    cost a fraction of a percent (at a constant _SWITCH_SHARE: 2%, whatever the run's length)."""
+    rng, chooser = random.Random(0), DraftLength(4, adaptive=True)
+    _loaded_server(chooser, 3000, 0.3, 8.0, rng)
+    switching, total, ks = _loaded_server(chooser, 20000, 0.3, 8.0, rng)
+    assert chooser._share == draft_length._SWITCH_SHARE_MIN
+    assert switching / total < 0.004
+    assert sum(k > 0 for k in ks) < 60
+
+
+def test_a_workload_where_drafting_pays_again_is_found_after_explorations_faded() -> None:
+    """After a long stretch where the drafts were rarely accepted (0.1), they are accepted 0.9 of the
+    time: the next exploration, due once the plain steps took 1 / _SWITCH_SHARE_MIN switches' cost,
+    finds it (the acceptance measured before the plain stretch does not outweigh its own), and drafting
+    then runs nearly every step, the share back at _SWITCH_SHARE."""
+    rng, chooser = random.Random(0), DraftLength(4, adaptive=True)
+    _loaded_server(chooser, 20000, 0.1, 2.0, rng)
+    assert chooser._share == draft_length._SWITCH_SHARE_MIN
+    assert chooser.history.count(0) > 990
+    plain_steps = 70.0 / draft_length._SWITCH_SHARE_MIN / 6.0  # 4,667 plain steps of 6 ms
+    _, _, ks = _loaded_server(chooser, int(plain_steps) + 1200, 0.9, 2.0, rng)
+    assert sum(k > 0 for k in ks[-1000:]) > 950
+    assert chooser._share == draft_length._SWITCH_SHARE
 
 
 def test_a_middle_k_when_acceptance_falls_off() -> None:

@@ -37,9 +37,14 @@ of each size's own would explore as often as there are sizes, each time from pla
 A switch costs what the drafter takes in (below): up to a prefill of every row's context, many plain
 steps' time at a large batch, which an interval of _EXPLORE_MAX steps would pay again and again (the
 figures: docs/server.md#under-load). So that schedule also waits until the plain steps since its last
-exploration took 1 / _SWITCH_SHARE times the latest switch's extra cost (its step time over its k's
+exploration took 1 / share times the latest switch's extra cost (its step time over its k's
 mean there): explorations from plain decoding cost at most that share of the time, however dear a
-switch.
+switch. The share starts at _SWITCH_SHARE and halves (down to _SWITCH_SHARE_MIN) each time such an
+exploration finds plain decoding still best, back to _SWITCH_SHARE when one finds drafting better: where
+drafting keeps losing (a weak drafter under load) the explorations' cost fades to a fraction of a
+percent, and a change of workload is still found, later. The acceptance an exploration from plain
+decoding measures outweighs what was measured before the plain steps (which would otherwise hold
+the estimate for a dozen explorations): a drafter that became worth running is run again after one.
 A drafting step right after plain steps is not a sample of its k's time: its drafter first takes in
 every token it skipped (a draft model also prefills the rows that joined meanwhile), a cost of
 switching, not of drafting; an exploration from plain decoding is therefore measured twice, the
@@ -57,7 +62,8 @@ _EXPLORE_MAX = 256  # ... an interval that doubles up to this while the best k s
 _DECAY = 0.98  # per step, for the acceptance counts
 _TIME_DECAY = 0.9  # per sample of a k at a batch size, for its moving mean
 _SWITCH_GAIN = 1.1  # drafting's promised tokens a second over plain decoding's to switch it on
-_SWITCH_SHARE = 0.02  # of the plain steps' time, at most, for the switches of explorations from them
+_SWITCH_SHARE = 0.02  # of the plain steps' time, at most, for the switches of explorations from them ...
+_SWITCH_SHARE_MIN = _SWITCH_SHARE / 8  # ... halved down to this while explorations find plain decoding best
 
 
 class DraftLength:
@@ -78,6 +84,8 @@ class DraftLength:
         self._plain_explore = (_EXPLORE, _EXPLORE)  # (interval, next step) where plain decoding is best
         self._plain_seconds = 0.0  # plain steps' time since the last exploration from them
         self._switch_cost = 0.0  # seconds: the latest switch's step time over its k's mean
+        self._share = _SWITCH_SHARE  # of the plain steps' time for explorations' switches (docstring)
+        self._from_plain = False  # an exploration from plain decoding is under way
         self._steps = 0  # steps observed, of every batch size
         self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
         self._sums: dict[tuple[int, int], tuple[float, float]] = {}  # (B, k) -> decayed (seconds, samples)
@@ -108,6 +116,9 @@ class DraftLength:
         best = max(range(self.max_k + 1), key=rate.__getitem__)
         if self._last_k == 0 and rate[best] < _SWITCH_GAIN * rate[0]:
             best = 0
+        if self._from_plain:  # its measurements are in: did drafting win?
+            self._share = _SWITCH_SHARE if best else max(self._share / 2, _SWITCH_SHARE_MIN)
+            self._from_plain = False
         steps = sum(counts.values())
         last, interval, due = self.explore.get(batch_size, (best, _EXPLORE, _EXPLORE))
         if best != last:
@@ -115,10 +126,12 @@ class DraftLength:
         self.explore[batch_size] = (best, interval, due)
         if best == 0:  # plain decoding's batch sizes share one schedule, in steps of every size
             interval, due = self._plain_explore
-            if self._steps < due or self._plain_seconds * _SWITCH_SHARE < self._switch_cost:
+            if self._steps < due or self._plain_seconds * self._share < self._switch_cost:
                 return 0
             interval = min(2 * interval, _EXPLORE_MAX)
             self._plain_explore, self._plain_seconds = (interval, self._steps + interval), 0.0
+            self._from_plain = True
+            self._discount_acceptance(batch_size)
         elif steps < due:
             return best
         else:
@@ -128,6 +141,14 @@ class DraftLength:
         seen = self.seen.get(batch_size, {})  # empty at a batch size first met in an exploration
         self._explored = min(sorted(others), key=lambda k: seen.get(k, -1))  # the least recently measured
         return self._explored
+
+    def _discount_acceptance(self, batch_size: int) -> None:
+        """Before an exploration from plain decoding: the acceptance measured before the plain steps
+        (counts that decay only as drafts are made) weighs at most one step's rows of it, so that what
+        the exploration measures decides, and a workload that changed meanwhile is seen at once."""
+        scale = min(1.0, batch_size / self.reached[0])
+        self.reached = [r * scale for r in self.reached]
+        self.accepted = [a * scale for a in self.accepted]
 
     def _borrow(self, batch_size: int) -> None:
         """Start a new batch size from the step times of the nearest batch size that has measured at
