@@ -97,8 +97,8 @@ def test_explorations_from_plain_decoding_spend_a_bounded_share_on_switches() ->
 
 def _loaded_server(chooser: DraftLength, steps: int, acceptance: float, draft_ms: float, rng) -> tuple:
     """`steps` steps at 32 rows: a plain step 6 ms, a drafting one 6 + draft_ms * k, a switch from plain
-    decoding 70 ms more (the drafter's intake); per-draft acceptance `acceptance`. Returns (the
-    switches' ms, all ms, drafting steps) and the k of each step."""
+    decoding 70 ms more (the drafter's intake); per-draft acceptance `acceptance`. Returns the
+    switches' ms, all the steps' ms and the k of each step."""
     switching = total = 0.0
     ks, previous = [], chooser._last_k or 0
     for _ in range(steps):
