@@ -192,6 +192,8 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
     method = f"{config.method}, k={config.num_speculative_tokens}" if config else "autoregressive"
     if config and config.tree:
         method += f", {config.tree} tree of {config.tree_nodes}"
+    if config and config.method == "draft_model" and config.options.prompt_lookup_min:
+        method += f", prompt lookup first (n >= {config.options.prompt_lookup_min})"
     decoding = f"decoding {m.decode_tokens_per_second:.1f} tokens/s"
     speed = f"time to first token {1000 * m.first_token_s:.1f} ms, {decoding}"
     lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, finish: {finish_reason}", speed]

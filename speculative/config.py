@@ -25,7 +25,7 @@ class SpeculativeConfig:
         (`LLM(draft_model=<its directory>)`) drafting a chain or a tree from the target's hidden states.
     num_speculative_tokens: k, tokens proposed per step. 1 <= k <= 32. Where LLM builds the config
         (no speculative_config, or a dict without it), a draft model's folder may set it
-        (`with_declared_k`).
+        (`with_draft_defaults`).
     acceptance: a registered acceptance rule (speculative/acceptance/registry.py): "rejection" (lossless:
         the output follows the target's distribution exactly) or "typical" (Medusa's typical
         acceptance: faster at temperature > 0, NOT lossless).
@@ -151,25 +151,32 @@ _check = functools.partial(check, owner="SpeculativeConfig")
 
 # transformers' field for the tokens an assistant (draft) model drafts per step, in its generation config
 DECLARED_K = "num_assistant_tokens"
+# ours, beside it: the draft's prompt lookup first (DraftModelConfig.prompt_lookup_min; 0: none)
+DECLARED_LOOKUP = "prompt_lookup_min"
 
 
-def with_declared_k(data: dict[str, Any], draft_model: object) -> dict[str, Any]:
-    """SpeculativeConfig.from_dict's `data`, with num_speculative_tokens the draft model's own where
-    `data` gives none and its method is "draft_model": the k a draft's folder declares, as
-    `num_assistant_tokens` in its generation_config.json (the field transformers' assisted generation
-    reads), which the one who trained it measured as what pays (SpeculativeConfig's default where the
-    draft is not a folder or its file sets none). A ValueError naming the file where that value is not
-    an integer in [1, 32]."""
-    if "num_speculative_tokens" in data or data.get("method", "draft_model") != "draft_model":
+def with_draft_defaults(data: dict[str, Any], draft_model: object) -> dict[str, Any]:
+    """SpeculativeConfig.from_dict's `data`, with what a draft model's folder declares where `data` gives
+    none and its method is "draft_model", which the one who trained the draft measured as what pays:
+    num_speculative_tokens, as `num_assistant_tokens` in its generation_config.json (the field
+    transformers' assisted generation reads), and DraftModelConfig's prompt_lookup_min, as
+    `prompt_lookup_min` there, for chains (SpeculativeConfig's defaults where the draft is not a folder
+    or its file sets none). A ValueError naming the file where such a value is out of range ([1, 32];
+    0 or more)."""
+    if data.get("method", "draft_model") != "draft_model":
         return data
     path = Path(draft_model) / "generation_config.json" if isinstance(draft_model, (str, Path)) else None
     if path is None or not path.is_file():
         return data
-    k = json.loads(path.read_text(encoding="utf-8")).get(DECLARED_K)
-    if k is None:
-        return data
-    check(is_int(k) and 1 <= k <= 32, DECLARED_K, k, "an integer in [1, 32]", str(path))
-    return {**data, "num_speculative_tokens": k}
+    declared = json.loads(path.read_text(encoding="utf-8"))
+    k, low = declared.get(DECLARED_K), declared.get(DECLARED_LOOKUP)
+    if k is not None and "num_speculative_tokens" not in data:
+        check(is_int(k) and 1 <= k <= 32, DECLARED_K, k, "an integer in [1, 32]", str(path))
+        data = {**data, "num_speculative_tokens": k}
+    if low is not None and DECLARED_LOOKUP not in data and data.get("tree") is None:  # lookup: chains
+        check(is_int(low) and low >= 0, DECLARED_LOOKUP, low, "0 (off) or an integer >= 1", str(path))
+        data = {**data, DECLARED_LOOKUP: low}
+    return data
 
 
 @dataclass

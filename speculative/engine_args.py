@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from speculative.config import DECLARED_K, SpeculativeConfig, with_declared_k
+from speculative.config import DECLARED_K, SpeculativeConfig, with_draft_defaults
 from speculative.console import progress
 from speculative.demo import DEMO_DIR, DEMO_DIR_ENV, smollm2
 from speculative.methods import METHODS, method_config
@@ -279,7 +279,15 @@ class EngineArgs:
             add_method_shortcuts(drafters)
         options = parser.add_argument_group("method options", "each registered method's own options")
         for name, f in _option_fields().items():
-            owners = ", ".join(m for m, cls in METHODS.items() if name in cls.__dataclass_fields__)
+            owners = {
+                m: c.__dataclass_fields__[name] for m, c in METHODS.items() if name in c.__dataclass_fields__
+            }
+            defaults = {m: o.default for m, o in owners.items()}
+            default = (  # each method's, where they differ
+                f.default
+                if len(set(defaults.values())) == 1
+                else ", ".join(f"{m} {d}" for m, d in defaults.items())
+            )
             kind, _, _ = _annotation(f)
             options.add_argument(
                 f"--{name.replace('_', '-')}",
@@ -288,7 +296,7 @@ class EngineArgs:
                 type=kind,
                 default=None,
                 metavar="N" if kind is int else "X",
-                help=f"--method {owners}: {f.metadata.get('help', name)} (default: {f.default})",
+                help=f"--method {', '.join(owners)}: {f.metadata.get('help', name)} (default: {default})",
             )
         return parser
 
@@ -358,7 +366,7 @@ class EngineArgs:
             if f.name != "options" and getattr(self, f.name) is not None
         }
         try:
-            data = with_declared_k({**common, "method": method, **self.options}, self.draft_model)
+            data = with_draft_defaults({**common, "method": method, **self.options}, self.draft_model)
             return SpeculativeConfig.from_dict(data)
         except ValueError as error:
             raise ValueError(_name_the_flag(str(error))) from None

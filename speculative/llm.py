@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from speculative.acceptance import RejectionSampler
-from speculative.config import GenerationConfig, ParallelConfig, SpeculativeConfig, with_declared_k
+from speculative.config import GenerationConfig, ParallelConfig, SpeculativeConfig, with_draft_defaults
 from speculative.distributed.draft_length import RankZeroDraftLength
 from speculative.distributed.group import TensorParallelGroup, connect
 from speculative.distributed.mirror import LeaderEngine
@@ -311,11 +311,11 @@ def _speculative_config(
     """LLM's speculative_config: a SpeculativeConfig, vLLM's flat dict of one (SpeculativeConfig.from_dict),
     or None: plain decoding, or the draft model's SpeculativeConfig where a draft_model is given. A dict
     without num_speculative_tokens, and None, take the k that the draft model's folder declares
-    (config.with_declared_k)."""
+    (config.with_draft_defaults)."""
     if config is None and draft_model is not None:
         config = {"method": "draft_model"}
     if isinstance(config, dict):
-        return SpeculativeConfig.from_dict(with_declared_k(config, draft_model))
+        return SpeculativeConfig.from_dict(with_draft_defaults(config, draft_model))
     if config is not None and not isinstance(config, SpeculativeConfig):
         raise TypeError(
             f"speculative_config must be a SpeculativeConfig, a dict or None; got {type(config).__name__}"

@@ -13,6 +13,10 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
 SETUPS = {
     "draft, native": dict(model_impl="native", method="draft_model"),
     "draft, transformers": dict(model_impl="transformers", method="draft_model"),
+    "draft + lookup, native": dict(model_impl="native", method="draft_model", prompt_lookup_min=1),
+    "draft + lookup, transformers": dict(
+        model_impl="transformers", method="draft_model", prompt_lookup_min=1
+    ),
     "ngram, native": dict(model_impl="native", method="ngram"),
     "autoregressive, native": dict(model_impl="native", method=None),
     "draft tree, native": dict(model_impl="native", method="draft_model", tree="dynamic"),
@@ -75,10 +79,10 @@ def test_rows_admitted_mid_run_give_their_tokens_alone(setup: str) -> None:
         assert all(r.finish_reason == "length" for r in group)
     assert engine.batch is None and engine.cache is None
     if setup.startswith("draft"):  # a draft's KV buffers go with the batch, as the target's do
-        assert engine.proposer.cache is None
+        assert getattr(engine.proposer, "draft", engine.proposer).cache is None  # (with lookup: its draft)
 
 
-@pytest.mark.parametrize("setup", ["draft, native", "draft, transformers"])
+@pytest.mark.parametrize("setup", ["draft, native", "draft, transformers", "draft + lookup, native"])
 def test_aborted_rows_leave_and_the_rest_are_unchanged(setup: str) -> None:
     llm = _llm(**SETUPS[setup])
     expected = _alone(llm, 2)

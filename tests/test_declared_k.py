@@ -1,5 +1,6 @@
-"""A draft model's own k: `num_assistant_tokens` in its folder's generation_config.json, taken where the
-user gives no k (LLM without speculative_config or with a dict lacking it, the commands without -k)."""
+"""A draft model's own k and prompt lookup: `num_assistant_tokens` and `prompt_lookup_min` in its folder's
+generation_config.json, taken where the user gives none (LLM without speculative_config or with a dict
+lacking it, the commands without -k / --prompt-lookup-min)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,31 @@ import shutil
 import pytest
 
 from speculative import LLM, SpeculativeConfig
-from speculative.config import with_declared_k
+from speculative.config import with_draft_defaults
 from speculative.engine_args import EngineArgs
 
 
-def _declaring(draft: str, tmp_path, k: object) -> str:
-    """A copy of the draft folder `draft` whose generation config declares k (num_assistant_tokens)."""
+def _declaring(draft: str, tmp_path, k: object, **more: object) -> str:
+    """A copy of the draft folder `draft` whose generation config declares k (num_assistant_tokens) and
+    `more`."""
     out = tmp_path / "draft"
     shutil.copytree(draft, out)
     path = out / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
-    path.write_text(json.dumps(config | {"num_assistant_tokens": k}))
+    path.write_text(json.dumps(config | {"num_assistant_tokens": k} | more))
     return str(out)
 
 
 def test_a_draft_folder_declares_its_k_where_none_is_given(model_dirs, tmp_path) -> None:
     draft = _declaring(model_dirs["draft"], tmp_path, 2)
-    assert with_declared_k({"method": "draft_model"}, draft)["num_speculative_tokens"] == 2
-    assert with_declared_k({}, draft)["num_speculative_tokens"] == 2
-    assert with_declared_k({"num_speculative_tokens": 3}, draft)["num_speculative_tokens"] == 3
-    assert "num_speculative_tokens" not in with_declared_k({"method": "ngram"}, draft)
+    assert with_draft_defaults({"method": "draft_model"}, draft)["num_speculative_tokens"] == 2
+    assert with_draft_defaults({}, draft)["num_speculative_tokens"] == 2
+    assert with_draft_defaults({"num_speculative_tokens": 3}, draft)["num_speculative_tokens"] == 3
+    assert "num_speculative_tokens" not in with_draft_defaults({"method": "ngram"}, draft)
     # a folder whose file declares nothing, a name that is no folder, a model object: the default
-    assert with_declared_k({}, model_dirs["draft"]) == {}
-    assert with_declared_k({}, "some-org/some-draft") == {}
-    assert with_declared_k({}, object()) == {}
+    assert with_draft_defaults({}, model_dirs["draft"]) == {}
+    assert with_draft_defaults({}, "some-org/some-draft") == {}
+    assert with_draft_defaults({}, object()) == {}
 
 
 @pytest.mark.parametrize("k", [0, 33, 2.5, "2"])
@@ -41,7 +43,7 @@ def test_a_declared_k_out_of_range_is_an_error_naming_the_file(model_dirs, tmp_p
     with pytest.raises(
         ValueError, match=r"generation_config.json.num_assistant_tokens must be an integer in \[1, 32\]"
     ):
-        with_declared_k({}, draft)
+        with_draft_defaults({}, draft)
 
 
 def test_llm_and_the_commands_take_the_declared_k_unless_told_otherwise(model_dirs, tmp_path) -> None:
@@ -59,3 +61,17 @@ def test_llm_and_the_commands_take_the_declared_k_unless_told_otherwise(model_di
     assert told.speculative_config().num_speculative_tokens == 3
     plain = EngineArgs(model=target, draft_model=model_dirs["draft"])
     assert plain.speculative_config().num_speculative_tokens == 4
+
+
+def test_a_draft_folder_declares_its_prompt_lookup_for_chains(model_dirs, tmp_path) -> None:
+    draft = _declaring(model_dirs["draft"], tmp_path, 2, prompt_lookup_min=2)
+    assert with_draft_defaults({}, draft) == {"num_speculative_tokens": 2, "prompt_lookup_min": 2}
+    assert with_draft_defaults({"prompt_lookup_min": 0}, draft)["prompt_lookup_min"] == 0
+    assert "prompt_lookup_min" not in with_draft_defaults({"tree": "dynamic"}, draft)
+    target = model_dirs["target"]
+    assert LLM(target, draft_model=draft).speculative_config.options.prompt_lookup_min == 2
+    off = EngineArgs(model=target, draft_model=draft, options={"prompt_lookup_min": 0})
+    assert off.speculative_config().options.prompt_lookup_min == 0
+    bad = _declaring(model_dirs["draft"], tmp_path / "bad", 2, prompt_lookup_min=-1)
+    with pytest.raises(ValueError, match=r"generation_config.json.prompt_lookup_min must be 0 \(off\)"):
+        with_draft_defaults({}, bad)

@@ -1,12 +1,15 @@
 """The "draft_model" method: a small model drafts, a chain (DraftModelProposer) or a tree
-(DraftTreeProposer); a draft with a tokenizer of its own drafts across tokenizers (CrossTokenizerProposer:
-chains only; no compile, precompile or tensor parallelism)."""
+(DraftTreeProposer), or a chain with prompt lookup first (DraftWithLookupProposer, `prompt_lookup_min`);
+a draft with a tokenizer of its own drafts across tokenizers (CrossTokenizerProposer: chains only; no
+compile, precompile or tensor parallelism)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from speculative.fields import check, is_int
 from speculative.methods.registry import (
     BuildContext,
     Built,
@@ -19,15 +22,36 @@ from speculative.methods.registry import (
 if TYPE_CHECKING:
     from speculative.models.loading import LoadedModel
     from speculative.proposers.cross_tokenizer import CrossTokenizerProposer
+    from speculative.proposers.draft_model import DraftModelProposer
+    from speculative.proposers.draft_with_lookup import DraftWithLookupProposer
 
 
 @register("draft_model")
 @dataclass
 class DraftModelConfig(MethodConfig):
-    """A draft model (LLM(draft_model=...), with draft_dtype and draft_tokenizer) proposes; no options
-    of its own."""
+    """A draft model (LLM(draft_model=...), with draft_dtype and draft_tokenizer) proposes.
+
+    prompt_lookup_min: 0 (the draft alone) or an integer >= 1: each step, a row whose last
+    prompt_lookup_min to prompt_lookup_max tokens occur earlier in its context proposes what followed
+    the most recent such match (the "ngram" method's chain) instead of the draft's tokens
+    (proposers/draft_with_lookup.py); chains only, a draft sharing the target's tokenizer. Where LLM
+    builds the config, a draft model's folder may set it (config.with_draft_defaults).
+    prompt_lookup_max: >= max(prompt_lookup_min, 1)."""
+
+    prompt_lookup_min: int = field(default=0, metadata={"help": "the shortest n-gram looked up"})
+    prompt_lookup_max: int = field(default=3, metadata={"help": "the longest n-gram looked up"})
 
     uses_draft_model: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        _check(is_int(low) and low >= 0, "prompt_lookup_min", low, "0 (off) or an integer >= 1")
+        _check(
+            is_int(high) and high >= max(low, 1),
+            "prompt_lookup_max",
+            high,
+            f"an integer >= prompt_lookup_min ({max(low, 1)})",
+        )
 
     def check(self, method: str, arguments: dict[str, Any]) -> None:
         check_draft_model(method, True, arguments.get("draft_model"))
@@ -59,13 +83,33 @@ class DraftModelConfig(MethodConfig):
         quantize_model(draft.model, given["quantization"], "draft model", dtype_name)
         draft.model = prepare_model(draft.model, given["compile"], given["precompile"])
         if not _same_vocabulary(context.target, draft):
+            if self.prompt_lookup_min:
+                raise ValueError(
+                    "prompt_lookup_min is not supported with a draft model that has its own tokenizer "
+                    "(the lookup proposes the target's tokens); use prompt_lookup_min=0"
+                )
             return Built(_cross_tokenizer_proposer(context, draft), draft, shares_tokens=False)
         config = context.config
+        if self.prompt_lookup_min:
+            proposer = self._with_lookup(config, DraftModelProposer(draft.model))
+            return Built(proposer, draft, shares_tokens=True)
         if config.tree is None:
             return Built(DraftModelProposer(draft.model), draft, shares_tokens=True)
         require_tree_forward(draft.model, "draft model")
         tree = DraftTreeProposer(draft.model, config.tree, config.tree_width, config.tree_nodes)
         return Built(tree, draft, shares_tokens=True)
+
+    def _with_lookup(self, config: Any, draft: DraftModelProposer) -> DraftWithLookupProposer:
+        """The draft's chains with prompt lookup first; a ValueError naming `tree` for a tree."""
+        if config.tree is not None:
+            raise ValueError(
+                "SpeculativeConfig.tree is not supported with prompt_lookup_min (a draft model with prompt "
+                "lookup proposes chains); use tree=None"
+            )
+        from speculative.proposers.draft_with_lookup import DraftWithLookupProposer
+        from speculative.proposers.ngram import NgramProposer
+
+        return DraftWithLookupProposer(draft, NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max))
 
 
 def _same_vocabulary(target: LoadedModel, draft: LoadedModel) -> bool:
@@ -105,3 +149,6 @@ def _cross_tokenizer_proposer(context: BuildContext, draft: LoadedModel) -> Cros
     from speculative.proposers.cross_tokenizer import CrossTokenizerProposer
 
     return CrossTokenizerProposer(draft.model, draft.tokenizer, context.target.tokenizer)
+
+
+_check = functools.partial(check, owner="DraftModelConfig")

@@ -4,6 +4,7 @@ from speculative.proposers.base import FeatureProposer, LearningProposer, Propos
 from speculative.proposers.cross_tokenizer import CrossTokenizerProposer
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.draft_tree import DraftTreeProposer
+from speculative.proposers.draft_with_lookup import DraftWithLookupProposer
 from speculative.proposers.drafter import Drafter, DraftOut
 from speculative.proposers.eagle import EagleProposer
 from speculative.proposers.eagle_tree import EagleTreeProposer
@@ -15,6 +16,7 @@ __all__ = [
     "DraftModelProposer",
     "DraftOut",
     "DraftTreeProposer",
+    "DraftWithLookupProposer",
     "Drafter",
     "EagleProposer",
     "EagleTreeProposer",

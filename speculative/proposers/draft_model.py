@@ -45,11 +45,12 @@ class DraftModelProposer:
         self._proposed = 0  # the width of the proposal being committed (0: none, a plain step)
         self.pending: list[int] = []  # rows whose prefill waits for the next proposal (empty in the cache)
         self._bound: int | None = None  # a host bound of the cache's lengths (None before a proposal)
+        self._short = False  # since a rewind, rows lack more than `behind` tokens (_refill feeds them)
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         empty = self.model.new_cache(tokens.shape[0], 1)  # placeholders: _add_pending makes their room
         if self.cache is None or self.cache.batch_size == 0:
-            self.cache, self.behind, self.missing, self.pending = empty, 0, 1, []
+            self.cache, self.behind, self.missing, self.pending, self._short = empty, 0, 1, [], False
         else:
             self.cache.append_rows(empty)
         joined = self.cache.batch_size
@@ -86,6 +87,8 @@ class DraftModelProposer:
         return cache, width
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
+        if self._short:
+            self._refill(tokens, lengths)
         if self.pending:
             self._add_pending(tokens, lengths)
         fed = self.missing + self.behind
@@ -112,6 +115,34 @@ class DraftModelProposer:
             self._tighten(max_length)
         self._proposed = 0
 
+    def rewind(self, lengths: Tensor) -> None:
+        """After on_commit: cut each row's cache to at most lengths[b] tokens ([batch]); the next
+        proposal first feeds each row what was cut (`_refill`), then drafts as usual. For a caller that
+        proposed other tokens than this draft's in some rows (DraftWithLookupProposer), whose cache
+        then holds K/V of tokens that are not the context's. (Fed in a call of its own rather than in
+        the drafting's query, whose length, compiled, has a graph of its own at batch 1.)"""
+        have = self.cache.lengths
+        if bool((lengths < have).any()):
+            self.cache.rollback(torch.minimum(have, lengths), self._bound)
+            self._short = True
+
+    def _refill(self, tokens: Tensor, lengths: Tensor) -> None:
+        """Feed every running row what `rewind` cut from its cache beyond the invariant (its context but
+        the last `missing + behind` tokens), each row its own number of tokens."""
+        want = lengths - self.missing - self.behind
+        if self.pending:  # joined since: empty until their prefill
+            want[self.pending] = 0
+        have = self.cache.lengths
+        lack = want - have
+        width = int(lack.max())
+        self._short = False
+        if not width:  # the rows that lacked tokens have left
+            return
+        positions = (have[:, None] + torch.arange(width, device=tokens.device)).clamp(max=tokens.shape[1] - 1)
+        query = tokens.gather(1, positions)
+        first = torch.zeros_like(lengths)[:, None]
+        self.model.forward(query, self.cache, num_tokens=lack, logits_indices=first)
+
     def _tighten(self, max_length: int) -> None:
         """After a plain step (counted in `behind`), with `max_length` the host bound of the contexts:
         the cache's host bound of its lengths, which rows that have left kept high since the last
@@ -135,7 +166,7 @@ class DraftModelProposer:
 
     def select_rows(self, rows: Tensor) -> None:
         if not rows.numel():  # the batch emptied: the cache's buffers go with it, as the target's do
-            self.cache, self.pending, self._bound = None, [], None
+            self.cache, self.pending, self._bound, self._short = None, [], None, False
             return
         if self.cache is not None:
             self.cache.select_rows(rows)

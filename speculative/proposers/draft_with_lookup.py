@@ -1,0 +1,85 @@
+"""A draft model with prompt lookup first: where a row's context repeats, what followed is proposed.
+
+Each step, a row whose last `prompt_lookup_min` (up to `prompt_lookup_max`) tokens occur earlier in
+its context proposes the tokens that followed the most recent such match (NgramProposer's chain);
+every other row proposes the draft model's chain. A draft model predicts open text better than a
+lookup, and the lookup repeats what the context already says (a pasted text being edited or
+summarised, code, a name or phrase said before) better than a small model, so each row takes the
+proposal of the kind that tends to be right where it stands (Snowflake's Arctic Speculator also
+combines suffix decoding with a trained drafter). The choice is a function of the context alone,
+so a row's drafts are drawn from a well-defined distribution at each position: the draft's (its
+probabilities) or the lookup's (one-hot at its token), and the acceptance rule stays exact.
+
+The draft model drafts every row every step (one batched call; a row's lookup may stop short of k
+tokens or be wrong, and the draft's cache must follow the context anyway). Where a row proposed the
+lookup's tokens, the draft's cache holds the K/V of the draft's own tokens at those positions: valid
+for as many kept tokens as the two proposals agree on, and cut back to there after the commit
+(DraftModelProposer.rewind), the next proposal feeding the rest again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from speculative.proposers.base import Proposal
+from speculative.proposers.draft_model import DraftModelProposer
+from speculative.proposers.ngram import NgramProposer
+from speculative.sampling import SampleStrategy
+
+
+class DraftWithLookupProposer:
+    """A draft model's chains (DraftModelProposer), replaced row by row by prompt lookup's
+    (NgramProposer, a chain) where the row's context has a match (module docstring)."""
+
+    def __init__(self, draft: DraftModelProposer, lookup: NgramProposer) -> None:
+        if lookup.tree_nodes is not None:
+            raise ValueError("a draft model with prompt lookup proposes chains: give the lookup no tree")
+        self.draft = draft
+        self.lookup = lookup
+        # of the proposal being committed: the rows' context lengths before it [B], the rows that
+        # proposed the lookup's tokens [B] bool, and how many leading tokens lookup and draft agree on [B]
+        self._step: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
+        self.draft.add_rows(tokens, lengths)
+
+    def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
+        drafted = self.draft.propose(tokens, lengths, num_tokens, strategy)
+        width = drafted.token_ids.shape[1]
+        looked = self.lookup.propose(tokens, lengths, width, strategy).token_ids  # [B, <= width], -1: none
+        looked = F.pad(looked, (0, width - looked.shape[1]), value=-1)
+        chosen = looked[:, 0] >= 0
+        token_ids = torch.where(chosen[:, None], looked, drafted.token_ids)
+        probs = None if drafted.probs is None else _lookup_one_hot(drafted.probs, looked, chosen)
+        agree = (looked == drafted.token_ids).long().cumprod(dim=1).sum(dim=1)  # [B] leading equal tokens
+        self._step = (lengths.clone(), chosen, agree)
+        return Proposal(token_ids, probs)
+
+    def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
+        self.draft.on_commit(lengths, max_length, most_kept)
+        if self._step is None:  # a plain step
+            return
+        start, chosen, agree = self._step
+        self._step = None
+        # where a row kept lookup tokens the draft did not propose, its K/V from there on are not the
+        # context's: it keeps those of the tokens both proposed and the row kept
+        kept = lengths - start - 1
+        valid = torch.where(chosen, start + torch.minimum(kept, agree), lengths)
+        self.draft.rewind(valid)
+
+    def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
+        pass
+
+    def select_rows(self, rows: Tensor) -> None:
+        self.draft.select_rows(rows)
+        if self._step is not None:  # rows that finished in the step leave before its on_commit
+            self._step = tuple(values[rows] for values in self._step)
+
+
+def _lookup_one_hot(probs: Tensor, looked: Tensor, chosen: Tensor) -> Tensor:
+    """The draft's probabilities [B, j, V] with each chosen row's ([B] bool) one-hot at its lookup
+    tokens ([B, j], -1 where none: any row there, never accepted), the distribution they were drawn from."""
+    one_hot = torch.zeros_like(probs).scatter_(-1, looked.clamp(min=0)[..., None], 1.0)
+    return torch.where(chosen[:, None, None], one_hot, probs)
