@@ -41,6 +41,8 @@ METHODS = {
     "ours_ngram",
     "ours_draft_adaptive",
     "ours_ngram_adaptive",
+    "ours_draft_lookup",
+    "ours_draft_lookup_adaptive",
     "ours_draft_tree",
     "ours_ngram_tree",
     "ours_suffix",

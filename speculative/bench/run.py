@@ -341,14 +341,16 @@ class Pair:
         compiled: bool = False,
         adaptive: bool = False,
         tree: str | None = None,
+        lookup: bool = False,
         **options,
     ) -> OursMethod | None:
         """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram, suffix or
         a head (drafter "eagle", "eagle3", "dflash": config.heads'); with `compiled`, on the compiled
         models (engine "ours_compiled"); with `adaptive`, k chosen per step in [0, k]
         (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep, of the config's
-        tree_width and tree_nodes; `options`: more SpeculativeConfig fields. None where the config's
-        `methods` leave it out (nothing loaded)."""
+        tree_width and tree_nodes; with `lookup` (the draft model), prompt lookup first (LOOKUP_MIN);
+        `options`: more SpeculativeConfig fields. None where the config's `methods` leave it out
+        (nothing loaded)."""
         config = self.config
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
         if drafter is None:
@@ -359,6 +361,9 @@ class Pair:
                 suffix, label = f"_adaptive{suffix}", f"{label}, adaptive"
             if tree:
                 suffix, label = f"_tree{suffix}", f"{label}, {tree} tree of {config.tree_nodes}"
+            if lookup:
+                suffix, label = f"_lookup{suffix}", f", prompt lookup first{label}"
+                options.update(prompt_lookup_min=LOOKUP_MIN)
             name, label = f"ours_{short}{suffix}", f"ours {short} k{'<=' if adaptive else '='}{k}{label}"
         if not config.selects(name):
             return None
@@ -507,6 +512,9 @@ LLAMA_CPP_NOTE = (
 # Drafters with a Hugging Face counterpart, an adaptive method and a k sweep; suffix decoding has no HF
 # counterpart and already sizes its proposals by itself.
 SWEPT = ("draft_model", "ngram")
+# The draft model with prompt lookup first (ours_draft_lookup): where a row's last 2 tokens occur
+# earlier in its context, what followed them is proposed instead of the draft's tokens.
+LOOKUP_MIN = 2
 
 
 def skipped_heads(config: BenchConfig) -> dict[str, dict]:
@@ -545,12 +553,17 @@ def build_methods(
             method.label = f"{method.label} ({pair.hf_dtype()} weights)"
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
+    looked = ["draft_model"] if pair.draft is not None else []  # the draft with prompt lookup first
+    methods += [pair.ours(d, config.k, lookup=True) for d in looked]
+    methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True, lookup=True) for d in looked]
     trees = [d for d in drafters if METHODS[d].trees]  # each grows the tree that suits it
     methods += [pair.ours(d, config.k, tree=METHODS[d].suited_tree) for d in trees]
     if config.compile:
         methods += [pair.ours(None, 0, compiled=True)]
         methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
         methods += [pair.ours(d, config.k, compiled=True, adaptive=True) for d in swept]
+        methods += [pair.ours(d, config.k, compiled=True, lookup=True) for d in looked]
+        methods += [pair.ours(d, config.k, compiled=True, adaptive=True, lookup=True) for d in looked]
         methods += [pair.ours(d, config.k, compiled=True, tree=METHODS[d].suited_tree) for d in trees]
     methods = [m for m in methods if m is not None and config.selects(m.name)]
     skipped = skipped_heads(config)
