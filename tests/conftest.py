@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 import speculative
 from speculative.demo.train_dflash import dflash_drafter
 from speculative.demo.train_eagle import eagle_head
-from speculative.models.dflash import save_dflash
+from speculative.models.dflash_checkpoint import save_dflash
 from speculative.models.eagle_checkpoint import save_eagle_head
 
 os.environ["SPECULATIVE_DEMO"] = "toy"  # the command line runs the bundled toy pair: tests never download

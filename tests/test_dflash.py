@@ -24,7 +24,8 @@ from speculative.demo.train_dflash import (
     dflash_losses,
     sample_anchors,
 )
-from speculative.models.dflash import DFlashDrafter, default_target_layers, load_dflash, save_dflash
+from speculative.models.dflash import DFlashDrafter, default_target_layers
+from speculative.models.dflash_checkpoint import load_dflash, save_dflash
 from speculative.models.llama import NativeCausalLM
 from speculative.proposers.dflash import DFlashProposer
 

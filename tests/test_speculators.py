@@ -362,7 +362,13 @@ def _layer(**fields):
             "eagle3",
             "eagle3",
             lambda c, w: c.update(speculators_model_type="dflash"),
-            "'dflash' is not an EAGLE head",
+            r"'dflash' is a DFlash block drafter: use method=\"dflash\"",
+        ),
+        (
+            "eagle3",
+            "eagle3",
+            lambda c, w: c.update(speculators_model_type="peagle"),
+            "'peagle' is not supported",
         ),
         (
             "eagle3",

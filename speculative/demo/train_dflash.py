@@ -86,7 +86,8 @@ from speculative.demo.train_draft import (
     training_rows,
 )
 from speculative.machine import machine
-from speculative.models.dflash import DFlashDrafter, default_target_layers, save_dflash
+from speculative.models.dflash import DFlashDrafter, default_target_layers
+from speculative.models.dflash_checkpoint import save_dflash
 
 DEFAULT_ANCHORS = 16  # blocks per training window
 ANSWERS_LR = 1e-3  # --target's default peak learning rate (a drafter of the target's width)

@@ -22,7 +22,7 @@ class DFlashConfig(HeadConfig):
     drafter: ClassVar[str] = "the DFlash drafter"
 
     def build(self, context: BuildContext) -> Built:
-        from speculative.models.dflash import load_dflash
+        from speculative.models.dflash_checkpoint import load_dflash
         from speculative.proposers.dflash import DFlashProposer
 
         config, native = context.config, self.native_target(context)

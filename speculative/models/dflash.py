@@ -16,9 +16,13 @@ The drafter never computes the context itself: its context is the TARGET's hidde
       context's positions) and v_proj_l(ctx): injected as keys / values beside the block's own, so
       the block attends to the context and, bidirectionally, to itself (no causal mask inside it).
 The block's tokens are embedded with the target's embedding (a mask position with `mask_embedding`,
-a learned vector, or with the target's embedding of `mask_token_id` where the config names one), run
-through pre-norm decoder layers (Llama or Qwen3 parameters, models/llama.py's DecoderLayer), the final
-`norm`, and the target's lm_head: the embedding and lm_head are shared, frozen and not saved.
+a learned vector, or with the target's embedding of `mask_token_id` where the config names one and no
+vector is learned), run through pre-norm decoder layers (Llama or Qwen3 parameters, models/llama.py's
+DecoderLayer), the final `norm`, and the target's lm_head: the embedding and lm_head are shared, frozen
+and not saved. A drafter may instead have an lm_head of its own over a draft vocabulary (`lm_head`
+[D, H] and `d2t` [D], target token = i + d2t[i], as vLLM's speculators checkpoints carry it): its logits
+are -inf outside those D tokens, so its drafts never leave them and a sampled draft's distribution is
+its own renormalised over them.
 
 Context K/V are cached per row across steps (a StaticKVCache of the draft's layers, `new_cache`):
 `extend_context` appends the K/V of new context positions (the target's features of the tokens a
@@ -31,23 +35,17 @@ hidden_states[j + 1]); in this engine's `hidden_layers` (the stream entering a l
 output at L) that is j + 1 (`DFlashDrafter.hidden_layers`), the last layer's output (j = L - 1) being
 the final norm's output in both.
 
-Checkpoints (`save_dflash` / `load_dflash`): a directory with `config.json` (the layers' Llama or Qwen3
-config, plus `dflash_config`: target_layer_ids, block_size, mask_token_id) and `model.safetensors`
-(`layers.*`, `fc`, `hidden_norm`, `norm`, and `mask_embedding` unless a mask token is named), the names
-of z-lab's release, whose Qwen3 drafters this layout follows.
+Checkpoints: models/dflash_checkpoint.py (z-lab's layout and vLLM's speculators layout).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from speculative.kv_cache import StaticKVCache
 from speculative.models.llama import DecoderLayer, FusedLayer, NativeCausalLM
@@ -55,7 +53,6 @@ from speculative.models.norms import RMSNorm, rms_norm
 from speculative.models.packed import PackedLinear, hold
 from speculative.models.rope import apply_rope, rope_init, rope_tables
 
-DFLASH_ARCHITECTURE = "DFlashDraftModel"
 FAMILIES = ("llama", "qwen3")  # the decoder layers a drafter may have
 
 
@@ -83,8 +80,13 @@ class DFlashDrafter(nn.Module):
         drafts up to block_size - 1 tokens a forward. >= 2.
     mask_token_id: a token whose (target) embedding marks the masked positions; None: a learned
         `mask_embedding` [H] does.
-    Parameters: `layers.*` (DecoderLayer's names), `fc` [H, F], `hidden_norm`, `norm`, `mask_embedding`.
-    The embedding and lm_head are attached with `share` (share_native for a NativeCausalLM target).
+    learned_mask: whether a learned `mask_embedding` marks them even though a mask_token_id is named
+        (the id it stands for, as a speculators checkpoint's mask_embedding.pt); default: without one.
+    draft_vocab_size: None, the target's lm_head; else the drafter's own `lm_head` of that many rows
+        and `d2t` (module docstring).
+    Parameters: `layers.*` (DecoderLayer's names), `fc` [H, F], `hidden_norm`, `norm`, `mask_embedding`
+        where learned, `lm_head` and the buffer `d2t` where its own. The embedding (and the target's
+        lm_head) are attached with `share` (share_native for a NativeCausalLM target).
     """
 
     def __init__(
@@ -93,6 +95,8 @@ class DFlashDrafter(nn.Module):
         target_layer_ids: tuple[int, ...],
         block_size: int,
         mask_token_id: int | None = None,
+        learned_mask: bool | None = None,
+        draft_vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         if config.model_type not in FAMILIES:
@@ -115,8 +119,18 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        if mask_token_id is None:
+        if mask_token_id is None and learned_mask is False:
+            raise ValueError("a DFlash drafter's masks need a mask_token_id or a learned mask embedding")
+        if mask_token_id is None or learned_mask:
             self.mask_embedding = nn.Parameter(torch.randn(hidden) * 0.02)
+        self.lm_head: nn.Linear | None = None
+        if draft_vocab_size is not None:
+            if not 1 <= draft_vocab_size <= config.vocab_size:
+                raise ValueError(
+                    f"draft_vocab_size must be in [1, {config.vocab_size}]; got {draft_vocab_size}"
+                )
+            self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         inv_freq, self.attention_scaling = rope_init(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         attn = self.layers[0].self_attn
@@ -132,8 +146,19 @@ class DFlashDrafter(nn.Module):
     def share(self, embed: Callable[[Tensor], Tensor], lm_head: Callable[[Tensor], Tensor]) -> None:
         """Attach the target's embedding (token ids [n] int64 -> [n, H]) and lm_head (hidden [batch, q,
         H] -> logits [batch, q, V] float32). They are not parameters of the drafter: not trained, not
-        saved."""
-        self._embed, self._lm_head = embed, lm_head
+        saved. A drafter with an lm_head of its own keeps it."""
+        self._embed = embed
+        self._lm_head = lm_head if self.lm_head is None else self._own_logits
+
+    def _own_logits(self, hidden: Tensor) -> Tensor:
+        """The own lm_head's logits of hidden [batch, q, H]: [batch, q, V] float32, -inf outside the
+        draft vocabulary (a head of V rows is the whole vocabulary in order)."""
+        logits = self._head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1).float()
+        if logits.shape[-1] == self.config.vocab_size:
+            return logits
+        tokens = self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        full = logits.new_full((*logits.shape[:2], self.config.vocab_size), -torch.inf)
+        return full.index_copy_(2, tokens, logits)
 
     def share_native(self, target: NativeCausalLM) -> None:
         """`share` the embedding and lm_head of a NativeCausalLM target."""
@@ -165,6 +190,9 @@ class DFlashDrafter(nn.Module):
         hold(self, "_layers", nn.ModuleList(layers))
         hold(self, "_fc", PackedLinear([self.fc]))
         self._packed = [self._fc, *(p for layer in self._layers for p in layer.projections())]
+        if self.lm_head is not None:
+            hold(self, "_head", PackedLinear([self.lm_head]))
+            self._packed.append(self._head)
         self._cos = self._sin = torch.empty(0)
 
     def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the parameters got new tensors
@@ -216,7 +244,7 @@ class DFlashDrafter(nn.Module):
         embedding, then size - 1 mask embeddings."""
         embed, _ = self._shared()
         first = embed(first_tokens)  # [n, H]
-        if self.mask_token_id is None:
+        if hasattr(self, "mask_embedding"):
             mask = self.mask_embedding.to(first.dtype)
         else:
             mask = embed(torch.tensor([self.mask_token_id], device=first_tokens.device))[0]
@@ -376,81 +404,3 @@ class DFlashDrafter(nn.Module):
         inputs = self.block_embeddings(first_tokens.reshape(-1), size).view(batch, n * size, -1)
         hidden = self._run_block(inputs, positions, attend).view(batch, n, size, -1)[:, :, 1:]
         return lm_head(hidden.reshape(batch, n * (size - 1), -1)).view(batch, n, size - 1, -1)
-
-
-# ---- checkpoints -----------------------------------------------------------------------------------
-
-
-def save_dflash(drafter: DFlashDrafter, path: str | Path) -> None:
-    """Write `drafter` to directory `path`: config.json (its layers' config, `architectures`
-    [DFlashDraftModel], `dflash_config`) and model.safetensors (its own weights, float32 as held; the
-    shared embedding and lm_head are not saved)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config = drafter.config.to_dict()
-    config["architectures"] = [DFLASH_ARCHITECTURE]
-    config["block_size"] = drafter.block_size
-    config["dflash_config"] = {
-        "target_layer_ids": list(drafter.target_layer_ids),
-        "block_size": drafter.block_size,
-        "mask_token_id": drafter.mask_token_id,
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weights = {name: t.detach().contiguous().clone() for name, t in drafter.state_dict().items()}
-    save_file(weights, str(path / "model.safetensors"))
-
-
-def load_dflash(path: str | Path, target: NativeCausalLM) -> DFlashDrafter:
-    """The drafter saved in directory `path` (save_dflash's layout; z-lab's Qwen3 releases name their
-    config and weights alike), on the target's device and dtype, sharing its embedding and lm_head.
-    A missing or wrong config field or weight is a ValueError naming it (and `path`)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"a DFlash drafter's directory holds config.json; {path} has none")
-    fields = json.loads((path / "config.json").read_text())
-    extra = fields.get("dflash_config")
-    if not isinstance(extra, dict) or "target_layer_ids" not in extra:
-        raise ValueError(f"{path}/config.json: dflash_config.target_layer_ids is missing")
-    family = fields.pop("model_type", None)
-    if family not in FAMILIES:
-        raise ValueError(f"{path}/config.json: model_type must be one of {FAMILIES}; got {family!r}")
-    config = AutoConfig.for_model(family, **fields)
-    t = target.config
-    for name in ("hidden_size", "vocab_size"):
-        if getattr(config, name) != getattr(t, name):
-            raise ValueError(
-                f"{path}/config.json: {name} {getattr(config, name)} is not the target's {getattr(t, name)}"
-            )
-    ids = extra["target_layer_ids"]
-    if not isinstance(ids, list) or any(
-        not isinstance(j, int) or not 0 <= j < t.num_hidden_layers for j in ids
-    ):
-        raise ValueError(
-            f"{path}/config.json: dflash_config.target_layer_ids {ids!r} must be layer ids of the target "
-            f"(in [0, {t.num_hidden_layers}))"
-        )
-    block = extra.get("block_size", fields.get("block_size"))
-    mask = extra.get("mask_token_id")
-    if mask is not None and not (isinstance(mask, int) and 0 <= mask < t.vocab_size):
-        raise ValueError(
-            f"{path}/config.json: dflash_config.mask_token_id {mask!r} is not a token of the target"
-        )
-    with torch.device("meta"):
-        drafter = DFlashDrafter(config, tuple(ids), block, mask)
-    weights_file = path / "model.safetensors"
-    if not weights_file.is_file():
-        raise ValueError(f"{path}: model.safetensors is missing")
-    weights = load_file(str(weights_file))
-    expected = drafter.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{weights_file}: weights missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, tensor in weights.items():
-        shape = tuple(expected[name].shape)
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{weights_file}: {name} has shape {tuple(tensor.shape)}, expected {shape}")
-    drafter.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True, assign=True)
-    drafter = drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    drafter.share_native(target)
-    return drafter

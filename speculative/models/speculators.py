@@ -1,4 +1,5 @@
-"""EAGLE heads in vLLM's `speculators` checkpoint format: the config and weight-name mapping.
+"""EAGLE heads and DFlash drafters in vLLM's `speculators` checkpoint format: the config and
+weight-name mapping.
 
 The speculators library (github.com/vllm-project/speculators) trains heads and saves them as a
 directory vLLM serves from (its SpeculatorsConfig adapter, vllm/transformers_utils/configs/
@@ -6,8 +7,8 @@ speculators/): config.json and model.safetensors. What this module reads and wri
 
   config.json:
       speculators_model_type: "eagle3" (or "eagle", the library's EAGLE-1/HASS head, which it has
-          since dropped and vLLM's adapter does not serve; other types, "peagle", "dflash", ...,
-          are other drafters and are refused).
+          since dropped and vLLM's adapter does not serve), or "dflash" (below); other types,
+          "peagle", "mtp", ..., are other drafters and are refused.
       architectures: ["Eagle3Speculator"] / ["EagleSpeculator"] (the library's class; not read).
       transformer_layer_config: the draft layers' transformers config (model_type "llama";
           hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
@@ -41,6 +42,13 @@ speculators/): config.json and model.safetensors. What this module reads and wri
           this engine's extension (FR-Spec, models/eagle.py), as EAGLE-3's.
 
 models/eagle_checkpoint.py loads (load_eagle_head) and saves (save_speculators) through this.
+
+"dflash" (the library's DFlashDraftModel; models/dflash_checkpoint.py reads and writes its weights):
+      transformer_layer_config: the draft layers' config (model_type "qwen3" where absent, the
+          library's default; num_hidden_layers of them), draft_vocab_size, block_size (default 8),
+          target_hidden_size, aux_hidden_state_layer_ids (the streams entering those target layers,
+          Hugging Face's hidden_states[i]: DFlash's own layer id + 1), mask_token_id (required),
+          sample_from_anchor (true: the block's first position drafts too, DSpark's variant: refused).
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from transformers import LlamaConfig
 from speculative.models.eagle import EagleLayout
 
 TYPES: tuple[EagleLayout, ...] = ("eagle", "eagle3")
-_NAMES = {"eagle": "an EAGLE-1 head", "eagle3": "an EAGLE-3 head"}
+_NAMES = {"eagle": "an EAGLE-1 head", "eagle3": "an EAGLE-3 head", "dflash": "a DFlash block drafter"}
 ARCHITECTURES = {"eagle": "EagleSpeculator", "eagle3": "Eagle3Speculator"}
 # speculators weight-name prefix -> the EagleHead parameter prefix (embed_tokens, norm: see eagle_checkpoint)
 WEIGHT_PREFIXES: dict[str, dict[str, str]] = {
@@ -102,17 +110,7 @@ def read_config(raw: dict, layout: EagleLayout, target: Any, where: Path) -> dic
     target_hidden_size, eagle_aux_hidden_state_layer_ids, norm_before_residual, fusion_bias).
     Checks the method against `layout` and the verifier's sizes against `target`'s (a ValueError
     naming the difference); warns when the verifier's architecture is not the target's."""
-    kind = raw["speculators_model_type"]
-    if kind not in TYPES:
-        raise ValueError(
-            f"{where}: speculators_model_type {kind!r} is not an EAGLE head; this engine loads the "
-            f'speculators types "eagle" (method="eagle") and "eagle3" (method="eagle3")'
-        )
-    if kind != layout:
-        raise ValueError(
-            f'{where}: speculators_model_type {kind!r} is {_NAMES[kind]}: use method="{kind}", '
-            f'not method="{layout}"'
-        )
+    _check_type(raw, layout, where)
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{where}: the speculators config has no transformer_layer_config (a dict)")
@@ -158,23 +156,130 @@ def read_config(raw: dict, layout: EagleLayout, target: Any, where: Path) -> dic
             )
         flat["fusion_bias"] = bool(raw.get("fusion_bias", False))
         flat["draft_vocab_size"] = raw.get("draft_vocab_size")
-    _check_verifier(raw, flat, layout, target, where)
+    hidden = flat["target_hidden_size"] if layout == "eagle3" else flat["hidden_size"]
+    which = "target_hidden_size" if layout == "eagle3" else "hidden_size"
+    _check_verifier(raw, hidden, which, flat["vocab_size"], target, where)
     return flat
 
 
-def _check_verifier(raw: dict, flat: dict, layout: EagleLayout, target: Any, where: Path) -> None:
+def read_dflash_config(raw: dict, target: Any, where: Path) -> dict:
+    """The speculators config.json `raw` of a "dflash" drafter (module docstring) as the fields a
+    DFlashDrafter is built from: config (the layers' PretrainedConfig), target_layer_ids (DFlash's
+    numbering), block_size, mask_token_id, draft_vocab_size. A ValueError names a field that is
+    missing, wrong or not supported, or a verifier whose sizes are not `target`'s."""
+    from transformers import AutoConfig
+
+    _check_type(raw, "dflash", where)
+    if raw.get("sample_from_anchor"):
+        raise ValueError(
+            f"{where}: sample_from_anchor true (the block's first position drafts too, DSpark's "
+            "variant) is not supported: the block's first token is the context's last"
+        )
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ValueError(f"{where}: the speculators config has no transformer_layer_config (a dict)")
+    family = layer.get("model_type", "qwen3")
+    if family not in ("llama", "qwen3"):
+        raise ValueError(
+            f"{where}: transformer_layer_config.model_type {family!r}: only llama and qwen3 draft layers load"
+        )
+    dropped = ("model_type", "architectures", "transformers_version")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(family, **{k: v for k, v in layer.items() if k not in dropped})
+    hidden = raw.get("target_hidden_size") or config.hidden_size
+    _check_verifier(raw, hidden, "target_hidden_size", config.vocab_size, target, where)
+    if config.hidden_size != target.config.hidden_size:
+        raise ValueError(
+            f"{where}: transformer_layer_config.hidden_size {config.hidden_size} is not the target's "
+            f"{target.config.hidden_size} (the drafter embeds with the target's embedding)"
+        )
+    layers = target.config.num_hidden_layers
+    ids = raw.get("aux_hidden_state_layer_ids")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or any(not isinstance(i, int) or not 1 <= i <= layers for i in ids)
+    ):
+        raise ValueError(
+            f"{where}: aux_hidden_state_layer_ids {ids!r} must be a list of target layers in [1, {layers}] "
+            "(the streams entering them; 0, the embedding, is not read)"
+        )
+    mask = raw.get("mask_token_id")
+    if not isinstance(mask, int) or not 0 <= mask < config.vocab_size:
+        raise ValueError(f"{where}: mask_token_id {mask!r} must be a token id in [0, {config.vocab_size})")
+    block = raw.get("block_size", 8)
+    draft_vocab = raw.get("draft_vocab_size") or config.vocab_size
+    if not isinstance(draft_vocab, int) or not 1 <= draft_vocab <= config.vocab_size:
+        raise ValueError(f"{where}: draft_vocab_size {draft_vocab!r} must be in [1, {config.vocab_size}]")
+    return {
+        "config": config,
+        "target_layer_ids": tuple(i - 1 for i in ids),
+        "block_size": block,
+        "mask_token_id": mask,
+        "draft_vocab_size": draft_vocab,
+    }
+
+
+def write_dflash_config(
+    drafter: Any,
+    verifier_name: str | None,
+    verifier_architectures: Sequence[str],
+    num_speculative_tokens: int,
+    mask_token_id: int,
+) -> dict:
+    """The speculators config.json (a dict) of DFlashDrafter `drafter` for the verifier
+    `verifier_name` (module docstring), with the mask token `mask_token_id`."""
+    layer = drafter.config.to_dict()
+    for name in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+        layer.pop(name, None)
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": drafter.config.vocab_size
+        if drafter.lm_head is None
+        else drafter.lm_head.out_features,
+        "block_size": drafter.block_size,
+        "target_hidden_size": drafter.config.hidden_size,
+        "aux_hidden_state_layer_ids": list(drafter.hidden_layers),
+        "mask_token_id": mask_token_id,
+        "sample_from_anchor": False,
+        "speculators_config": _speculators_config(
+            "dflash", num_speculative_tokens, verifier_name, verifier_architectures
+        ),
+    }
+
+
+def _check_type(raw: dict, method: str, where: Path) -> None:
+    """The checkpoint's speculators_model_type must be `method`'s; else a ValueError naming the method
+    that loads it, if any."""
+    kind = raw["speculators_model_type"]
+    if kind not in _NAMES:
+        raise ValueError(
+            f"{where}: speculators_model_type {kind!r} is not supported; this engine loads the "
+            'speculators types "eagle", "eagle3" and "dflash" (each with the method of that name)'
+        )
+    if kind != method:
+        raise ValueError(
+            f'{where}: speculators_model_type {kind!r} is {_NAMES[kind]}: use method="{kind}", '
+            f'not method="{method}"'
+        )
+
+
+def _check_verifier(raw: dict, hidden: int, which: str, vocab_size: int, target: Any, where: Path) -> None:
+    """The drafter's verifier sizes (`hidden` read from field `which`, `vocab_size`) must be `target`'s;
+    a warning where the verifier's architectures are not the target's."""
     name, architectures = verifier(raw)
     made_for = f"the head was made for verifier {name!r}" if name else "the head's verifier"
-    hidden = flat["target_hidden_size"] if layout == "eagle3" else flat["hidden_size"]
-    which = "target_hidden_size" if layout == "eagle3" else "hidden_size"
     if hidden != target.config.hidden_size:
         raise ValueError(
             f"{where}: {made_for}, of hidden size {hidden} ({which}); the target's is "
             f"{target.config.hidden_size}: load it with that verifier"
         )
-    if flat["vocab_size"] != target.vocab_size:
+    if vocab_size != target.vocab_size:
         raise ValueError(
-            f"{where}: {made_for}, of vocabulary {flat['vocab_size']} (transformer_layer_config."
+            f"{where}: {made_for}, of vocabulary {vocab_size} (transformer_layer_config."
             f"vocab_size); the target's is {target.vocab_size}: load it with that verifier"
         )
     ours = set(getattr(target.config, "architectures", None) or [])
@@ -210,18 +315,9 @@ def write_config(
         "architectures": [ARCHITECTURES[head.layout]],
         "speculators_model_type": head.layout,
         "transformer_layer_config": layer,
-        "speculators_config": {
-            "algorithm": head.layout,
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": num_speculative_tokens,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},
-        },
+        "speculators_config": _speculators_config(
+            head.layout, num_speculative_tokens, verifier_name, verifier_architectures
+        ),
     }
     draft_vocab = head.lm_head.out_features  # the target's vocab_size without a draft vocabulary
     if head.layout == "eagle3":
@@ -243,6 +339,20 @@ def write_config(
         if draft_vocab != c.vocab_size:
             config["draft_vocab_size"] = draft_vocab
     return config
+
+
+def _speculators_config(
+    algorithm: str, tokens: int, verifier_name: str | None, verifier_architectures: Sequence[str]
+) -> dict:
+    """The config's speculators_config: a greedy proposal of `tokens` drafts, and the verifier."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1}
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},
+    }
 
 
 def vocabulary_maps(tokens: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
