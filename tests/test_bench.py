@@ -152,7 +152,9 @@ def run_quick(out: Path, *model_args: str) -> dict:
     assert set(results["sets"]) == {"code", "multiturn", "edit"}
     for data in results["sets"].values():
         methods = data["methods"]
-        assert set(methods) - {"ours_dflash"} == METHODS  # a block drafter where --dflash is given
+        assert (
+            set(methods) - {"ours_dflash", "ours_dflash_tree"} == METHODS
+        )  # a block drafter where --dflash is given
         assert all(methods[name]["status"] == "skipped" and methods[name]["note"] for name in SKIPPED)
         for name, entry in methods.items():
             if name in SKIPPED:
@@ -216,9 +218,11 @@ def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
     methods = results["sets"]["code"]["methods"]
     tree = methods["ours_eagle_tree"]
     assert tree["label"] == "ours eagle k=4, dynamic tree of 5" and tree["tokens"] > 0
-    block = methods["ours_dflash"]  # a block drafter beside the EAGLE head: chains only, exact
+    block = methods["ours_dflash"]  # a block drafter beside the EAGLE head: chains and trees, exact
     assert block["status"] == "ok" and block["identical_fraction"] == 1.0 and block["T_d"] > 0
-    assert "ours_dflash_tree" not in methods
+    block_tree = methods["ours_dflash_tree"]
+    assert block_tree["label"] == "ours dflash k=4, dynamic tree of 5"
+    assert block_tree["status"] == "ok" and block_tree["identical_fraction"] == 1.0
     assert any("cut to their last" in note for note in results["notes"])  # 256-token models, longer prompts
 
 
@@ -280,7 +284,7 @@ def test_bench_head_flags(monkeypatch, model_dirs) -> None:
     assert other.heads == {}
     assert skipped_heads(other)["ours_eagle"]["note"].startswith("no head: --eagle PATH")
     split = dataclasses.replace(given, tensor_parallel_size=2)
-    assert set(skipped_heads(split)) == {"ours_eagle3", "ours_eagle3_tree", "ours_dflash"}
+    assert set(skipped_heads(split)) == {"ours_eagle3", "ours_eagle3_tree", "ours_dflash", "ours_dflash_tree"}
     assert "one rank" in skipped_heads(split)["ours_dflash"]["note"]
 
 

@@ -28,6 +28,7 @@ from speculative.models.dflash import DFlashDrafter, default_target_layers
 from speculative.models.dflash_checkpoint import load_dflash, save_dflash
 from speculative.models.llama import NativeCausalLM
 from speculative.proposers.dflash import DFlashProposer
+from speculative.tree import tree_depths
 
 HIDDEN, VOCAB, LAYERS = 64, 96, 4
 
@@ -101,7 +102,12 @@ def check_drafts(llm: LLM, monkeypatch) -> list[int]:
             logits = proposer.drafter.block_logits(features, context[:, -1:], torch.tensor([[n - 1]]))
             expected.append(logits[:, 0, :num_tokens])  # [1, k, V]
         expected = torch.cat(expected)
-        if proposal.probs is None:
+        if proposal.parents is not None:  # a tree: depth d's nodes among position d's top candidates
+            depths = tree_depths(proposal.parents)[:, 1:] - 1  # [B, n], -1 at padding
+            top = expected.topk(proposer.width, dim=-1).indices  # [B, k, w]
+            for row, (ids, ds) in enumerate(zip(proposal.token_ids.tolist(), depths.tolist())):
+                assert all(t in top[row, d].tolist() for t, d in zip(ids, ds) if d >= 0)
+        elif proposal.probs is None:
             assert proposal.token_ids.tolist() == expected.argmax(-1).tolist()
         else:
             torch.testing.assert_close(proposal.probs, strategy.probs(expected), atol=1e-5, rtol=1e-4)
@@ -131,6 +137,34 @@ def test_greedy_output_equals_the_target_alone(tmp_path, target, k, family) -> N
     )
     for prompt, output, n in zip(PROMPTS, outputs, LENGTHS):
         assert output.outputs[0].token_ids == hf_greedy(target, prompt, n, None)
+
+
+@pytest.mark.parametrize("shape", ["dynamic", "static"])
+def test_trees_keep_greedy_output_and_draft_from_the_block(tmp_path, target, shape, monkeypatch) -> None:
+    """A tree grown from one block (width 2, 6 nodes, 3 deep) keeps greedy output token-identical to the
+    target's alone, each depth's nodes are that block position's top candidates over the committed
+    context (the features along each accepted path keep the cache right), and a batch's trees shrink
+    to chains (verified as such) as the batch grows."""
+    config = SpeculativeConfig(
+        method="dflash", num_speculative_tokens=3, tree=shape, tree_width=2, tree_nodes=6
+    )
+    llm = LLM(target, draft_model=saved(tmp_path, target), speculative_config=config)
+    checked, trees = check_drafts(llm, monkeypatch), []
+    propose = llm.engine.proposer.propose
+
+    def recording(*arguments):
+        proposal = propose(*arguments)
+        trees.append(proposal.parents is not None and proposal.token_ids.shape[1] > 3)
+        return proposal
+
+    llm.engine.proposer.propose = recording
+    for prompts, lengths in ((PROMPTS[:1], LENGTHS[:1]), (PROMPTS, LENGTHS)):
+        outputs = llm.generate(
+            prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+        )
+        for prompt, output, n in zip(prompts, outputs, lengths):
+            assert output.outputs[0].token_ids == hf_greedy(target, prompt, n, None)
+    assert any(trees) and not all(trees) and 3 in checked
 
 
 @pytest.mark.parametrize("accept_all", [False, True], ids=["greedy", "sampled-accept-all"])
@@ -177,10 +211,12 @@ def test_rows_joining_a_running_batch_get_their_context(tmp_path, target, monkey
     assert 4 in checked  # the running row, the new one and the n = 2 pair
 
 
-def test_sampled_output_follows_the_target(tmp_path) -> None:
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+def test_sampled_output_follows_the_target(tmp_path, tree) -> None:
     """Sampled output follows the target's distribution (chi-square over every 3-token continuation,
-    test_distribution.py's helpers) at temperature 0.8 and top-k 6, k = 2."""
-    assert chi2.sf(*_chi_square(tmp_path)) > 1e-3
+    test_distribution.py's helpers) at temperature 0.8 and top-k 6, k = 2: chains, and trees of 4
+    drafts whose siblings the rule rejects one by one."""
+    assert chi2.sf(*_chi_square(tmp_path, tree)) > 1e-3
 
 
 def test_a_proposer_that_lies_about_its_probs_fails_the_test(tmp_path, monkeypatch) -> None:
@@ -198,16 +234,14 @@ def test_a_proposer_that_lies_about_its_probs_fails_the_test(tmp_path, monkeypat
     assert chi2.sf(*_chi_square(tmp_path)) < 1e-6
 
 
-def _chi_square(tmp_path) -> tuple[float, int]:
+def _chi_square(tmp_path, tree: str | None = None) -> tuple[float, int]:
     small = tiny_model("llama", vocab_size=dist.VOCAB, hidden_size=32, num_layers=2, seed=0)
     drafter = random_drafter(small, block=4, layers=1, seed=5)
     save_dflash(drafter, tmp_path / "small")
-    llm = LLM(
-        small,
-        draft_model=str(tmp_path / "small"),
-        speculative_config=SpeculativeConfig(method="dflash", num_speculative_tokens=2),
-        seed=11,
+    config = SpeculativeConfig(
+        method="dflash", num_speculative_tokens=2, tree=tree, tree_width=2, tree_nodes=4
     )
+    llm = LLM(small, draft_model=str(tmp_path / "small"), speculative_config=config, seed=11)
     prompt = [2, 3, 2, 5]
     params = SamplingParams(temperature=0.8, top_k=6, max_tokens=dist.LENGTH, ignore_eos=True)
     samples = dist.sample(llm, [prompt] * dist.SAMPLES, [params] * dist.SAMPLES)
@@ -264,12 +298,6 @@ def test_wrong_checkpoints_and_settings_name_what_is_wrong(tmp_path, target) -> 
             target,
             draft_model=str(path),
             speculative_config=SpeculativeConfig(method="dflash", num_speculative_tokens=5),
-        )
-    with pytest.raises(ValueError, match="chains only: tree must be None"):
-        LLM(
-            target,
-            draft_model=str(path),
-            speculative_config=SpeculativeConfig(method="dflash", tree="static"),
         )
     with pytest.raises(ValueError, match="needs LLM\\(draft_model"):
         LLM(target, speculative_config=SpeculativeConfig(method="dflash"))

@@ -22,6 +22,16 @@ proposal carries those distributions: a block's positions are drawn independentl
 which is a draft distribution like any other for the rejection rule (draft i's distribution does not
 depend on drafts before it), so the output stays exact as long as `probs` are the distributions the
 drafts were drawn from, which they are.
+
+Trees (`shape` "dynamic" or "static"): the same block, grown as draft_tree.py grows a draft model's
+tree (`grow_tree`), where every node at depth d has the same candidates, position d's top tokens,
+since the block drafts each position given the context alone; a node's score is its path's
+log-probability ("dynamic") or minus its candidates' ranks ("static"). So one forward drafts a whole
+tree: the alternatives at a position the chain would bet on one token for. The drafts are the top
+candidates, chosen deterministically (one-hot, as every tree here: the rule's sibling-by-sibling
+rejection keeps a sampled row exact). Trees shrink with a greedy batch (tree.py's `batch_tree`); at
+width 1 the proposal is the chain above. The verification's features come along the accepted path,
+so `on_commit` is the chain's.
 """
 
 from __future__ import annotations
@@ -31,15 +41,21 @@ from torch import Tensor
 
 from speculative.models.dflash import DFlashDrafter
 from speculative.proposers.base import Proposal
+from speculative.proposers.draft_tree import TreeShape, grow_tree, row_guides
 from speculative.sampling import SampleStrategy
+from speculative.tree import batch_tree
 
 
 class DFlashProposer:
-    """Proposes a chain of k <= block_size - 1 tokens from one block of a DFlash drafter (module
-    docstring). hidden_layers: what the target's forward must return for `observe`."""
+    """Proposes a chain of k <= block_size - 1 tokens, or a tree at most k deep, from one block of a
+    DFlash drafter (module docstring). shape: None (chains), "dynamic" or "static"; width and num_nodes:
+    as DraftTreeProposer's. hidden_layers: what the target's forward must return for `observe`."""
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
+    def __init__(
+        self, drafter: DFlashDrafter, shape: TreeShape | None = None, width: int = 2, num_nodes: int = 8
+    ) -> None:
         self.drafter = drafter
+        self.shape, self.width, self.num_nodes = shape, width, num_nodes
         self.hidden_layers = drafter.hidden_layers
         self.cache = None  # the drafter's StaticKVCache of context K/V, [0, n_b - 1) per row
         self._observed: Tensor | None = None  # [B, q, F], the features not fed yet
@@ -71,11 +87,28 @@ class DFlashProposer:
             )
         last = tokens.gather(1, (lengths - 1)[:, None])[:, 0]  # [B], at position cache.lengths
         logits = self.drafter.draft(last, self.cache, count=num_tokens)  # [B, k, V] float32
+        if self.shape is not None:
+            width, num_nodes = batch_tree(self.width, self.num_nodes, strategy.tree_rows, num_tokens)
+            if width > 1 or strategy.any_guided:
+                return self._tree(logits, last, width, num_nodes, strategy)
         if strategy.all_greedy:
             return Proposal(logits.max(dim=-1).indices, None)
         probs = strategy.probs(logits)  # [B, k, V]: what each draft is drawn from
         token_ids = torch.stack([strategy.sample(probs[:, i]) for i in range(num_tokens)], dim=1)
         return Proposal(token_ids, probs)
+
+    def _tree(
+        self, logits: Tensor, last: Tensor, width: int, num_nodes: int, strategy: SampleStrategy
+    ) -> Proposal:
+        """The tree of the block's logits [B, k, V] over the roots `last` [B] (module docstring)."""
+        positions = iter(range(1, logits.shape[1]))
+
+        def expand(nodes: Tensor, cached: Tensor) -> Tensor:  # the next depth's candidates, any parent
+            i = next(positions)
+            return logits[:, i : i + 1].expand(-1, nodes.shape[1], -1)
+
+        tree = self.shape, width, num_nodes
+        return grow_tree(logits[:, :1], last[:, None], expand, logits.shape[1], *tree, row_guides(strategy))
 
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         observed, self._observed = self._observed, None
