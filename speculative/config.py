@@ -153,6 +153,9 @@ _check = functools.partial(check, owner="SpeculativeConfig")
 DECLARED_K = "num_assistant_tokens"
 # ours, beside it: the draft's prompt lookup first (DraftModelConfig.prompt_lookup_min; 0: none)
 DECLARED_LOOKUP = "prompt_lookup_min"
+# transformers' field for the tokens a prompt lookup proposes per step: with the lookup on, its chain
+# may be longer than the draft's own (DraftModelConfig.num_assistant_tokens)
+DECLARED_LOOKUP_K = "prompt_lookup_num_tokens"
 
 
 def with_draft_defaults(data: dict[str, Any], draft_model: object) -> dict[str, Any]:
@@ -161,7 +164,10 @@ def with_draft_defaults(data: dict[str, Any], draft_model: object) -> dict[str, 
     num_speculative_tokens, as `num_assistant_tokens` in its generation_config.json (the field
     transformers' assisted generation reads), and DraftModelConfig's prompt_lookup_min, as
     `prompt_lookup_min` there, for chains (SpeculativeConfig's defaults where the draft is not a folder
-    or its file sets none). A ValueError naming the file where such a value is out of range ([1, 32];
+    or its file sets none). Where the lookup is on and the file also says `prompt_lookup_num_tokens`
+    (transformers' field for a lookup's tokens a step) above `num_assistant_tokens`, the lookup's
+    chain is that long (num_speculative_tokens) and the draft's its own (DraftModelConfig's
+    num_assistant_tokens). A ValueError naming the file where such a value is out of range ([1, 32];
     0 or more)."""
     if data.get("method", "draft_model") != "draft_model":
         return data
@@ -169,13 +175,23 @@ def with_draft_defaults(data: dict[str, Any], draft_model: object) -> dict[str, 
     if path is None or not path.is_file():
         return data
     declared = json.loads(path.read_text(encoding="utf-8"))
-    k, low = declared.get(DECLARED_K), declared.get(DECLARED_LOOKUP)
-    if k is not None and "num_speculative_tokens" not in data:
-        check(is_int(k) and 1 <= k <= 32, DECLARED_K, k, "an integer in [1, 32]", str(path))
-        data = {**data, "num_speculative_tokens": k}
+    k, low, longer = (declared.get(name) for name in (DECLARED_K, DECLARED_LOOKUP, DECLARED_LOOKUP_K))
     if low is not None and DECLARED_LOOKUP not in data and data.get("tree") is None:  # lookup: chains
         check(is_int(low) and low >= 0, DECLARED_LOOKUP, low, "0 (off) or an integer >= 1", str(path))
         data = {**data, DECLARED_LOOKUP: low}
+    if k is not None and "num_speculative_tokens" not in data:
+        check(is_int(k) and 1 <= k <= 32, DECLARED_K, k, "an integer in [1, 32]", str(path))
+        data = {**data, "num_speculative_tokens": k}
+        if longer is not None and data.get(DECLARED_LOOKUP) and DECLARED_K not in data:
+            check(
+                is_int(longer) and 1 <= longer <= 32,
+                DECLARED_LOOKUP_K,
+                longer,
+                "an integer in [1, 32]",
+                str(path),
+            )
+            if longer > k:
+                data = {**data, "num_speculative_tokens": longer, DECLARED_K: k}
     return data
 
 

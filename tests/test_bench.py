@@ -42,6 +42,7 @@ METHODS = {
     "ours_draft_adaptive",
     "ours_ngram_adaptive",
     "ours_draft_lookup",
+    "ours_draft_lookup_own1",
     "ours_draft_lookup_adaptive",
     "ours_draft_tree",
     "ours_ngram_tree",

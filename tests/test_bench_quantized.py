@@ -314,6 +314,7 @@ def test_a_quantized_bench_run_on_a_tiny_pair(model_dirs, tmp_path: Path) -> Non
         "ours_draft_adaptive",
         "ours_ngram_adaptive",
         "ours_draft_lookup",
+        "ours_draft_lookup_own1",
         "ours_draft_lookup_adaptive",
         "ours_draft_tree",
         "ours_ngram_tree",

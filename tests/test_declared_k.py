@@ -75,3 +75,30 @@ def test_a_draft_folder_declares_its_prompt_lookup_for_chains(model_dirs, tmp_pa
     bad = _declaring(model_dirs["draft"], tmp_path / "bad", 2, prompt_lookup_min=-1)
     with pytest.raises(ValueError, match=r"generation_config.json.prompt_lookup_min must be 0 \(off\)"):
         with_draft_defaults({}, bad)
+
+
+def test_a_longer_declared_lookup_chain_leaves_the_draft_its_own_k(model_dirs, tmp_path) -> None:
+    """`prompt_lookup_num_tokens` above `num_assistant_tokens`, with the lookup on: the lookup's chain
+    is num_speculative_tokens, the draft's its declared k; with the lookup off, or k given, k alone."""
+    draft = _declaring(model_dirs["draft"], tmp_path, 1, prompt_lookup_min=2, prompt_lookup_num_tokens=4)
+    both = {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "num_assistant_tokens": 1}
+    assert with_draft_defaults({}, draft) == both
+    assert with_draft_defaults({"prompt_lookup_min": 0}, draft)["num_speculative_tokens"] == 1
+    assert "num_assistant_tokens" not in with_draft_defaults({"num_speculative_tokens": 3}, draft)
+    config = LLM(model_dirs["target"], draft_model=draft).speculative_config
+    assert (
+        config.num_speculative_tokens,
+        config.options.prompt_lookup_min,
+        config.options.num_assistant_tokens,
+    ) == (
+        4,
+        2,
+        1,
+    )
+    bad = _declaring(
+        model_dirs["draft"], tmp_path / "bad", 1, prompt_lookup_min=2, prompt_lookup_num_tokens=0
+    )
+    with pytest.raises(
+        ValueError, match=r"generation_config.json.prompt_lookup_num_tokens must be an integer"
+    ):
+        with_draft_defaults({}, bad)

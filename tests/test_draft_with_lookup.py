@@ -22,8 +22,8 @@ from speculative.proposers.draft_model import DraftModelProposer
 from speculative.sampling import SampleStrategy
 
 
-def hybrid(k: int, low: int = 1, **config) -> SpeculativeConfig:
-    options = DraftModelConfig(prompt_lookup_min=low)
+def hybrid(k: int, low: int = 1, own: int = 0, **config) -> SpeculativeConfig:
+    options = DraftModelConfig(prompt_lookup_min=low, num_assistant_tokens=own)
     return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, options=options, **config)
 
 
@@ -44,6 +44,42 @@ def test_greedy_matches_target_alone(models) -> None:
                 assert_greedy_equal(target, prompt, out.outputs[0].token_ids, expected[PROMPTS.index(prompt)])
                 accepted += out.metrics.num_accepted
     assert accepted > 0
+
+
+@pytest.mark.parametrize("chain", [1, 2])
+def test_the_drafts_own_chain_may_be_shorter_than_a_lookups(models, monkeypatch, chain) -> None:
+    """num_assistant_tokens=1 or 2 at k = 4: a row without a match proposes the draft's chain (the rest
+    -1), a row with one up to 4 lookup tokens; greedy output stays the target's, and every draft the
+    model proposes is its greedy continuation of the context (its cache cut back after long lookups)."""
+    target, draft = models
+    widths, own, wrong = [], [], 0
+    propose = hybrid_module.DraftWithLookupProposer.propose
+    draft_propose = DraftModelProposer.propose
+
+    def recorded(self, tokens, lengths, num_tokens, strategy):
+        proposal = propose(self, tokens, lengths, num_tokens, strategy)
+        widths.extend((proposal.token_ids >= 0).sum(dim=1).tolist())
+        return proposal
+
+    def checked(self, tokens, lengths, num_tokens, strategy):
+        nonlocal wrong
+        proposal = draft_propose(self, tokens, lengths, num_tokens, strategy)
+        own.append(proposal.token_ids.shape[1])
+        for b, n in enumerate(lengths.tolist()):
+            wrong += proposal.token_ids[b].tolist() != hf_greedy(
+                draft, tokens[b, :n].tolist(), num_tokens, None
+            )
+        return proposal
+
+    monkeypatch.setattr(hybrid_module.DraftWithLookupProposer, "propose", recorded)
+    monkeypatch.setattr(DraftModelProposer, "propose", checked)
+    llm = LLM(target, draft_model=draft, speculative_config=hybrid(4, own=chain))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    for batch in (PROMPTS[2:3], PROMPTS):
+        for prompt, out in zip(batch, llm.generate(batch, params)):
+            assert out.outputs[0].token_ids == hf_greedy(target, prompt, MAX_TOKENS, 1)
+    assert set(own) == {chain} and wrong == 0
+    assert chain in widths and max(widths) == 4
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -115,14 +151,16 @@ def _sampled_p_value(pair, llm: LLM) -> float:
     return chi2.sf(stat, dof)
 
 
+@pytest.mark.parametrize("own", [0, 1], ids=["k", "own-chain-1"])
 @pytest.mark.parametrize("broken", [False, True])
-def test_sampled_output_matches_target(pair, monkeypatch, broken) -> None:
+def test_sampled_output_matches_target(pair, monkeypatch, broken, own) -> None:
     """Rows that proposed the lookup's tokens drew them from a one-hot distribution; scored with the
-    draft's probabilities instead (broken), the same test fails."""
+    draft's probabilities instead (broken), the same test fails. Also where the draft's own chain is
+    shorter than the lookup's (num_assistant_tokens=1 at k = 2)."""
     if broken:
         monkeypatch.setattr(hybrid_module, "_lookup_one_hot", lambda probs, looked, chosen: probs)
     target, draft = pair
-    llm = LLM(target, draft_model=draft, speculative_config=hybrid(2, low=2), seed=3)
+    llm = LLM(target, draft_model=draft, speculative_config=hybrid(2, low=2, own=own), seed=3)
     p_value = _sampled_p_value(pair, llm)
     assert p_value < 1e-6 if broken else p_value > 1e-3
 
@@ -135,6 +173,10 @@ def test_options_are_checked_where_given(models) -> None:
         DraftModelConfig(prompt_lookup_min=-1)
     with pytest.raises(ValueError, match=r"DraftModelConfig\.prompt_lookup_max must be an integer >= "):
         DraftModelConfig(prompt_lookup_min=4, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match=r"num_assistant_tokens must be 0 without prompt_lookup_min"):
+        DraftModelConfig(num_assistant_tokens=1)
+    with pytest.raises(ValueError, match=r"num_assistant_tokens must be an integer in \[0, 32\]"):
+        DraftModelConfig(prompt_lookup_min=2, num_assistant_tokens=33)
     with pytest.raises(ValueError, match="tree is not supported with prompt_lookup_min"):
         LLM(target, draft_model=draft, speculative_config=hybrid(2, tree="static"))
 
@@ -147,3 +189,6 @@ def test_the_flags_ask_for_it() -> None:
     config = args.speculative_config()
     assert config.method == "draft_model" and config.options == DraftModelConfig(prompt_lookup_min=2)
     assert "(default: draft_model 0, ngram 1)" in " ".join(parser.format_help().split())
+    flags = ["--draft-model", "d", "--prompt-lookup-min", "2", "--num-assistant-tokens", "1"]
+    config = EngineArgs.from_cli_args(parser.parse_args(flags)).speculative_config()
+    assert config.options == DraftModelConfig(prompt_lookup_min=2, num_assistant_tokens=1)

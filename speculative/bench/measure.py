@@ -122,10 +122,15 @@ def engine_timings(runs: list[list[Generation]], tokens: list[int]) -> dict:
 
 def run_times(method: Method, runs: list[list[Generation]], baseline_runs: list[list[Generation]]) -> dict:
     """The step times of the bound as a method's runs paid them (clock.py): T_v and T_d from its own
-    runs, T_1 from its engine's plain decoding's runs. A tree method's T_v, and suffix decoding's
-    (whose proposals are as long as its counts justify, seldom k), is over all its verifications."""
+    runs, T_1 from its engine's plain decoding's runs. A tree method's T_v, suffix decoding's (whose
+    proposals are as long as its counts justify, seldom k) and a ragged one's (OursMethod.ragged) is
+    over all its verifications."""
     calls = [g.calls for repeats in runs for g in repeats if g.calls is not None]
-    every = getattr(method, "tree", None) is not None or method.drafter == "suffix"
+    every = (
+        getattr(method, "tree", None) is not None
+        or method.drafter == "suffix"
+        or getattr(method, "ragged", False)
+    )
     own = run_step_times(calls, method.k, tree=every)
     plain = run_step_times([g.calls for repeats in baseline_runs for g in repeats if g.calls is not None], 0)
     return {**own, "T_1": plain["T_1"]}

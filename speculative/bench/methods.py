@@ -73,11 +73,13 @@ class Method:
 class OursMethod(Method):
     """Our engine through the public API: `LLM.generate` with greedy SamplingParams. adaptive: the LLM
     chooses k per step (up to `k`); tree: the shape of its token trees ("static" or "dynamic", k
-    deep), None for chains."""
+    deep), None for chains; ragged: its chains come in several lengths up to k (a draft's own chain
+    shorter than a lookup's), so that T_v is over all its verifications."""
 
     llm: LLM | None = None
     adaptive: bool = False
     tree: str | None = None
+    ragged: bool = False
 
     def reset(self) -> None:
         self.llm.engine.clear_proposer_cache()

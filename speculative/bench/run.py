@@ -342,14 +342,16 @@ class Pair:
         adaptive: bool = False,
         tree: str | None = None,
         lookup: bool = False,
+        own: int = 0,
         **options,
     ) -> OursMethod | None:
         """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram, suffix or
         a head (drafter "eagle", "eagle3", "dflash": config.heads'); with `compiled`, on the compiled
         models (engine "ours_compiled"); with `adaptive`, k chosen per step in [0, k]
         (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep, of the config's
-        tree_width and tree_nodes; with `lookup` (the draft model), prompt lookup first (LOOKUP_MIN);
-        `options`: more SpeculativeConfig fields. None where the config's `methods` leave it out
+        tree_width and tree_nodes; with `lookup` (the draft model), prompt lookup first (LOOKUP_MIN), the
+        draft's own chain at most `own` long (num_assistant_tokens; 0: k); `options`: more
+        SpeculativeConfig fields. None where the config's `methods` leave it out
         (nothing loaded)."""
         config = self.config
         engine, suffix, label = ("ours_compiled", "_compiled", ", compiled") if compiled else ("ours", "", "")
@@ -362,8 +364,12 @@ class Pair:
             if tree:
                 suffix, label = f"_tree{suffix}", f"{label}, {tree} tree of {config.tree_nodes}"
             if lookup:
-                suffix, label = f"_lookup{suffix}", f", prompt lookup first{label}"
-                options.update(prompt_lookup_min=LOOKUP_MIN)
+                mine = f", the draft's own chain {own}" if own else ""
+                suffix, label = (
+                    f"_lookup{f'_own{own}' if own else ''}{suffix}",
+                    f", prompt lookup first{mine}{label}",
+                )
+                options.update(prompt_lookup_min=LOOKUP_MIN, num_assistant_tokens=own)
             name, label = f"ours_{short}{suffix}", f"ours {short} k{'<=' if adaptive else '='}{k}{label}"
         if not config.selects(name):
             return None
@@ -389,7 +395,17 @@ class Pair:
             seed=config.seed,
             **loading,
         )
-        return OursMethod(name, label, engine, drafter, k, llm=llm, adaptive=adaptive, tree=tree)
+        return OursMethod(
+            name,
+            label,
+            engine,
+            drafter,
+            k,
+            llm=llm,
+            adaptive=adaptive,
+            tree=tree,
+            ragged=bool(lookup and own),
+        )
 
     def hf_dtype(self) -> str:
         """The dtype of HF's target ("float32", "bfloat16", ...)."""
@@ -513,8 +529,10 @@ LLAMA_CPP_NOTE = (
 # counterpart and already sizes its proposals by itself.
 SWEPT = ("draft_model", "ngram")
 # The draft model with prompt lookup first (ours_draft_lookup): where a row's last 2 tokens occur
-# earlier in its context, what followed them is proposed instead of the draft's tokens.
+# earlier in its context, what followed them is proposed instead of the draft's tokens; in
+# ours_draft_lookup_own1, the draft's own chain is 1 token (a lookup's k).
 LOOKUP_MIN = 2
+LOOKUP_OWN = 1
 
 
 def skipped_heads(config: BenchConfig) -> dict[str, dict]:
@@ -555,6 +573,7 @@ def build_methods(
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
     looked = ["draft_model"] if pair.draft is not None else []  # the draft with prompt lookup first
     methods += [pair.ours(d, config.k, lookup=True) for d in looked]
+    methods += [pair.ours(d, config.k, lookup=True, own=LOOKUP_OWN) for d in looked if config.k > LOOKUP_OWN]
     methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True, lookup=True) for d in looked]
     trees = [d for d in drafters if METHODS[d].trees]  # each grows the tree that suits it
     methods += [pair.ours(d, config.k, tree=METHODS[d].suited_tree) for d in trees]
@@ -563,6 +582,8 @@ def build_methods(
         methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
         methods += [pair.ours(d, config.k, compiled=True, adaptive=True) for d in swept]
         methods += [pair.ours(d, config.k, compiled=True, lookup=True) for d in looked]
+        own = [d for d in looked if config.k > LOOKUP_OWN]
+        methods += [pair.ours(d, config.k, compiled=True, lookup=True, own=LOOKUP_OWN) for d in own]
         methods += [pair.ours(d, config.k, compiled=True, adaptive=True, lookup=True) for d in looked]
         methods += [pair.ours(d, config.k, compiled=True, tree=METHODS[d].suited_tree) for d in trees]
     methods = [m for m in methods if m is not None and config.selects(m.name)]

@@ -36,10 +36,18 @@ class DraftModelConfig(MethodConfig):
     the most recent such match (the "ngram" method's chain) instead of the draft's tokens
     (proposers/draft_with_lookup.py); chains only, a draft sharing the target's tokenizer. Where LLM
     builds the config, a draft model's folder may set it (config.with_draft_defaults).
-    prompt_lookup_max: >= max(prompt_lookup_min, 1)."""
+    prompt_lookup_max: >= max(prompt_lookup_min, 1).
+    num_assistant_tokens: with prompt_lookup_min, the draft's own chain drafts at most this many tokens
+        a step while a lookup match proposes up to num_speculative_tokens (transformers' name for an
+        assistant model's tokens a step): a weak draft's drafts pay only near the front of a chain,
+        a lookup's repeat whole phrases. 0: num_speculative_tokens for both. [0, 32]."""
 
     prompt_lookup_min: int = field(default=0, metadata={"help": "the shortest n-gram looked up"})
     prompt_lookup_max: int = field(default=3, metadata={"help": "the longest n-gram looked up"})
+    num_assistant_tokens: int = field(
+        default=0,
+        metadata={"help": "with prompt lookup: the draft's own chain at most this long (0: k)"},
+    )
 
     uses_draft_model: ClassVar[bool] = True
 
@@ -51,6 +59,14 @@ class DraftModelConfig(MethodConfig):
             "prompt_lookup_max",
             high,
             f"an integer >= prompt_lookup_min ({max(low, 1)})",
+        )
+        own = self.num_assistant_tokens
+        _check(is_int(own) and 0 <= own <= 32, "num_assistant_tokens", own, "an integer in [0, 32]")
+        _check(
+            not own or low,
+            "num_assistant_tokens",
+            own,
+            "0 without prompt_lookup_min (the draft's chain is then num_speculative_tokens long)",
         )
 
     def check(self, method: str, arguments: dict[str, Any]) -> None:
@@ -109,7 +125,8 @@ class DraftModelConfig(MethodConfig):
         from speculative.proposers.draft_with_lookup import DraftWithLookupProposer
         from speculative.proposers.ngram import NgramProposer
 
-        return DraftWithLookupProposer(draft, NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max))
+        lookup = NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
+        return DraftWithLookupProposer(draft, lookup, self.num_assistant_tokens or None)
 
 
 def _same_vocabulary(target: LoadedModel, draft: LoadedModel) -> bool:

@@ -10,6 +10,10 @@ combines suffix decoding with a trained drafter). The choice is a function of th
 so a row's drafts are drawn from a well-defined distribution at each position: the draft's (its
 probabilities) or the lookup's (one-hot at its token), and the acceptance rule stays exact.
 
+With `draft_tokens`, the draft's chain is at most that long while a lookup's runs to k: a small
+draft's later drafts are rarely kept, a match's often are (proposals are then ragged, -1 past a
+row's chain, never accepted).
+
 The draft model drafts every row every step (one batched call; a row's lookup may stop short of k
 tokens or be wrong, and the draft's cache must follow the context anyway). Where a row proposed the
 lookup's tokens, the draft's cache holds the K/V of the draft's own tokens at those positions: valid
@@ -31,13 +35,17 @@ from speculative.sampling import SampleStrategy
 
 class DraftWithLookupProposer:
     """A draft model's chains (DraftModelProposer), replaced row by row by prompt lookup's
-    (NgramProposer, a chain) where the row's context has a match (module docstring)."""
+    (NgramProposer, a chain) where the row's context has a match (module docstring). draft_tokens: the
+    draft's chain at most this long (None: as long as asked)."""
 
-    def __init__(self, draft: DraftModelProposer, lookup: NgramProposer) -> None:
+    def __init__(
+        self, draft: DraftModelProposer, lookup: NgramProposer, draft_tokens: int | None = None
+    ) -> None:
         if lookup.tree_nodes is not None:
             raise ValueError("a draft model with prompt lookup proposes chains: give the lookup no tree")
         self.draft = draft
         self.lookup = lookup
+        self.draft_tokens = draft_tokens
         # of the proposal being committed: the rows' context lengths before it [B], the rows that
         # proposed the lookup's tokens [B] bool, and how many leading tokens lookup and draft agree on [B]
         self._step: tuple[Tensor, Tensor, Tensor] | None = None
@@ -46,14 +54,19 @@ class DraftWithLookupProposer:
         self.draft.add_rows(tokens, lengths)
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
-        drafted = self.draft.propose(tokens, lengths, num_tokens, strategy)
-        width = drafted.token_ids.shape[1]
-        looked = self.lookup.propose(tokens, lengths, width, strategy).token_ids  # [B, <= width], -1: none
+        own = num_tokens if self.draft_tokens is None else min(num_tokens, self.draft_tokens)
+        drafted = self.draft.propose(tokens, lengths, own, strategy)
+        own = drafted.token_ids.shape[1]
+        looked = self.lookup.propose(tokens, lengths, num_tokens, strategy).token_ids  # [B, <= k], -1: none
+        width = max(own, looked.shape[1])
         looked = F.pad(looked, (0, width - looked.shape[1]), value=-1)
+        draft_ids = F.pad(drafted.token_ids, (0, width - own), value=-1)
         chosen = looked[:, 0] >= 0
-        token_ids = torch.where(chosen[:, None], looked, drafted.token_ids)
-        probs = None if drafted.probs is None else _lookup_one_hot(drafted.probs, looked, chosen)
-        agree = (looked == drafted.token_ids).long().cumprod(dim=1).sum(dim=1)  # [B] leading equal tokens
+        token_ids = torch.where(chosen[:, None], looked, draft_ids)
+        probs = None
+        if drafted.probs is not None:  # a draft row's positions past its chain: token -1, never accepted
+            probs = _lookup_one_hot(F.pad(drafted.probs, (0, 0, 0, width - own)), looked, chosen)
+        agree = (looked[:, :own] == drafted.token_ids).long().cumprod(dim=1).sum(dim=1)  # [B] leading equal
         self._step = (lengths.clone(), chosen, agree)
         return Proposal(token_ids, probs)
 
