@@ -142,7 +142,7 @@ def generate(args: argparse.Namespace) -> int:
         ignore_eos=given.ignore_eos,
     )
     engine = EngineArgs.from_cli_args(args)
-    engine.speculative_config()  # a bad speculative flag stops here, before anything loads
+    engine.check_speculative_flags()  # a bad speculative flag stops here, before anything loads
     engine, _ = engine.with_demo_pair()
     config = engine.speculative_config()
     llm = engine.create_llm()
@@ -194,6 +194,8 @@ def _figures(m: SpeculationMetrics, finish_reason: str | None, config: Speculati
         method += f", {config.tree} tree of {config.tree_nodes}"
     if config and config.method == "draft_model" and config.options.prompt_lookup_min:
         method += f", prompt lookup first (n >= {config.options.prompt_lookup_min})"
+        if config.options.num_assistant_tokens:
+            method += f", the draft's own chain {config.options.num_assistant_tokens}"
     decoding = f"decoding {m.decode_tokens_per_second:.1f} tokens/s"
     speed = f"time to first token {1000 * m.first_token_s:.1f} ms, {decoding}"
     lines = [f"[{method}] {m.num_generated} tokens in {m.num_steps} steps, finish: {finish_reason}", speed]

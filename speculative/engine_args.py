@@ -347,6 +347,17 @@ class EngineArgs:
         draft = self.draft_model or (None if modelless else str(DEMO_DIR / "draft"))
         return dataclasses.replace(self, model=str(DEMO_DIR / "target"), draft_model=draft), True
 
+    def check_speculative_flags(self) -> None:
+        """Refuse a bad speculative flag before anything loads (speculative_config's ValueError), as the
+        run will see them: without --model, with the demo pair's draft (its folder in the package, or
+        the toy pair's: what it declares), unless the method needs no model (`with_demo_pair`)."""
+        probe = self
+        if self.model is None and self.draft_model is None:
+            if self.method is None or METHODS[self.method].uses_draft_model:
+                draft = DEMO_DIR / "draft" if smollm2.toy_requested() else smollm2.DRAFT_PACKAGE
+                probe = dataclasses.replace(self, draft_model=str(draft))
+        probe.speculative_config()
+
     def speculative_config(self) -> SpeculativeConfig | None:
         """The SpeculativeConfig these args ask for; None (plain decoding) without a method or a draft
         model. A ValueError naming the flag for a bad value, or an option of another method."""

@@ -171,6 +171,16 @@ def test_speculative_flag_errors_name_the_flag_before_anything_loads(capsys, fla
     assert message in capsys.readouterr().err
 
 
+def test_the_demo_drafts_options_are_its_own_without_a_model(capsys) -> None:
+    """Without --model the demo pair runs with its draft, so the draft's options are accepted before it
+    is filled in (they were refused as options of plain decoding), and a model-free method's are checked
+    against that method."""
+    assert cli.main(["generate", "--prompt-lookup-min", "0", "--max-tokens", "4"]) == 0
+    assert "[draft_model, k=4]" in capsys.readouterr().out
+    assert cli.main(["generate", "--ngram", "--num-assistant-tokens", "1"]) == 2
+    assert "--num-assistant-tokens is an option of --method draft_model" in capsys.readouterr().err
+
+
 def test_a_registered_method_gets_its_flags() -> None:
     """A method registered by name is reachable by --method, its options by generated flags, without an
     edit of the CLI (in a process of its own: the registry is global)."""

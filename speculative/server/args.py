@@ -127,7 +127,7 @@ def check_serve_flags(server: ServerArgs, engine: EngineArgs) -> str | None:
     for flag in ("timeout_request_body", "timeout_send"):
         if not getattr(server, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0; got {getattr(server, flag)}")
-    engine.speculative_config()  # the speculative flags, before anything loads
+    engine.check_speculative_flags()  # the speculative flags, before anything loads
     return None if server.chat_template is None else chat_template(server.chat_template)
 
 
