@@ -49,8 +49,9 @@ def test_greedy_matches_target_alone(models) -> None:
 @pytest.mark.parametrize("chain", [1, 2])
 def test_the_drafts_own_chain_may_be_shorter_than_a_lookups(models, monkeypatch, chain) -> None:
     """num_assistant_tokens=1 or 2 at k = 4: a row without a match proposes the draft's chain (the rest
-    -1), a row with one up to 4 lookup tokens; greedy output stays the target's, and every draft the
-    model proposes is its greedy continuation of the context (its cache cut back after long lookups)."""
+    -1), a row with one up to 4 lookup tokens at batch 1, max(chain, 4 // B) in a greedy batch of B;
+    greedy output stays the target's, and every draft the model proposes is its greedy continuation of
+    the context (its cache cut back after long lookups)."""
     target, draft = models
     widths, own, wrong = [], [], 0
     propose = hybrid_module.DraftWithLookupProposer.propose
@@ -58,7 +59,8 @@ def test_the_drafts_own_chain_may_be_shorter_than_a_lookups(models, monkeypatch,
 
     def recorded(self, tokens, lengths, num_tokens, strategy):
         proposal = propose(self, tokens, lengths, num_tokens, strategy)
-        widths.extend((proposal.token_ids >= 0).sum(dim=1).tolist())
+        rows = len(lengths)
+        widths.extend((rows, w) for w in (proposal.token_ids >= 0).sum(dim=1).tolist())
         return proposal
 
     def checked(self, tokens, lengths, num_tokens, strategy):
@@ -79,7 +81,8 @@ def test_the_drafts_own_chain_may_be_shorter_than_a_lookups(models, monkeypatch,
         for prompt, out in zip(batch, llm.generate(batch, params)):
             assert out.outputs[0].token_ids == hf_greedy(target, prompt, MAX_TOKENS, 1)
     assert set(own) == {chain} and wrong == 0
-    assert chain in widths and max(widths) == 4
+    assert (1, chain) in widths and (1, 4) in widths  # batch 1: the draft's chain, a lookup's 4
+    assert all(w <= max(chain, 4 // rows) for rows, w in widths)  # a batch's lookups shrink with it
 
 
 @pytest.mark.parametrize("broken", [False, True])

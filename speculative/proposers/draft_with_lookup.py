@@ -12,7 +12,10 @@ probabilities) or the lookup's (one-hot at its token), and the acceptance rule s
 
 With `draft_tokens`, the draft's chain is at most that long while a lookup's runs to k: a small
 draft's later drafts are rarely kept, a match's often are (proposals are then ragged, -1 past a
-row's chain, never accepted).
+row's chain, never accepted). A batch's verification is as wide as its widest row's chain, so in a
+greedy batch of B rows a lookup's chain is at most max(draft_tokens, k // B), shrinking with the batch
+as trees do (tree.py's batch_tree); unshrunk, a server under load ran far below plain decoding
+(docs/drafters.md, "With prompt lookup first").
 
 The draft model drafts every row every step (one batched call; a row's lookup may stop short of k
 tokens or be wrong, and the draft's cache must follow the context anyway). Where a row proposed the
@@ -54,10 +57,15 @@ class DraftWithLookupProposer:
         self.draft.add_rows(tokens, lengths)
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
+        longest = num_tokens  # a lookup's chain, and the draft's own
         own = num_tokens if self.draft_tokens is None else min(num_tokens, self.draft_tokens)
+        if self.draft_tokens is not None:
+            longest = max(own, num_tokens // strategy.tree_rows)  # shrinking with a greedy batch
         drafted = self.draft.propose(tokens, lengths, own, strategy)
         own = drafted.token_ids.shape[1]
-        looked = self.lookup.propose(tokens, lengths, num_tokens, strategy).token_ids  # [B, <= k], -1: none
+        looked = self.lookup.propose(
+            tokens, lengths, longest, strategy
+        ).token_ids  # [B, <= longest], -1: none
         width = max(own, looked.shape[1])
         looked = F.pad(looked, (0, width - looked.shape[1]), value=-1)
         draft_ids = F.pad(drafted.token_ids, (0, width - own), value=-1)
