@@ -126,6 +126,12 @@ def _bench_serve_flags(load: argparse.ArgumentParser) -> None:
         default="",
         help='more `speculative serve` flags for every server, one string: --serve-args="--max-num-seqs 64"',
     )
+    load.add_argument(
+        "--draft-args",
+        default="",
+        help="more `speculative serve` flags for the servers that draft (draft, adaptive), one string: "
+        '--draft-args="--num-assistant-tokens 1"',
+    )
     load.add_argument("--out", default="bench-serve-out", help="output directory (default: bench-serve-out)")
 
 
@@ -241,8 +247,10 @@ def bench_serve(args: argparse.Namespace) -> int:
         from speculative.bench.load_report import soak_lines
 
     pair, _ = EngineArgs(model=args.model, draft_model=args.draft_model).with_demo_pair()
-    flags = shlex.split(args.serve_args)
-    config = dataclass_from_cli_args(LoadConfig, args, model=None, draft_model=None, serve_flags=flags)
+    flags, drafting = shlex.split(args.serve_args), shlex.split(args.draft_args)
+    config = dataclass_from_cli_args(
+        LoadConfig, args, model=None, draft_model=None, serve_flags=flags, draft_flags=drafting
+    )
     out = Path(args.out)
     results = run_load(config, pair.model, pair.draft_model, out)
     for line in soak_lines(results):

@@ -79,7 +79,8 @@ class LoadConfig:
     pair; prompts: a JSONL set or a bundled set's name (None: the first bundled set for the target's
     tokenizer, chat for an instruction-tuned model, code otherwise), of which the first `num_prompts`
     are sent in turn (chat records to /v1/chat/completions); serve_flags: more `speculative serve`
-    flags for every server."""
+    flags for every server; draft_flags: more for the servers that draft (draft, adaptive) alone, such
+    as a draft model's own options, which plain decoding refuses."""
 
     model: str | None = field(
         default=None, metadata={"engine": "model", "help": "target model", "default_text": "the demo model"}
@@ -132,6 +133,7 @@ class LoadConfig:
     temperature: float = field(default=0.0, metadata={"help": "0 is greedy"})
     seed: int = field(default=0, metadata={"engine": "seed", "help": "the servers' --seed"})
     serve_flags: list[str] = field(default_factory=list)
+    draft_flags: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_tokens", "k", "requests", "rounds", "soak_max_tokens"):
@@ -176,7 +178,7 @@ def serve_command(config: LoadConfig, server: str, target: str, draft: str | Non
         return command
     if draft is None:
         raise ValueError(f"server {server!r} needs a draft model: pass --draft-model or leave it out")
-    command += ["--draft-model", draft, "-k", str(config.k)]
+    command += [*config.draft_flags, "--draft-model", draft, "-k", str(config.k)]
     return command + (["--adaptive"] if server == "adaptive" else [])
 
 

@@ -56,6 +56,13 @@ def test_server_variants_and_bad_configs() -> None:
     assert plain[1:4] == ["-m", "speculative", "serve"] and "--draft-model" not in plain
     assert serve_command(config, "draft", "t", "d", 9000)[-4:] == ["--draft-model", "d", "-k", "3"]
     assert serve_command(config, "adaptive", "t", "d", 9000)[-1] == "--adaptive"
+    drafting = LoadConfig(
+        k=3, serve_flags=["--max-num-seqs", "4"], draft_flags=["--num-assistant-tokens", "1"]
+    )
+    assert "--num-assistant-tokens" not in serve_command(drafting, "plain", "t", "d", 9000)
+    for server in ("draft", "adaptive"):
+        command = serve_command(drafting, server, "t", "d", 9000)
+        assert command.count("--max-num-seqs") == 1 and command.count("--num-assistant-tokens") == 1
     with pytest.raises(ValueError, match="needs a draft model"):
         serve_command(config, "draft", "t", None, 9000)
     for field, value, message in [
