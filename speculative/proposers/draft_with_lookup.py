@@ -57,15 +57,12 @@ class DraftWithLookupProposer:
         self.draft.add_rows(tokens, lengths)
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
-        longest = num_tokens  # a lookup's chain, and the draft's own
         own = num_tokens if self.draft_tokens is None else min(num_tokens, self.draft_tokens)
-        if self.draft_tokens is not None:
-            longest = max(own, num_tokens // strategy.tree_rows)  # shrinking with a greedy batch
+        # a lookup's chain: k, or beside a shorter draft chain, shrinking with a greedy batch
+        longest = num_tokens if self.draft_tokens is None else max(own, num_tokens // strategy.tree_rows)
         drafted = self.draft.propose(tokens, lengths, own, strategy)
         own = drafted.token_ids.shape[1]
-        looked = self.lookup.propose(
-            tokens, lengths, longest, strategy
-        ).token_ids  # [B, <= longest], -1: none
+        looked = self.lookup.propose(tokens, lengths, longest, strategy).token_ids  # [B, <= longest]
         width = max(own, looked.shape[1])
         looked = F.pad(looked, (0, width - looked.shape[1]), value=-1)
         draft_ids = F.pad(drafted.token_ids, (0, width - own), value=-1)
