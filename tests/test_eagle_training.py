@@ -18,7 +18,9 @@ from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.demo import corpus, train_eagle
 from speculative.demo.train import SMOKE, heldout_loss, train_loop
 from speculative.demo.train_eagle import LAYOUT_NAMES, eagle_head, ttt_loss, ttt_losses
-from speculative.models.eagle_checkpoint import save_eagle_head
+from speculative.models.eagle_checkpoint import load_eagle_head, save_eagle_head
+from speculative.models.llama import NativeCausalLM
+from speculative.models.norms import rms_norm
 
 SIZES = {"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -56,6 +58,47 @@ def test_the_training_time_test_computes_what_the_engine_drafts(layout) -> None:
     drafted /= 2 * length
     torch.testing.assert_close(torch.stack(kls), drafted, atol=1e-4, rtol=1e-4)
     assert drafted[1] != drafted[0]  # the passes differ: the head's own features are not the target's
+
+
+def test_an_eagle3_head_starts_reading_its_own_token() -> None:
+    """train_eagle.attend_to_own_token: fed no feature (zeros), an "eagle3" head fresh from the recipe
+    holds at each position the own-token term o(v(input_layernorm(embedding))) of that position, not
+    a mixture of the window's: its attention starts on the position itself. (From the usual start,
+    o_proj 0, the state is 0; with q and k random, a mixture.)"""
+    target = tiny_model("llama", vocab_size=96, hidden_size=64, num_layers=6, seed=3).requires_grad_(False)
+    torch.manual_seed(0)
+    head = eagle_head(target, SIZES, "eagle3")
+    length, heads, kv_heads = 24, SIZES["num_attention_heads"], SIZES["num_key_value_heads"]
+    ids = (torch.randperm(95, generator=torch.Generator().manual_seed(1))[:length] + 1)[None]
+    attention, width = head.model.layers[0].self_attn, target.config.hidden_size
+    with torch.no_grad():
+        _, hidden = head.score(ids, torch.zeros(1, length, head.fc.in_features))
+        normed = rms_norm(head.embed(ids[0]), head.model.layers[0].input_layernorm.weight, head._eps)
+        values = (normed @ attention.v_proj.weight[:, :width].T).view(length, kv_heads, -1)
+        own = values.repeat_interleave(heads // kv_heads, 1).reshape(length, -1) @ attention.o_proj.weight.T
+    agreement = F.cosine_similarity(hidden[0], own, dim=-1)  # q random: 0.35 on average, down to -0.37
+    assert agreement.min() > 0.9 and agreement.mean() > 0.98
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_an_eagle3_head_saved_without_its_lm_head_reads_the_targets(tmp_path, draft_vocab) -> None:
+    """save_eagle_head(share_lm_head=True) leaves out the recipe's EAGLE-3 lm_head (the target's rows at
+    its draft vocabulary, frozen); loaded, the head takes those rows of the target's and drafts the same
+    logits."""
+    target = tiny_model("llama", vocab_size=96, hidden_size=64, num_layers=6, seed=3).requires_grad_(False)
+    vocabulary = None if draft_vocab is None else torch.randperm(96)[:draft_vocab].sort().values
+    head = eagle_head(target, SIZES, "eagle3", vocabulary)
+    save_eagle_head(head, tmp_path / "head", share_lm_head=True)
+    assert "lm_head.weight" not in load_file(tmp_path / "head" / "model.safetensors")
+    native = NativeCausalLM.from_hf(target)
+    loaded = load_eagle_head(tmp_path / "head", "eagle3", native)
+    rows = target.lm_head.weight if vocabulary is None else target.lm_head.weight[vocabulary]
+    torch.testing.assert_close(loaded.lm_head.weight, rows)
+    ids, features = torch.tensor([[4, 6, 8]]), torch.randn(1, 3, head.fc.in_features)
+    with torch.no_grad():
+        want, _ = head.forward(ids, features, head.new_cache(1, 8))
+    got, _ = loaded.forward(ids, features, loaded.new_cache(1, 8))
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("layout", ["eagle", "eagle3"])

@@ -24,7 +24,8 @@ multiplied by it (input_scale: the same head, steps even across its inputs), and
 reads the target's own. AdamW, warmup and cosine decay (answers_loop). `--resume` trains the head
 saved in `--out` further.
 
-The head is written to `--out` with `training.json` (the record, the held-out teacher-forced figures per
+The head is written to `--out` (an EAGLE-3 head without its lm_head, the target's rows: see
+train_eagle) with `training.json` (the record, the held-out teacher-forced figures per
 draft depth before and after, the greedy acceptance through the engine of k = 4 chains on held-out
 prompts) and a card, README.md.
 """
@@ -277,7 +278,7 @@ def train(args) -> dict:
     after = figures()
     with torch.no_grad():  # back to the target's own features
         head.fc.weight[:, -len(scale) :].div_(scale)
-    save_eagle_head(head, args.out)
+    save_eagle_head(head, args.out, share_lm_head=True)
     prompts = [a["prompt"][-args.seq_len :] for a in heldout_answers[: args.prompts]]
     drafters = {args.layout: (args.out, args.layout)}
     chain = engine_acceptance(args.target, drafters, prompts, args.new_tokens, num_speculative_tokens=4)

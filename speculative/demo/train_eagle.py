@@ -10,7 +10,8 @@ would say, not the corpus's next token). It is trained as it drafts (EAGLE-3's "
 test"): `--depth` D passes over each window, pass d feeding the head its own hidden states from pass
 d - 1 as the features, so that the drafts after the first are learned from the head's own guesses,
 as they are made; pass d's loss is weighted 0.8^(d-1). The head is written to `<pair>/<layout>/` in
-the published layout, with `training.json` beside it (the training record and the measured
+the published layout (an EAGLE-3 head without its lm_head, the target's rows, frozen, which the
+loader takes from the target; save_speculators writes it where a checkpoint must hold it), with `training.json` beside it (the training record and the measured
 acceptance, greedy, of the head and of the pair's draft model: k=4 chains and dynamic trees on
 held-out prompts through the engine, the acceptance rate and the mean tokens per step) and
 `README.md`, its card.
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from speculative.demo import corpus
@@ -64,15 +65,19 @@ def eagle_head(
     "eagle": fc over [embedding ; the target's last hidden state] (bias), the lm_head shared, not
     saved; "eagle3": fc over the streams entering the target's layers 2 and L // 2 and its final
     norm's output (what its lm_head reads; vLLM's default third layer is L - 3, which trained no
-    better on the demo target), its own norm and a copy of the target's lm_head over the whole
-    vocabulary, both saved as the layout has them. `vocabulary` ([n] int64 token ids, distinct): the
-    head's lm_head is cut to those rows (a draft vocabulary).
+    better on the demo target from the earlier start, but vLLM serves only heads reading streams
+    entering layers below L: eagle_checkpoint.save_speculators refuses this one), its own norm and a
+    copy of the target's lm_head over the whole vocabulary (the norm saved as the layout has it, the
+    lm_head frozen and left out: save_eagle_head's share_lm_head). `vocabulary` ([n] int64 token ids,
+    distinct): the head's lm_head is cut to those rows (a draft vocabulary).
 
-    It starts as the identity on the target's final hidden state: fc passes that feature through (its
-    other inputs weighted 0), the layer's attention and MLP outputs are 0 (o_proj, down_proj), and the
-    "eagle3" norm's gain is the RMS of the target's final norm's, so that its first logits are the
-    target's own at the position before, well scaled. From a random start the head's logits are large
-    and far off: a first cross-entropy of 25 on SmolLM2-135M's answers, against 12 from this start."""
+    It starts near the identity on the target's final hidden state: fc passes that feature through (its
+    other inputs weighted 0), the layer's MLP output is 0 (down_proj), and so is its attention's for
+    "eagle" (o_proj), while an "eagle3" head's attention starts adding its position's own token
+    (attend_to_own_token); the "eagle3" norm's gain is the RMS of the target's final norm's, so that
+    its first logits are close to the target's own at the position before, well scaled. From a random
+    start the head's logits are large and far off: a first cross-entropy of 25 on SmolLM2-135M's
+    answers, against 12 from this start."""
     t = target.config
     config = LlamaConfig(
         vocab_size=t.vocab_size,
@@ -98,6 +103,7 @@ def eagle_head(
         layer.mlp.down_proj.weight.zero_()
         if layout == "eagle3":
             head.model.norm.weight.fill_(target.model.norm.weight.float().pow(2).mean().sqrt().item())
+            attend_to_own_token(layer.self_attn, config.num_attention_heads, config.num_key_value_heads)
     frozen = ((head.model.embed_tokens, target.get_input_embeddings()), (head.lm_head, target.lm_head))
     for module, source in frozen:
         module.weight = torch.nn.Parameter(source.weight.detach().float(), requires_grad=False)
@@ -106,6 +112,39 @@ def eagle_head(
     else:
         head.pack_weights()
     return head
+
+
+SELF_SCORE = 8.0  # attend_to_own_token: a position's attention logit on its own token, at the start
+OWN_TOKEN_GAIN = 0.3  # attend_to_own_token's share of the token's embedding added to the residual stream
+
+
+@torch.no_grad()
+def attend_to_own_token(attention: nn.Module, heads: int, kv_heads: int) -> None:
+    """Start an "eagle3" head's attention (its q/k/v projections read [input_layernorm(embedding) ;
+    hidden_norm(feature)], 2H) reading each position's own token: the embedding's columns of q and k
+    project onto the same orthonormal directions (kv_heads blocks of head_dim, a query head using its
+    KV head's block), v onto them too, and o_proj maps them back (OWN_TOKEN_GAIN of the projection);
+    the feature's columns keep their random start.
+
+    Why: in EAGLE-3's layout the token a position reads (x_{p+1}, the one whose successor it drafts)
+    reaches the residual stream only through the attention, and from the usual start (o_proj 0 so that
+    the head is the identity on its feature, q/k random) the attention is spread over the whole window
+    and gets no gradient until o_proj has moved, so the head learns slowly and drafts badly past its
+    first token (docs/drafters.md, "EAGLE heads", has the runs). A position's logit on itself is
+    SELF_SCORE (the normed embedding has unit RMS, so its projection onto head_dim directions has
+    |.|^2 about head_dim, and RoPE turns q and k by the same angle), other tokens' scatter around 0, so
+    the softmax starts on the position itself (and on earlier copies of its token), and its token
+    enters the stream as EAGLE-1's fc enters it."""
+    hidden = attention.o_proj.out_features
+    head_dim = attention.o_proj.in_features // heads
+    group, width = heads // kv_heads, kv_heads * head_dim
+    basis = torch.linalg.qr(torch.randn(hidden, hidden))[0][:, :width].T  # [width, H] orthonormal rows
+    per_head = basis.view(kv_heads, head_dim, hidden).repeat_interleave(group, 0).reshape(-1, hidden)
+    scale = (SELF_SCORE / head_dim**0.5) ** 0.5  # the logit: scale^2 |projection|^2 / sqrt(head_dim)
+    attention.q_proj.weight[:, :hidden] = scale * per_head
+    attention.k_proj.weight[:, :hidden] = scale * basis
+    attention.v_proj.weight[:, :hidden] = basis
+    attention.o_proj.weight.copy_(OWN_TOKEN_GAIN / group * per_head.T)
 
 
 def ttt_visible(length: int, depth: int) -> Tensor:
@@ -208,7 +247,7 @@ def train_eagle_head(target, stream, heldout, cfg, steps, seed, deadline, path: 
         deadline,
         ce=lambda m, w: ttt_losses(m, target, w, 1)[1],
     )
-    save_eagle_head(model, path)
+    save_eagle_head(model, path, share_lm_head=True)
     return record
 
 

@@ -18,11 +18,14 @@ EAGLE-3 releases (SafeAILab/EAGLE, SpecForge) and vLLM read them:
   weights, "eagle3": fc.weight [H, 3 * target H], midlayer.{self_attn.* (q/k/v over 2H),
       mlp.*, input_layernorm, hidden_norm, post_attention_layernorm}.weight, norm.weight,
       lm_head.weight [draft vocab, H], d2t [draft vocab] and t2d [vocab] (bool, not needed to draft)
-      optional, embed_tokens.weight optional.
+      optional, embed_tokens.weight optional; lm_head.weight may be left out where it is the target's
+      rows at the draft vocabulary (as the project's recipe trains it: save_eagle_head's
+      `share_lm_head`), an extension of the layout.
 A leading "model." is accepted on any name. Without embed_tokens the head shares the target's
-embedding; an "eagle" head always uses the target's lm_head (a copy of its d2t rows where it has a
-draft vocabulary). An "eagle3" config may say norm_before_residual and norm_output (as vLLM and the
-speculators library read them, models/eagle.py; default false).
+embedding; an "eagle" head always uses the target's lm_head, and an "eagle3" one without an
+lm_head.weight (a copy of its d2t rows where it has a draft vocabulary). An "eagle3" config may
+say norm_before_residual and norm_output (as vLLM and the speculators library read them,
+models/eagle.py; default false).
 
 A directory in vLLM's speculators format (config.json with `speculators_model_type`) loads as well:
 models/speculators.py maps its config and weight names onto the head; save_speculators writes one.
@@ -61,7 +64,7 @@ _PREFIXES = {"eagle": {"layers.0.": "model.layers.0."}, "eagle3": {"midlayer.": 
 # or its speculators config says fusion_bias)
 _OPTIONAL_WEIGHTS = {
     "eagle": {"model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "d2t"},
-    "eagle3": {"d2t", "model.embed_tokens.weight"},
+    "eagle3": {"d2t", "model.embed_tokens.weight", "lm_head.weight"},
 }
 
 
@@ -96,10 +99,10 @@ def load_eagle_head(path: str | Path, layout: EagleLayout, target: NativeCausalL
     head = head.to(target.device, target.dtype).eval()
     if "model.embed_tokens.weight" not in state:
         head.model.embed_tokens.weight = target.model.embed_tokens.weight
-    if layout == "eagle":
-        vocabulary = head.draft_vocabulary
-        shared = target.lm_head.weight
-        head.lm_head.weight = shared if vocabulary is None else nn.Parameter(shared[vocabulary], False)
+    if layout == "eagle" or "lm_head.weight" not in state:  # the target's, at the draft vocabulary
+        vocabulary, shared = head.draft_vocabulary, target.lm_head.weight
+        whole = vocabulary is None or torch.equal(vocabulary.cpu(), torch.arange(head.vocab_size))
+        head.lm_head.weight = shared if whole else nn.Parameter(shared[vocabulary], False)
     head.pack_weights()
     return head
 
@@ -117,9 +120,12 @@ def load_head_weights(head: EagleHead, path: str | Path) -> None:
     head.pack_weights()
 
 
-def save_eagle_head(head: EagleHead, path: str | Path) -> None:
+def save_eagle_head(head: EagleHead, path: str | Path, share_lm_head: bool = False) -> None:
     """Write `head` as a checkpoint directory in its published layout (module docstring): config.json
-    and model.safetensors, without the weights it shares with its target."""
+    and model.safetensors, without the weights it shares with its target; with `share_lm_head`, an
+    "eagle3" head's lm_head is left out too (it must be the target's rows at its draft vocabulary,
+    which load_eagle_head then takes: vLLM and the EAGLE-3 releases want it written, save_speculators
+    writes it)."""
     from safetensors.torch import save_file
 
     directory = Path(path)
@@ -140,7 +146,7 @@ def save_eagle_head(head: EagleHead, path: str | Path) -> None:
         config.update({name: True for name in ("norm_before_residual", "norm_output") if getattr(head, name)})
     shared = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
     if head.layout == "eagle3":
-        shared = {"model.embed_tokens.weight"}
+        shared = {"model.embed_tokens.weight", *(["lm_head.weight"] if share_lm_head else [])}
     weights = {
         _checkpoint_name(name, _PREFIXES[head.layout]): tensor.detach().contiguous().cpu()
         for name, tensor in head.state_dict().items()
