@@ -150,10 +150,18 @@ def test_generated_text_is_the_targets_own_and_half_of_every_batch(model_dirs, t
     assert windows.shape == (5, 9) and windows[:, 0].tolist() == [0, 0, 0, 1, 1]
 
 
-def test_train_eagle_resumes_the_saved_head_and_adds_up_its_record(model_dirs, tmp_path) -> None:
+def test_train_eagle_resumes_the_saved_head_and_adds_up_its_record(model_dirs, tmp_path, monkeypatch) -> None:
     """`train_eagle --resume` trains the saved head further (starting from its weights) and appends
     to its training.json: steps, tokens and seconds summed over the pieces; each piece's card line
-    names its data (the resumed one's half the target's own continuations, `--generated`)."""
+    names its data (the resumed one's half the target's own continuations, `--generated`). The
+    acceptance is measured on the `--prompts` held-out prompts, not on `--generated`'s training ones."""
+    measured, measure_acceptance = [], train_eagle.measure_acceptance
+
+    def measure(pair, layout, prompts, cfg, count):
+        measured.append(len(prompts))
+        return measure_acceptance(pair, layout, prompts, cfg, count)
+
+    monkeypatch.setattr(train_eagle, "measure_acceptance", measure)
     pair = tmp_path / "pair"
     pair.mkdir()
     for name in ("target", "draft"):
@@ -168,6 +176,7 @@ def test_train_eagle_resumes_the_saved_head_and_adds_up_its_record(model_dirs, t
     # moved by 2 steps at a learning rate of at most 3e-3 from the saved weights, not from a fresh head
     assert 0 < max(changes) < 0.02, changes
     assert json.loads((pair / "eagle3" / "training.json").read_text()) == record
+    assert measured == [2, 2]
     assert [p["steps"] for p in record["pieces"]] == [2, 3] and record["pieces"][0] == first["pieces"][0]
     window = SMOKE["batch"] * SMOKE["seq_len"] // 2
     assert (record["steps"], record["planned_steps"], record["tokens"]) == (5, 5, 5 * window)

@@ -11,10 +11,10 @@ test"): `--depth` D passes over each window, pass d feeding the head its own hid
 d - 1 as the features, so that the drafts after the first are learned from the head's own guesses,
 as they are made; pass d's loss is weighted 0.8^(d-1). The head is written to `<pair>/<layout>/` in
 the published layout (an EAGLE-3 head without its lm_head, the target's rows, frozen, which the
-loader takes from the target; save_speculators writes it where a checkpoint must hold it), with `training.json` beside it (the training record and the measured
-acceptance, greedy, of the head and of the pair's draft model: k=4 chains and dynamic trees on
-held-out prompts through the engine, the acceptance rate and the mean tokens per step) and
-`README.md`, its card.
+loader takes from the target; save_speculators writes it where a checkpoint must hold it), with
+`training.json` beside it (the training record and the measured acceptance, greedy, of the head
+and of the pair's draft model: k=4 chains and dynamic trees on held-out prompts through the
+engine, the acceptance rate and the mean tokens per step) and `README.md`, its card.
 
 `--generated N` mixes in the target's own text (self-distillation data, as EAGLE and Medusa-2
 recommend): N prompts of the training files, each continued greedily by the target through the engine,
@@ -456,9 +456,9 @@ def main(argv: list[str] | None = None) -> dict:
     head = {"layout": args.layout, "depth": args.depth, "resume": args.resume}
     data = "corpus windows"
     if args.generated:
-        prompts = file_prompts(train_encoded, args.generated, cfg["prompt_len"], seed).tolist()
+        starts = file_prompts(train_encoded, args.generated, cfg["prompt_len"], seed).tolist()
         new_tokens = cfg["seq_len"] // 2
-        texts = target_continuations(args.pair, prompts, new_tokens)
+        texts = target_continuations(args.pair, starts, new_tokens)
         train_stream = (train_stream, corpus.token_stream(texts, eos))
         data = (
             f"half corpus windows, half windows of {args.generated} training prompts of "
