@@ -106,8 +106,8 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
     add_method_shortcuts(  # several heads may be measured side by side
         bench,
         only=lambda method: method.reads_hidden_states,
-        more="; measured as chains of k, and trees where the method has them (default with the toy pair: "
-        "models/demo/eagle as --eagle)",
+        more="; measured as chains of k, and trees where the method has them",
+        notes={"eagle": " (default with the toy pair: models/demo/eagle)"},
     )
     bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     bench.add_argument(

@@ -424,22 +424,33 @@ SHORTCUT_HELP = {
     "unquantized, one rank (--tree: EAGLE-2's trees)",
     "eagle3": "draft with an EAGLE-3 head (its checkpoint directory) reading the target's hidden states; "
     "unquantized, one rank (--tree: EAGLE-2's trees)",
+    "dflash": "draft with a DFlash block drafter (its checkpoint directory): k tokens in one forward, "
+    "reading the target's hidden states; unquantized, one rank (--tree: a tree from the block)",
 }
-"""The built-in methods' shortcut flags' help; another method's is its MethodConfig's first line."""
+"""The built-in methods' shortcut flags' help; another method's is its MethodConfig's first sentence."""
 
 
-def add_method_shortcuts(group: Any, only: Any = None, more: str = "") -> None:
+def add_method_shortcuts(
+    group: Any, only: Any = None, more: str = "", notes: dict[str, str] | None = None
+) -> None:
     """A flag per registered method but draft_model (--draft-model is its own): `--NAME PATH` for a
     method that reads a model from a directory (the draft_model it sets), else `--NAME`. only: a test of
-    the MethodConfig class (None: every method); `more` ends their help."""
+    the MethodConfig class (None: every method); `more` ends their help, and notes[NAME] that flag's."""
     for name, cls in METHODS.items():
         if name == "draft_model" or (only is not None and not only(cls)):
             continue
-        doc = SHORTCUT_HELP.get(name) or (cls.__doc__ or name).strip().splitlines()[0]
+        doc = SHORTCUT_HELP.get(name) or _first_sentence(cls.__doc__ or name)
+        doc += more + (notes or {}).get(name, "")
         if cls.uses_draft_model:
-            group.add_argument(f"--{name}", metavar="PATH", dest=name, help=doc + more)
+            group.add_argument(f"--{name}", metavar="PATH", dest=name, help=doc)
         else:
-            group.add_argument(f"--{name}", action="store_true", dest=name, help=doc + more)
+            group.add_argument(f"--{name}", action="store_true", dest=name, help=doc)
+
+
+def _first_sentence(doc: str) -> str:
+    """A docstring's first sentence, its lines joined (up to the first '. ' or '; ', the stop left out)."""
+    text = " ".join(doc.split())
+    return re.split(r"[.;](?:\s|$)", text, maxsplit=1)[0]
 
 
 def _option_fields() -> dict[str, dataclasses.Field]:

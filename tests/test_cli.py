@@ -205,6 +205,25 @@ def test_a_registered_method_gets_its_flags() -> None:
     assert done.stdout.split() == ["toy_method", "2", "5"]
 
 
+def test_method_flags_state_a_whole_sentence_and_only_their_own_default() -> None:
+    """A method flag's help is its docstring's first sentence, not its first line (a DFlash flag once read
+    "... in one forward; no"), and bench's --eagle3 / --dflash do not claim --eagle's default."""
+    from speculative.engine_args import _first_sentence
+
+    assert _first_sentence("A block drafter proposes k\n    tokens; no options. More.") == (
+        "A block drafter proposes k tokens"
+    )
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    for command in ("generate", "bench"):
+        commands[command].format_help()  # bench's flags are added on its first use
+        heads = ("dflash", "eagle", "eagle3")
+        helps = {a.dest: " ".join(a.help.split()) for a in commands[command]._actions if a.dest in heads}
+        assert set(helps) == set(heads)
+        assert "in one forward, reading the target's hidden states" in helps["dflash"]
+    assert "models/demo/eagle" in helps["eagle"]
+    assert not any("models/demo/eagle" in helps[name] for name in ("dflash", "eagle3"))
+
+
 def test_engine_args_make_what_llm_takes() -> None:
     from speculative.engine_args import EngineArgs
 

@@ -11,14 +11,15 @@ import test_distribution as dist
 import torch
 from conftest import tiny_model
 from exactness import hf_greedy
+from safetensors.torch import load_file
 from scipy.stats import chi2
-from transformers import Qwen3Config
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.demo import train_dflash
 from speculative.demo.train_dflash import (
+    Answers,
     answer_anchors,
-    answer_batch,
     chunked_kl,
     dflash_drafter,
     dflash_losses,
@@ -362,8 +363,12 @@ def test_answer_anchors_draft_the_answer_only() -> None:
         (torch.arange(12), torch.tensor([-100] * 5 + [1] * 6 + [-100])),  # prompt of 6, answer of 6
         (torch.arange(6), torch.tensor([-100] * 3 + [1] * 2 + [-100])),  # prompt of 4, answer of 2
     ]
-    tokens, mask, labels = answer_batch(rows, [0, 1], block)
-    assert tokens.shape == (2, 15) and int(mask.sum()) == 18 and (labels[:, 12:] == -100).all()
+    features = [torch.randn(len(tokens), 3 * 8) for tokens, _ in rows]  # F = 2 x 8, then H = 8
+    data = Answers(rows, features, head=torch.randn(30, 8), index=None)
+    tokens, labels, drafter_features, final = data.batch([0, 1], block)
+    assert tokens.shape == (2, 15) and (labels[:, 12:] == -100).all() and (tokens[1, 6:] == 0).all()
+    assert drafter_features.shape == (2, 15, 16) and final.shape == (2, 15, 8)
+    assert torch.equal(final[1, :6], features[1][:, 16:]) and not final[1, 6:].any()
     for seed in range(20):
         anchors, valid = answer_anchors(labels, block, 5, torch.Generator().manual_seed(seed))
         assert anchors.shape == (2, 5) and valid.shape == (2, 5, 3)
@@ -378,16 +383,21 @@ def test_answer_anchors_draft_the_answer_only() -> None:
         assert valid[0].sum() > 0 and valid[0, :, 0].all()
 
 
-def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path, draft_vocab) -> None:
     """--target / --data: a few steps on the target's answers lower the loss and the held-out KL; the
     drafter, its card and training.json are written, and through the engine greedy output is the
-    target's alone."""
-    root = chat_target
+    target's alone. With --draft-vocab the saved drafter's lm_head is the target's rows at the answers'
+    most frequent tokens (d2t), and --features keeps the target's features."""
+    root, out = chat_target, tmp_path / "dflash"
     argv = [
-        "--target", str(root / "target"), "--data", str(root / "data"), "--out", str(tmp_path / "dflash"),
+        "--target", str(root / "target"), "--data", str(root / "data"), "--out", str(out),
         "--steps", "12", "--block", "5", "--layers", "1", "--intermediate", "64", "--batch-tokens", "1024",
         "--seq-len", "200", "--warmup", "1", "--lr", "3e-3", "--prompts", "2", "--new-tokens", "8",
+        "--features", str(tmp_path / "features.pt"),
     ]  # fmt: skip
+    if draft_vocab:
+        argv += ["--draft-vocab", str(draft_vocab)]
     info = train_dflash.main(argv)
     assert info["steps"] == 12 and info["answers"] == {
         "first.jsonl": 40,
@@ -399,9 +409,19 @@ def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path) -> None:
     before, after = info["heldout_before"], info["heldout_after"]
     assert before["positions"] == after["positions"] > 0  # the 2 held-out answers' drafted tokens
     assert sum(after["kl_per_position"]) < sum(before["kl_per_position"])
-    assert set(info["acceptance"]) >= {"k=4"} and (tmp_path / "dflash" / "README.md").is_file()
-    assert json.loads((tmp_path / "dflash" / "training.json").read_text())["steps"] == 12
-    assert "the loss is on the answer's tokens only" in (tmp_path / "dflash" / "README.md").read_text()
+    assert set(info["acceptance"]) >= {"k=4"} and (out / "README.md").is_file()
+    assert json.loads((out / "training.json").read_text())["steps"] == 12
+    assert "the loss is on the answer's tokens only" in (out / "README.md").read_text()
+    assert info["draft_vocabulary"] == draft_vocab and (tmp_path / "features.pt").is_file()
+    weights = load_file(str(out / "model.safetensors"))
+    if draft_vocab:
+        lm_head = AutoModelForCausalLM.from_pretrained(root / "target").get_output_embeddings().weight
+        tokens = weights["d2t"] + torch.arange(draft_vocab)
+        assert weights["lm_head.weight"].shape == (draft_vocab, lm_head.shape[1])
+        assert tokens.unique().numel() == draft_vocab
+        assert torch.equal(weights["lm_head.weight"], lm_head[tokens])
+    else:
+        assert "lm_head.weight" not in weights
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[60, 61, 62, 63], [10, 20, 30, 40, 50, 60, 70]]
     alone = LLM(str(root / "target"), dtype="float32").generate(prompts, params)
@@ -420,7 +440,7 @@ def test_the_target_recipe_needs_its_data_and_out(chat_target, tmp_path, capsys)
     for argv, message in (
         (["--target", target, "--out", str(tmp_path)], "--target needs --data"),
         (["--target", target, "--data", str(chat_target / "data")], "--target needs --out"),
-        (["--pair", target, "--data", str(chat_target / "data")], "--data is --target's"),
+        (["--pair", target, "--data", str(chat_target / "data")], "--data and --features are --target's"),
         (["--target", target, "--data", str(tmp_path), "--out", str(tmp_path / "o")], "holds 0 answers"),
     ):
         with pytest.raises(SystemExit) as stopped:

@@ -34,23 +34,33 @@ The text:
       block's positions past the answer's end count for nothing. The prompt is context (its features)
       and never a label: the drafter only ever drafts the target's answers, while the user's words and
       the chat template are text the target did not write, whose distributions the drafter would spend
-      its capacity on for nothing. The target runs in float32 (no autocast): its features are the ones
-      the engine gives the drafter. The learning rate (`--lr`, default 1e-3) warms up over `--warmup`
-      steps (default 80) and decays along a cosine to a tenth as the run progresses (the larger of its
-      fractions of `--steps` and of `--max-minutes`).
+      its capacity on for nothing. The target never runs while the drafter trains: its features (the
+      drafter's layers and its final hidden state, the teacher's) are computed once over every row, as
+      train_eagle's --target recipe computes them (eagle_answers.target_features: bfloat16 autocast
+      where the CPU computes bfloat16 natively, kept as bfloat16), and kept in `--features FILE` when
+      given, which serves any drafter reading the same layers or fewer (an EAGLE head's too). The KL is
+      over a draft vocabulary (FR-Spec, as train_eagle's: the `--draft-vocab` tokens most frequent in
+      the training answers, the end-of-turn tokens among them, default 16,384; the target's
+      distribution renormalised over it; a token outside it is a miss in the figures), and the saved
+      drafter has an lm_head of its own, the target's rows there, so that drafting reads D rows of the
+      lm_head, not the whole vocabulary's, and its drafts never leave them. The learning rate (`--lr`,
+      default 1e-3) warms up over `--warmup` steps (default 80) and decays along a cosine to a tenth as
+      the run progresses (the larger of its fractions of `--steps` and of `--max-minutes`, counted from
+      the end of the features' pass).
 
 Memory, for a large vocabulary (SmolLM2's 49152): the target runs without its lm_head, which reads only
 its final hidden states at the drafted positions; the drafter's block forward ends at its final norm
-(its lm_head is the identity while training); `chunked_kl` then takes the target's lm_head over both, a
-chunk of rows at a time (CHUNK_ELEMENTS logits), and computes each row's KL with its gradient there,
-keeping only the gradient [rows, hidden]. No [batch, length, vocabulary] or [drafted rows, vocabulary]
-tensor is ever whole.
+(its lm_head is the identity while training); `chunked_kl` then takes the target's lm_head (its draft
+vocabulary's rows) over both, a chunk of rows at a time (CHUNK_ELEMENTS logits), and computes each
+row's KL with its gradient there, keeping only the gradient [rows, hidden]. No [batch, length,
+vocabulary] or [drafted rows, vocabulary] tensor is ever whole.
 
 The drafter: `--layers` Qwen3-style decoder layers of the target's width (the target's heads; the
 demo recipe's draft's intermediate size for a pair, the target's for --target, unless
 `--intermediate`), reading the target layers DFlash's default spreads over its depth
-(`default_target_layers`, one per draft layer), a learned mask embedding, and the target's embedding
-and lm_head, frozen and not saved. It is written to `--out` (default `<pair>/dflash`; required with
+(`default_target_layers`, one per draft layer) unless `--target-layers`, a learned mask embedding, and
+the target's embedding and lm_head, frozen and not saved (--target: the lm_head's draft vocabulary
+rows are saved with it). It is written to `--out` (default `<pair>/dflash`; required with
 --target) with `training.json` (the training record, the held-out figures per block position before and
 after, and the greedy acceptance through the engine of k = 4 and k = block - 1 chains on held-out
 prompts) and a card, README.md.
@@ -63,6 +73,7 @@ import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -73,6 +84,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, 
 
 from speculative.demo import corpus
 from speculative.demo.answers_loop import LoopArgs, StepLoss, train_on_answers
+from speculative.demo.eagle_answers import feature_batch, real_tokens, target_features
 from speculative.demo.model_card import engine_acceptance, file_prompts
 from speculative.demo.self_distill import read_answers
 from speculative.demo.train import FULL, SMOKE, train_loop
@@ -80,7 +92,7 @@ from speculative.demo.train_draft import (
     ANSWER_FILES,
     HELDOUT_EVERY,
     batches,
-    collate,
+    frequent_tokens,
     heldout_indices,
     stored_answers,
     training_rows,
@@ -92,6 +104,7 @@ from speculative.models.dflash_checkpoint import save_dflash
 DEFAULT_ANCHORS = 16  # blocks per training window
 ANSWERS_LR = 1e-3  # --target's default peak learning rate (a drafter of the target's width)
 CHUNK_ELEMENTS = 1 << 23  # logits chunked_kl holds at once per tensor (32 MB of float32)
+DRAFT_VOCAB = 16384  # --target's default draft vocabulary, as train_eagle's
 
 
 def dflash_drafter(
@@ -123,6 +136,8 @@ def dflash_drafter(
         tie_word_embeddings=False,
     )
     ids = target_layers or default_target_layers(t.num_hidden_layers, layers)
+    if any(not 0 <= j < t.num_hidden_layers for j in ids):
+        raise ValueError(f"target layers must be in [0, {t.num_hidden_layers}); got {list(ids)}")
     drafter = DFlashDrafter(config, tuple(ids), block).float()
     embedding = target.get_input_embeddings().weight.detach()
     drafter.share(lambda tokens: F.embedding(tokens, embedding.to(drafter.dtype)), lambda hidden: hidden)
@@ -215,53 +230,75 @@ def chunked_kl(
     return _ChunkedKL.apply(hidden, teacher, head, tokens, rows)
 
 
+@torch.no_grad()
+def target_states(drafter: DFlashDrafter, target, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """The target's forward over tokens [batch, S] without its lm_head (under the caller's autocast, if
+    any): the drafter's features [batch, S, F] float32 and the final hidden states [batch, S, H], the
+    lm_head's input (the target's prediction of each next token)."""
+    out = target.base_model(input_ids=tokens, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i] for i in drafter.hidden_layers], dim=-1).float()
+    return features, out.last_hidden_state
+
+
 def block_losses(
-    drafter: DFlashDrafter, target, tokens: Tensor, anchors: Tensor, valid: Tensor, gamma: float
+    drafter: DFlashDrafter,
+    features: Tensor,
+    final: Tensor,
+    tokens: Tensor,
+    anchors: Tensor,
+    valid: Tensor,
+    gamma: float,
+    head: Tensor,
+    index: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """The drafter's losses on rows tokens [batch, S] with blocks at anchors [batch, n] (each in [1, S -
-    block]), valid [batch, n, block - 1] bool saying which drafted positions count (module docstring):
-    "loss", the position-weighted mean KL(target || drafter) over the counted positions; "ce", the mean
-    cross-entropy of the rows' own tokens there; per block position [block - 1]: "kl", the mean KL, and
-    "agree", how often the drafter's top token is the target's; "sums", the sums and counts behind
-    them (and "chain": of the blocks whose positions all count, those whose drafts 1 .. i all agree) for
-    figures over several batches. The target runs without its lm_head under the caller's autocast (if
-    any), the drafter and the KL in float32."""
+    """The drafter's losses on rows tokens [batch, S] with the target's features [batch, S, F] and final
+    hidden states [batch, S, H] (target_states), blocks at anchors [batch, n] (each in [1, S - block]),
+    valid [batch, n, block - 1] bool saying which drafted positions count (module docstring). head
+    [D, H]: the rows of the target's lm_head the KL is over, the whole vocabulary's (index None) or a
+    draft vocabulary's, index [vocab] then giving each token's row (-1 outside it): both distributions
+    are over those rows, the target's renormalised there.
+
+    Returns "loss", the position-weighted mean KL(target || drafter) over the counted positions; "ce",
+    the mean cross-entropy of the rows' own tokens there (those inside the draft vocabulary); per block
+    position [block - 1]: "kl", the mean KL, and "agree", how often the drafter's top token is the
+    target's (a token outside the draft vocabulary is a miss); "sums", the sums and counts behind them
+    (and "chain": of the blocks whose positions all count, those whose drafts 1 .. i all agree) for
+    figures over several batches. The drafter and the KL run in float32."""
     block = drafter.block_size
     batch, length = tokens.shape
     n = anchors.shape[1]
     drafted = (anchors[:, :, None] + torch.arange(1, block, device=tokens.device)).view(batch, -1)
     if int(drafted.max()) >= length or int(anchors.min()) < 1:
         raise ValueError(f"anchors must lie in [1, {length - block}] for rows of {length} tokens")
-    with torch.no_grad():
-        out = target.base_model(input_ids=tokens, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i] for i in drafter.hidden_layers], dim=-1).float()
-        final = out.last_hidden_state  # the lm_head's input: the target's prediction of the next token
-        teacher = final.gather(1, (drafted - 1)[..., None].expand(-1, -1, final.shape[-1]))
-        del out, final
+    teacher = final.gather(1, (drafted - 1)[..., None].expand(-1, -1, final.shape[-1]))
+    wanted = tokens.gather(1, drafted).view(-1)
+    if index is not None:
+        wanted = index[wanted]
+    inside = (wanted >= 0).view(batch, n, block - 1)
     with torch.autocast(tokens.device.type, enabled=False):
         hidden = drafter.block_logits(
-            features, tokens.gather(1, anchors), anchors
+            features.float(), tokens.gather(1, anchors), anchors
         )  # [batch, n, block - 1, H]
-        head = target.get_output_embeddings().weight
         flat = (x.reshape(batch * n * (block - 1), -1) for x in (hidden, teacher))
-        kl, nll, same = (
-            x.view(batch, n, block - 1) for x in chunked_kl(*flat, head, tokens.gather(1, drafted).view(-1))
-        )
+        kl, nll, same = (x.view(batch, n, block - 1) for x in chunked_kl(*flat, head, wanted.clamp(min=0)))
+    same = same & inside
     weights = position_weights(block, gamma).to(kl.device) * valid
     loss = (torch.where(valid, kl, 0.0) * weights).sum() / weights.sum().clamp(min=1e-12)
     positions = valid.sum(dim=(0, 1))
+    scored = valid & inside  # the cross-entropy's positions
     whole = valid.all(-1)  # [batch, n]: blocks whose every drafted position counts
     sums = {
         "kl": torch.where(valid, kl.detach(), 0.0).sum(dim=(0, 1)),
         "agree": (same & valid).sum(dim=(0, 1)).float(),
         "positions": positions.float(),
-        "nll": nll[valid].sum(),
+        "nll": nll[scored].sum(),
+        "scored": scored.sum().float(),
         "chain": (same.int().cumprod(-1).bool() & whole[..., None]).sum(dim=(0, 1)).float(),
         "blocks": whole.sum().float(),
     }
     return {
         "loss": loss,
-        "ce": nll[valid].mean() if bool(valid.any()) else nll.new_zeros(()),
+        "ce": nll[scored].mean() if bool(scored.any()) else nll.new_zeros(()),
         "kl": sums["kl"] / positions.clamp(min=1),
         "agree": sums["agree"] / positions.clamp(min=1),
         "sums": sums,
@@ -282,7 +319,9 @@ def dflash_losses(
     block = drafter.block_size
     chosen = sample_anchors(batch, length, block, anchors, gen).to(windows.device)  # [batch, n]
     valid = torch.ones(*chosen.shape, block - 1, dtype=torch.bool, device=windows.device)
-    return block_losses(drafter, target, windows, chosen, valid, gamma)
+    features, final = target_states(drafter, target, windows)
+    head = target.get_output_embeddings().weight
+    return block_losses(drafter, features, final, windows, chosen, valid, gamma, head)
 
 
 def summed_figures(parts: list[dict]) -> dict:
@@ -298,7 +337,7 @@ def summed_figures(parts: list[dict]) -> dict:
         "agreement_per_position": [round(x, 4) for x in (total["agree"] / positions).tolist()],
         "chain_per_position": [round(x, 4) for x in chain.tolist()],
         "teacher_forced_tokens_per_step": round(1 + float(chain.sum()), 3),
-        "ce": round(float(total["nll"] / positions.sum()), 4),
+        "ce": round(float(total["nll"] / total["scored"].clamp(min=1)), 4),
         "positions": int(total["positions"].sum()),
     }
 
@@ -334,40 +373,75 @@ def train_dflash(target, stream, heldout, cfg, steps, seed, deadline, drafter, a
 # ---- --target: the target's own answers ----------------------------------------------------------
 
 
-def answer_batch(rows: list, indices: list[int], block: int) -> tuple[Tensor, Tensor, Tensor]:
-    """train_draft.collate's tokens, mask and labels of the rows, right-padded by block - 1 more
-    positions (token 0, mask 0, labels -100): room for a block at a row's last answer token. The target
-    runs without the mask: right padding never reaches a real position through its causal attention."""
-    tokens, mask, labels = collate(rows, indices)
-    pad = block - 1
-    return F.pad(tokens, (0, pad)), F.pad(mask, (0, pad)), F.pad(labels, (0, pad), value=-100)
+@dataclass
+class Answers:
+    """The --target recipe's rows with what its loss needs of the target, computed once (the target
+    never runs while the drafter trains): rows, each (tokens [n], labels [n]) as train_draft.training_rows
+    makes them over the whole vocabulary; features, per row [n, F + H] bfloat16, the drafter's features
+    then the target's final hidden state (eagle_answers.target_features); head [D, H], the rows of the
+    target's lm_head the KL is over; index [vocab], each token's row there (-1 outside), None where
+    head is the whole lm_head."""
+
+    rows: list
+    features: list[Tensor]
+    head: Tensor
+    index: Tensor | None
+
+    def batch(self, group: list[int], block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """tokens and labels [batch, S] (collate's) of the rows in `group`, the drafter's features [batch,
+        S, F] and the final hidden states [batch, S, H], all right-padded by block - 1 more positions
+        (token 0, label -100, zeros): room for a block at a row's last answer token."""
+        tokens, labels, stacked = feature_batch(self.rows, self.features, group, torch.ones(()))
+        pad, width = block - 1, self.head.shape[1]
+        tokens, labels = F.pad(tokens, (0, pad)), F.pad(labels, (0, pad), value=-100)
+        stacked = F.pad(stacked, (0, 0, 0, pad))
+        return tokens, labels, stacked[..., :-width], stacked[..., -width:]
 
 
-def answer_figures(drafter, target, rows: list, batch_tokens: int, anchors: int, gamma: float) -> dict:
+def answer_losses(drafter, data: Answers, group: list[int], anchors: int, gamma: float, gen) -> dict:
+    """block_losses on the rows in `group`, anchors drawn by answer_anchors with `gen`."""
+    tokens, labels, features, final = data.batch(group, drafter.block_size)
+    chosen, valid = answer_anchors(labels, drafter.block_size, anchors, gen)
+    return block_losses(drafter, features, final, tokens, chosen, valid, gamma, data.head, data.index)
+
+
+def answer_figures(drafter, data: Answers, batch_tokens: int, anchors: int, gamma: float) -> dict:
     """summed_figures over the held-out answers' rows (fixed batches and anchors)."""
-    gen, block = torch.Generator().manual_seed(1234), drafter.block_size
-    parts = []
+    gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
-        for group in batches(rows, batch_tokens, random.Random(0)):
-            tokens, _, labels = answer_batch(rows, group, block)
-            chosen, valid = answer_anchors(labels, block, anchors, gen)
-            part = block_losses(drafter, target, tokens, chosen, valid, gamma)
-            parts.append({"sums": part["sums"]})
+        parts = [
+            {"sums": answer_losses(drafter, data, group, anchors, gamma, gen)["sums"]}
+            for group in batches(data.rows, batch_tokens, random.Random(0))
+        ]
     return summed_figures(parts)
 
 
-def answer_step_loss(drafter, target, rows: list, args, gamma: float) -> StepLoss:
+def answer_step_loss(drafter, data: Answers, args, gamma: float) -> StepLoss:
     """answers_loop's step loss of `drafter`: block_losses' on a batch of the answers' rows, random
     anchors."""
     gen = torch.Generator().manual_seed(args.seed + 3)
 
     def step_loss(group: list[int]) -> tuple[Tensor, int, int]:
-        tokens, mask, labels = answer_batch(rows, group, drafter.block_size)
-        chosen, valid = answer_anchors(labels, drafter.block_size, args.anchors, gen)
-        loss = block_losses(drafter, target, tokens, chosen, valid, gamma)["loss"]
-        return loss, int(mask.sum()), int(valid.sum())
+        out = answer_losses(drafter, data, group, args.anchors, gamma, gen)
+        return out["loss"], real_tokens(data.rows, group), int(out["sums"]["positions"].sum())
 
     return step_loss
+
+
+def with_own_head(drafter: DFlashDrafter, head: Tensor, vocabulary: Tensor) -> DFlashDrafter:
+    """A copy of the trained `drafter` with an lm_head of its own over the draft vocabulary [D] (sorted
+    token ids): head [D, H], the target's rows there, and d2t, as the engine and vLLM read them."""
+    own = DFlashDrafter(
+        drafter.config,
+        drafter.target_layer_ids,
+        drafter.block_size,
+        drafter.mask_token_id,
+        learned_mask=hasattr(drafter, "mask_embedding"),
+        draft_vocab_size=len(vocabulary),
+    ).float()
+    d2t = vocabulary - torch.arange(len(vocabulary))
+    own.load_state_dict({**drafter.state_dict(), "lm_head.weight": head.float(), "d2t": d2t})
+    return own
 
 
 def chain_acceptance(target: Path, drafter: Path, prompts: list, new_tokens: int, ks: list[int]) -> dict:
@@ -449,6 +523,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--block", type=int, default=8, help="block size: drafts up to block - 1 tokens")
     parser.add_argument("--layers", type=int, default=2, help="draft decoder layers")
     parser.add_argument(
+        "--target-layers",
+        type=int,
+        nargs="+",
+        help="the target layers read (DFlash's ids: layer j's output; default one per draft layer, spread)",
+    )
+    parser.add_argument(
         "--intermediate", type=int, help="draft MLP size (default: pair's draft's / target's)"
     )
     parser.add_argument("--anchors", type=int, default=DEFAULT_ANCHORS, help="blocks per training window")
@@ -473,6 +553,13 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--batch-tokens", type=int, default=4096, help="--target: padded tokens a batch")
     parser.add_argument("--heldout", type=int, default=64, help="--target: held-out answers measured")
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=DRAFT_VOCAB,
+        help="--target: the drafter's lm_head keeps the N tokens most frequent in the answers",
+    )
+    parser.add_argument("--features", type=Path, help="--target: keep (or reuse) the target's features here")
     parser.add_argument("--eval-every", type=int, default=0, help="--target: held-out figures every N steps")
     parser.add_argument("--max-minutes", type=float, help="safety cap on training time (recorded if hit)")
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts for the acceptance")
@@ -480,7 +567,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--target-name", help="the target's name in the card (default: its folder's)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for name in ("steps", "layers", "anchors", "batch_tokens", "heldout", "prompts"):
+    for name in ("steps", "layers", "anchors", "batch_tokens", "heldout", "prompts", "draft_vocab"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     if args.block < 2:
@@ -493,8 +580,8 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error("--target needs " + " and ".join(f"--{m}" for m in missing))
         if args.smoke or args.generated:
             parser.error("--smoke and --generated are --pair's")
-    elif args.data is not None:
-        parser.error("--data is --target's (a pair trains on the demo corpus)")
+    elif args.data is not None or args.features is not None:
+        parser.error("--data and --features are --target's (a pair trains on the demo corpus)")
     gamma = args.gamma or args.block / 2
     cfg = dict(SMOKE if args.smoke else FULL)
     cfg["warmup"] = args.warmup or cfg["warmup"]
@@ -503,7 +590,7 @@ def main(argv: list[str] | None = None) -> dict:
     deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
     torch.manual_seed(args.seed)
     if args.target is not None:
-        info = _on_answers(args, cfg, gamma, deadline)
+        info = _on_answers(args, cfg, gamma)
     else:
         info = _on_pair(parser, args, cfg, gamma, deadline)
     info["wall_seconds"] = round(time.monotonic() - start, 1)
@@ -560,7 +647,7 @@ def _on_pair(parser, args, cfg: dict, gamma: float, deadline) -> dict:
             "prompts continued greedily by the target"
         )
     sizes = dict(cfg["draft"], intermediate_size=args.intermediate or cfg["draft"]["intermediate_size"])
-    drafter = dflash_drafter(target, sizes, args.block, args.layers)
+    drafter = dflash_drafter(target, sizes, args.block, args.layers, args.target_layers)
     before = held_out_figures(drafter, target, heldout, args.anchors, gamma, cfg["batch"])
     record = train_dflash(
         target, train_stream, heldout, cfg, args.steps, args.seed, deadline, drafter, args.anchors, gamma
@@ -594,8 +681,9 @@ def _on_pair(parser, args, cfg: dict, gamma: float, deadline) -> dict:
     }
 
 
-def _on_answers(args, cfg: dict, gamma: float, deadline) -> dict:
-    """The --target recipe: the target's own answers in --data (module docstring)."""
+def _on_answers(args, cfg: dict, gamma: float) -> dict:
+    """The --target recipe: the target's own answers in --data (module docstring); --max-minutes counts
+    from the end of the features' pass."""
     seq_len = args.seq_len or 768
     if seq_len <= args.block:
         raise SystemExit(f"--seq-len ({seq_len}) must exceed --block ({args.block})")
@@ -604,30 +692,49 @@ def _on_answers(args, cfg: dict, gamma: float, deadline) -> dict:
         raise SystemExit(f"{args.data} holds {len(answers)} answers ({', '.join(ANSWER_FILES)}); 2 at least")
     args.lr = args.lr or ANSWERS_LR
     args.warmup = cfg["warmup"]
+    start = time.monotonic()
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
     target.eval().requires_grad_(False)
+    t = target.config
     held = heldout_indices(len(answers))
-    everything = torch.arange(target.get_output_embeddings().weight.shape[0])
+    everything = torch.arange(t.vocab_size)
     train_answers = [a for i, a in enumerate(answers) if i not in held]
     heldout_answers = [answers[i] for i in sorted(held)]
     rows = training_rows(train_answers, everything, seq_len)
     heldout = training_rows(heldout_answers[: args.heldout], everything, seq_len)
-    intermediate = args.intermediate or target.config.intermediate_size
-    drafter = dflash_drafter(target, {"intermediate_size": intermediate}, args.block, args.layers)
-    before = answer_figures(drafter, target, heldout, args.batch_tokens, args.anchors, gamma)
+    intermediate = args.intermediate or t.intermediate_size
+    drafter = dflash_drafter(
+        target, {"intermediate_size": intermediate}, args.block, args.layers, args.target_layers
+    )
+    lm_head = target.get_output_embeddings().weight.detach()
+    vocabulary, index = None, None
+    if args.draft_vocab < t.vocab_size:
+        eos = target.generation_config.eos_token_id
+        always = [eos] if isinstance(eos, int) else list(eos or [])
+        vocabulary = frequent_tokens(train_answers, args.draft_vocab, always).sort().values
+        index = torch.full((t.vocab_size,), -1, dtype=torch.long)
+        index[vocabulary] = torch.arange(len(vocabulary))
+    head = lm_head if vocabulary is None else lm_head[vocabulary]
+    layers = (*drafter.hidden_layers, t.num_hidden_layers)  # and the final hidden state, the teacher's
+    features = target_features(target, rows + heldout, layers, args.features)
+    feature_seconds = time.monotonic() - start
+    del target
+    train_data = Answers(rows, features[: len(rows)], head, index)
+    heldout_data = Answers(heldout, features[len(rows) :], head, index)
+    deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
+    before = answer_figures(drafter, heldout_data, args.batch_tokens, args.anchors, gamma)
     loop = LoopArgs(args.steps, args.lr, args.warmup, args.batch_tokens, args.seed, args.eval_every)
     record = train_on_answers(
         drafter,
         rows,
         loop,
-        answer_step_loss(drafter, target, rows, args, gamma),
+        answer_step_loss(drafter, train_data, args, gamma),
         deadline,
-        partial(answer_figures, drafter, target, heldout, args.batch_tokens, args.anchors, gamma),
+        partial(answer_figures, drafter, heldout_data, args.batch_tokens, args.anchors, gamma),
         "dflash",
     )
-    after = answer_figures(drafter, target, heldout, args.batch_tokens, args.anchors, gamma)
-    save_dflash(drafter, args.out)
-    del target
+    after = answer_figures(drafter, heldout_data, args.batch_tokens, args.anchors, gamma)
+    save_dflash(drafter if vocabulary is None else with_own_head(drafter, head, vocabulary), args.out)
     new_tokens = args.new_tokens or 128
     prompts = [a["prompt"][-seq_len:] for a in heldout_answers[: args.prompts]]
     ks = sorted({min(4, args.block - 1), args.block - 1})
@@ -647,6 +754,8 @@ def _on_answers(args, cfg: dict, gamma: float, deadline) -> dict:
         f"A row is an answer's chat prompt and the answer, its last {seq_len} tokens at most; the loss is on "
         "the answer's tokens only",
         "answers": counts,
+        "draft_vocabulary": None if vocabulary is None else len(vocabulary),
+        "feature_seconds": round(feature_seconds, 1),
         **record,
         "batch_description": f"about {args.batch_tokens} padded tokens",
         "batch_tokens": args.batch_tokens,
