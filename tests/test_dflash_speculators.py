@@ -15,6 +15,7 @@ from test_dflash import HIDDEN, LAYERS, LENGTHS, PROMPTS, VOCAB, random_drafter
 from transformers import Qwen3Config
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.demo.train_dflash import with_own_head
 from speculative.models.dflash import DFlashDrafter
 from speculative.models.dflash_checkpoint import load_dflash, save_speculators_dflash
 from speculative.models.llama import NativeCausalLM
@@ -37,19 +38,7 @@ def target():
 def with_draft_vocabulary(drafter: DFlashDrafter, native: NativeCausalLM) -> DFlashDrafter:
     """A copy of `drafter` with an lm_head of its own: the target's rows of DRAFT_VOCABULARY, as the
     speculators library fills it."""
-    again = DFlashDrafter(
-        drafter.config,
-        drafter.target_layer_ids,
-        drafter.block_size,
-        drafter.mask_token_id,
-        learned_mask=hasattr(drafter, "mask_embedding"),
-        draft_vocab_size=DRAFT_VOCABULARY.numel(),
-    )
-    state = drafter.state_dict()
-    state["lm_head.weight"] = native.lm_head.weight.detach()[DRAFT_VOCABULARY].clone()
-    state["d2t"] = DRAFT_VOCABULARY - torch.arange(DRAFT_VOCABULARY.numel())
-    again.load_state_dict(state)
-    return again
+    return with_own_head(drafter, native.lm_head.weight.detach()[DRAFT_VOCABULARY], DRAFT_VOCABULARY)
 
 
 def context_logits(drafter: DFlashDrafter, native: NativeCausalLM) -> torch.Tensor:
