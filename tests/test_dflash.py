@@ -414,6 +414,8 @@ def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path, draft_vocab)
     assert "the loss is on the answer's tokens only" in (out / "README.md").read_text()
     assert info["draft_vocabulary"] == draft_vocab and (tmp_path / "features.pt").is_file()
     weights = load_file(str(out / "model.safetensors"))
+    card = " ".join((out / "README.md").read_text().split())
+    assert ("a draft vocabulary of the 64 tokens" in card) == bool(draft_vocab)
     if draft_vocab:
         lm_head = AutoModelForCausalLM.from_pretrained(root / "target").get_output_embeddings().weight
         tokens = weights["d2t"] + torch.arange(draft_vocab)

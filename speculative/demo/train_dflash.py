@@ -471,6 +471,13 @@ def card(info: dict) -> str:
     layers = f"{info['layers']} Qwen3-style layer{'s' if info['layers'] > 1 else ''}"
     data = info["data"][:1].upper() + info["data"][1:]
     cpu, minutes = f"{info['machine']['cpu']}, {info['machine']['nproc']} cores", info["seconds"] / 60
+    vocab = info.get("draft_vocabulary")
+    head = (
+        "the embedding and lm_head being the target's (shared, not saved)"
+        if vocab is None
+        else f"the embedding being the target's (shared, not saved) and its lm_head the target's rows of "
+        f"a draft vocabulary of the {vocab:,} tokens most frequent in the answers (saved with it)"
+    )
     kl, top, chain = (
         f"{row(before[name])} | {row(after[name])}"
         for name in ("kl_per_position", "agreement_per_position", "chain_per_position")
@@ -480,7 +487,7 @@ def card(info: dict) -> str:
 A block drafter (DFlash, arXiv:2602.06036): {layers} of the target's width
 (MLP {info["intermediate_size"]}), block size {block} (up to {block - 1} drafts in one forward), reading the
 outputs of the target's layers {info["target_layer_ids"]}; {info["parameters"]:,} parameters of its own,
-the embedding and lm_head being the target's (shared, not saved). Trained by
+{head}. Trained by
 `python -m speculative.demo.train_dflash` (the command is in training.json). Use it with
 `LLM(target, draft_model=<this folder>, speculative_config=SpeculativeConfig(method="dflash",
 num_speculative_tokens=k))`, k at most {block - 1}.
