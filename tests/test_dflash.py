@@ -304,6 +304,16 @@ def test_wrong_checkpoints_and_settings_name_what_is_wrong(tmp_path, target) -> 
         LLM(target, speculative_config=SpeculativeConfig(method="dflash"))
 
 
+def test_a_drafter_to_train_reads_layers_of_its_target(target) -> None:
+    """--target-layers: the drafter reads the layers named (DFlash's ids); one the target lacks is an
+    error naming the range."""
+    sizes = {"intermediate_size": 64}
+    drafter = dflash_drafter(target, sizes, block=4, layers=1, target_layers=(0, LAYERS - 1))
+    assert drafter.target_layer_ids == (0, LAYERS - 1) and drafter.hidden_layers == (1, LAYERS)
+    with pytest.raises(ValueError, match=rf"target layers must be in \[0, {LAYERS}\); got \[{LAYERS}\]"):
+        dflash_drafter(target, sizes, block=4, layers=1, target_layers=(LAYERS,))
+
+
 def test_sample_anchors_leave_room_for_the_block() -> None:
     gen = torch.Generator().manual_seed(0)
     anchors = sample_anchors(3, 20, 5, 8, gen)
