@@ -309,6 +309,52 @@ def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path, layout) -> N
     assert sum(o.metrics.num_drafted for o in drafted) > 0
 
 
+def test_a_head_resumed_on_other_answers_keeps_its_draft_vocabulary(
+    chat_target, tmp_path, monkeypatch
+) -> None:
+    """`--resume` on other answers (here the same ones with every byte shifted, so that their most
+    frequent tokens differ) trains the saved head over its own draft vocabulary: while it trains, its
+    lm_head rows are the target's at the tokens its d2t names, the first piece's; the card names each
+    piece's data."""
+    from speculative.demo import eagle_answers
+    from speculative.demo.self_distill import read_answers
+    from speculative.demo.train_draft import ANSWER_FILES
+    from speculative.models.eagle_checkpoint import saved_draft_vocabulary
+
+    root, out = chat_target, tmp_path / "head"
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ANSWER_FILES:
+        shifted = [
+            {**a, "response": [(t + 50) % 256 for t in a["response"]]}
+            for a in read_answers(root / "data" / name)
+        ]
+        (other / name).write_text("".join(json.dumps(a) + "\n" for a in shifted))
+    argv = [
+        "--target", str(root / "target"), "--out", str(out), "--layout", "eagle3", "--steps", "2",
+        "--intermediate", "64", "--batch-tokens", "1024", "--seq-len", "200", "--warmup", "1",
+        "--prompts", "1", "--new-tokens", "4", "--draft-vocab", "64",
+    ]  # fmt: skip
+    train_eagle.main([*argv, "--data", str(root / "data")])
+    first = saved_draft_vocabulary(out)
+    trained = []
+    train_on_answers = eagle_answers.train_on_answers
+
+    def seen(head, *args):
+        trained.append((head.draft_vocabulary.clone(), head.lm_head.weight.detach().clone()))
+        return train_on_answers(head, *args)
+
+    monkeypatch.setattr(eagle_answers, "train_on_answers", seen)
+    info = train_eagle.main([*argv, "--data", str(other), "--resume"])
+    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32)
+    [(vocabulary, rows)] = trained
+    assert len(first) == info["draft_vocabulary"] == 64
+    assert torch.equal(vocabulary, first) and torch.equal(rows, target.lm_head.weight[first])
+    assert torch.equal(saved_draft_vocabulary(out), first)
+    card = (out / "README.md").read_text()
+    assert card.count("- Piece ") == 2 and f"in {other} (" in card and f"in {root / 'data'} (" in card
+
+
 def test_target_features_are_kept_in_their_file(tmp_path) -> None:
     """A features file serves the same rows for the layers it holds (a subset sliced out) without the
     target; other rows or layers are computed again."""

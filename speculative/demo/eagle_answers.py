@@ -22,7 +22,7 @@ them; the target's distribution renormalised over it; a label outside it is a mi
 The head trains on the features of every layer but the last divided by their RMS, its fc's weights
 multiplied by it (input_scale: the same head, steps even across its inputs), and is saved as it
 reads the target's own. AdamW, warmup and cosine decay (answers_loop). `--resume` trains the head
-saved in `--out` further.
+saved in `--out` further, on `--data` (the same answers or others), keeping its draft vocabulary.
 
 The head is written to `--out` (an EAGLE-3 head without its lm_head, the target's rows: see
 train_eagle) with `training.json` (the record, the held-out teacher-forced figures per
@@ -62,7 +62,7 @@ from speculative.demo.train_draft import (
 from speculative.demo.train_eagle import DEPTH_DECAY, LAYOUT_NAMES, eagle_head, ttt_hidden
 from speculative.machine import machine
 from speculative.models.eagle import EagleHead
-from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_head
+from speculative.models.eagle_checkpoint import load_head_weights, save_eagle_head, saved_draft_vocabulary
 
 ANSWERS_LR = 2e-3  # default peak learning rate
 FEATURE_BATCH_TOKENS = 4096  # padded tokens a batch of the target's feature pass
@@ -236,7 +236,9 @@ def train(args) -> dict:
     eos = target.generation_config.eos_token_id
     always = [eos] if isinstance(eos, int) else list(eos or [])
     vocabulary = None
-    if args.draft_vocab < config.vocab_size:
+    if args.resume:  # the saved head's own, whatever answers it goes on with
+        vocabulary = saved_draft_vocabulary(args.out)
+    elif args.draft_vocab < config.vocab_size:
         vocabulary = frequent_tokens(train_answers, args.draft_vocab, always).sort().values
     sizes = {
         "intermediate_size": args.intermediate or config.intermediate_size,
@@ -272,8 +274,17 @@ def train(args) -> dict:
     before = figures()
     loop = LoopArgs(args.steps, args.lr, args.warmup, args.batch_tokens, args.seed, args.eval_every)
     record = train_on_answers(head, rows, loop, step_loss, deadline, figures, args.layout)
+    counts = {name: len(read_answers(args.data / name)) for name in ANSWER_FILES}
+    files = ", ".join(f"{name} {count}" for name, count in counts.items() if count)
+    data = (
+        f"{len(answers):,} greedy answers of the target to chat requests, collected by "
+        f"speculative.demo.train_draft in {args.data} ({files}): "
+        f"{len(train_answers):,} trained on ({sum(len(a['response']) for a in train_answers):,} answer "
+        f"tokens), one in {HELDOUT_EVERY} held out (the figures below: the first {len(heldout_answers)}). "
+        f"A row is an answer's chat prompt and the answer, its last {args.seq_len} tokens at most"
+    )
     piece = {name: record[name] for name in PIECE_FIELDS}
-    pieces = [*earlier, {**piece, "depth": args.depth, "data": str(args.data)}]
+    pieces = [*earlier, {**piece, "depth": args.depth, "data": data}]
     totals = {name: round(sum(p[name] for p in pieces), 1) for name in ("steps", "tokens", "seconds")}
     after = figures()
     with torch.no_grad():  # back to the target's own features
@@ -282,8 +293,6 @@ def train(args) -> dict:
     prompts = [a["prompt"][-args.seq_len :] for a in heldout_answers[: args.prompts]]
     drafters = {args.layout: (args.out, args.layout)}
     chain = engine_acceptance(args.target, drafters, prompts, args.new_tokens, num_speculative_tokens=4)
-    counts = {name: len(read_answers(args.data / name)) for name in ANSWER_FILES}
-    files = ", ".join(f"{name} {count}" for name, count in counts.items() if count)
     return {
         "layout": args.layout,
         "target": str(args.target),
@@ -296,11 +305,7 @@ def train(args) -> dict:
         "depth": args.depth,
         "loss": f"KL(target || head) over the draft vocabulary at the answer's tokens, training-time test "
         f"{args.depth} drafts deep, draft d weighted {DEPTH_DECAY}^(d-1)",
-        "data": f"{len(answers):,} greedy answers of the target to chat requests, collected by "
-        f"speculative.demo.train_draft in {args.data} ({files}): "
-        f"{len(train_answers):,} trained on ({sum(len(a['response']) for a in train_answers):,} answer "
-        f"tokens), one in {HELDOUT_EVERY} held out (the figures below: the first {len(heldout_answers)}). "
-        f"A row is an answer's chat prompt and the answer, its last {args.seq_len} tokens at most",
+        "data": data,
         "feature_seconds": round(feature_seconds, 1),
         **record,
         "pieces": pieces,
@@ -330,13 +335,19 @@ def card(info: dict) -> str:
         "the whole vocabulary"
         if info["draft_vocabulary"] is None
         else f"a draft vocabulary of the {info['draft_vocabulary']:,} tokens most frequent in the answers "
-        "(FR-Spec: each draft reads those rows of the target's LM head)"
+        "(its first piece's; FR-Spec: each draft reads those rows of the target's LM head)"
     )
     stopped = " (the last stopped by --max-minutes)" if info["stopped_early"] else ""
     total, count = info["total"], len(info["pieces"])
     pieces = "" if count == 1 else f", in {count} pieces (`--resume`)"
     cpu = f"{info['machine']['cpu']}, {info['machine']['nproc']} cores"
-    data = info["data"][:1].upper() + info["data"][1:]
+    datas = [p["data"] for p in info["pieces"]]
+    if len(set(datas)) == 1:
+        data = info["data"][:1].upper() + info["data"][1:] + "."
+    else:  # pieces on different answers (a resumed head keeps its first piece's draft vocabulary)
+        data = "\n".join(
+            f"- Piece {i} ({p['steps']} steps): {p['data']}." for i, p in enumerate(info["pieces"], 1)
+        )
     chain = acc["k=4"]
     return f"""# {LAYOUT_NAMES[info["layout"]]} head for {info["target_name"]}
 
@@ -348,7 +359,7 @@ Trained by `python -m speculative.demo.train_eagle` (the command is in training.
 
 ## Data
 
-{data}.
+{data}
 
 ## Training
 

@@ -203,6 +203,18 @@ def save_speculators(
     save_file(weights, str(directory / "model.safetensors"))
 
 
+def saved_draft_vocabulary(path: str | Path) -> Tensor | None:
+    """[draft vocab] int64, sorted: the target tokens of the lm_head rows of the head saved in directory
+    `path` (i + its d2t[i]); None where it drafts over the whole vocabulary (no d2t)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as weights:
+        if "d2t" not in weights.keys():
+            return None
+        d2t = weights.get_tensor("d2t").long()
+    return torch.arange(d2t.numel()) + d2t
+
+
 def write_draft_vocabulary(path: str | Path, tokens: Tensor) -> None:
     """Give the "eagle" head saved in directory `path` the draft vocabulary `tokens` (target token
     ids, [n] int64, a repeated one counted once): its d2t and draft_vocab_size, written into the
