@@ -107,7 +107,7 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
         bench,
         only=lambda method: method.reads_hidden_states,
         more="; measured as chains of k, and trees where the method has them",
-        notes={"eagle": " (default with the toy pair: models/demo/eagle)"},
+        notes={name: f" (default with the toy pair: models/demo/{name})" for name in ("eagle", "eagle3")},
     )
     bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     bench.add_argument(

@@ -48,8 +48,6 @@ METHODS = {
     "ours_ngram_tree",
     "ours_suffix",
     "ours_suffix_tree",
-    "ours_eagle",
-    "ours_eagle_tree",
 } | SKIPPED
 PLOTS = ("tokens_per_s.png", "acceptance_by_position.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 
@@ -133,10 +131,11 @@ def test_bundled_sets_come_from_heldout_files() -> None:
         assert len({r.text for r in conversation}) == 3
 
 
-def run_quick(out: Path, *model_args: str) -> dict:
+def run_quick(out: Path, heads: tuple[str, ...], *model_args: str) -> dict:
     """`speculative bench --quick` in a subprocess; returns results.json after checking what every run
-    must show: all methods (vLLM and llama.cpp skipped with a note), our outputs identical to the target's
-    greedy output, finite speedups and bounds, the report and the plots."""
+    must show: all methods (vLLM and llama.cpp skipped with a note), a chain and a tree of each of the
+    `heads`, our outputs identical to the target's greedy output, finite speedups and bounds, the report
+    and the plots."""
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     result = subprocess.run(
         [sys.executable, "-m", "speculative.cli", "bench", "--quick", "--out", str(out), *model_args],
@@ -153,9 +152,7 @@ def run_quick(out: Path, *model_args: str) -> dict:
     assert set(results["sets"]) == {"code", "multiturn", "edit"}
     for data in results["sets"].values():
         methods = data["methods"]
-        assert (
-            set(methods) - {"ours_dflash", "ours_dflash_tree"} == METHODS
-        )  # a block drafter where --dflash is given
+        assert set(methods) == METHODS | {f"ours_{head}{tree}" for head in heads for tree in ("", "_tree")}
         assert all(methods[name]["status"] == "skipped" and methods[name]["note"] for name in SKIPPED)
         for name, entry in methods.items():
             if name in SKIPPED:
@@ -170,12 +167,15 @@ def run_quick(out: Path, *model_args: str) -> dict:
                 assert entry["identical_fraction"] == 1.0, (name, entry)
         assert len(methods["ours_draft"]["acceptance_per_position"]) == 4
         assert methods["ours_draft_tree"]["tree"] == "dynamic" and methods["ours_draft"]["tree"] is None
-        for name in ("ours_eagle", "ours_eagle_tree"):  # the head's drafting clocked: a bound of its own
+        for head in heads:  # each head's drafting clocked: a bound of its own
+            for name in (f"ours_{head}", f"ours_{head}_tree"):
+                assert (
+                    methods[name]["drafter"] == head and methods[name]["T_d"] > 0 and methods[name]["T_v"] > 0
+                )
             assert (
-                methods[name]["drafter"] == "eagle" and methods[name]["T_d"] > 0 and methods[name]["T_v"] > 0
+                methods[f"ours_{head}_tree"]["tree"] == "dynamic" and methods[f"ours_{head}"]["tree"] is None
             )
-        assert methods["ours_eagle_tree"]["tree"] == "dynamic" and methods["ours_eagle"]["tree"] is None
-        assert len(methods["ours_eagle"]["acceptance_per_position"]) == 4
+            assert len(methods[f"ours_{head}"]["acceptance_per_position"]) == 4
     for sweeps in results["sweeps"]["k"].values():
         for points in sweeps.values():
             assert [p["k"] for p in points] == [1, 4]
@@ -183,7 +183,9 @@ def run_quick(out: Path, *model_args: str) -> dict:
             assert all(p["T_v"] > 0 and p["T_d"] > 0 for p in points)
     batch = results["sweeps"]["batch"]
     assert {r["batch_size"] for r in batch} == {1, 2}
-    assert {(r["batch_size"], r["method"]) for r in batch} >= {(2, "ours_eagle"), (2, "ours_eagle_tree")}
+    assert {(r["batch_size"], r["method"]) for r in batch} >= {
+        (2, f"ours_{h}{t}") for h in heads for t in ("", "_tree")
+    }
     assert all(r["identical_fraction"] == 1.0 for r in batch if r["method"].startswith("ours"))
     report = (out / "report.md").read_text()
     assert (
@@ -201,6 +203,7 @@ def run_quick(out: Path, *model_args: str) -> dict:
 def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
     results = run_quick(
         tmp_path / "out",
+        ("eagle", "dflash"),
         "--model",
         model_dirs["target"],
         "--draft-model",
@@ -228,7 +231,9 @@ def test_bench_quick_on_tiny_models(model_dirs, tmp_path: Path) -> None:
 
 
 def test_bench_quick_on_the_demo_pair(tmp_path: Path) -> None:
-    results = run_quick(tmp_path / "out")  # run from the checkout: its paths are recorded relative to it
+    results = run_quick(
+        tmp_path / "out", ("eagle", "eagle3")
+    )  # run from the checkout: its paths are recorded relative to it
     assert results["config"]["model"] == "models/demo/target"
     assert str(Path.cwd()) not in (tmp_path / "out" / "report.md").read_text()
     assert results["sets"]["code"]["methods"]["ours_draft"]["acceptance_rate"] > 0.2
@@ -280,7 +285,8 @@ def test_bench_head_flags(monkeypatch, model_dirs) -> None:
     for argv in ([], both, ["--model", model_dirs["target"]]):
         assert cli.main(["bench", *argv]) == 0
     demo, given, other = configs
-    assert demo.heads == {"eagle": str(DEMO_DIR / "eagle")} and not skipped_heads(demo)
+    assert demo.heads == {name: str(DEMO_DIR / name) for name in ("eagle", "eagle3")}
+    assert not skipped_heads(demo)
     assert given.heads == {"eagle3": model_dirs["eagle"], "dflash": model_dirs["dflash"]}
     assert other.heads == {}
     assert skipped_heads(other)["ours_eagle"]["note"].startswith("no head: --eagle PATH")

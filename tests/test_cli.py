@@ -220,8 +220,8 @@ def test_method_flags_state_a_whole_sentence_and_only_their_own_default() -> Non
         helps = {a.dest: " ".join(a.help.split()) for a in commands[command]._actions if a.dest in heads}
         assert set(helps) == set(heads)
         assert "in one forward, reading the target's hidden states" in helps["dflash"]
-    assert "models/demo/eagle" in helps["eagle"]
-    assert not any("models/demo/eagle" in helps[name] for name in ("dflash", "eagle3"))
+    assert "models/demo/eagle)" in helps["eagle"] and "models/demo/eagle3)" in helps["eagle3"]
+    assert "models/demo" not in helps["dflash"]
 
 
 def test_engine_args_make_what_llm_takes() -> None:

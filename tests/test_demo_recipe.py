@@ -29,6 +29,8 @@ def test_smoke_outputs_load_and_generate(smoke_dir, name):
     assert tok.eos_token == tok.bos_token == tok.pad_token == corpus.EOT
     assert tok.chat_template == corpus.CHAT_TEMPLATE
     assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())  # as committed
+    for file in ("tokenizer.json", "tokenizer_config.json"):  # the draft's: links to the target's
+        assert (path / file).is_symlink() == (name == "draft")
     ids = tok("def add(a, b):\n", return_tensors="pt")
     assert ids["input_ids"][0, 0].item() == tok.eos_token_id
     out = model.generate(**ids, max_new_tokens=5, do_sample=False)
@@ -72,6 +74,8 @@ def test_committed_pair_loads_with_plain_transformers_and_writes_code() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_DIR / "target")
     assert AutoTokenizer.from_pretrained(DEMO_DIR / "draft").get_vocab() == tokenizer.get_vocab()
+    for file in ("tokenizer.json", "tokenizer_config.json"):  # one copy in the pair, as the recipe writes it
+        assert (DEMO_DIR / "draft" / file).resolve() == (DEMO_DIR / "target" / file).resolve()
     assert tokenizer.chat_template == corpus.CHAT_TEMPLATE  # the recipe's, which the draft's equals too
     for name in ("target", "draft"):
         model = AutoModelForCausalLM.from_pretrained(DEMO_DIR / name).eval()

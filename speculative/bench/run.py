@@ -122,7 +122,9 @@ class BenchConfig:
         default=str(DEMO_DIR / "draft"),
         metadata={"engine": "draft_model", "help": "draft model", "default_text": "the demo model's draft"},
     )
-    heads: dict[str, str] = field(default_factory=lambda: {"eagle": str(DEMO_DIR / "eagle")})
+    heads: dict[str, str] = field(
+        default_factory=lambda: {name: str(DEMO_DIR / name) for name in ("eagle", "eagle3")}
+    )
     prompts: list[str] | None = field(
         default=None,
         metadata={
@@ -541,7 +543,8 @@ def skipped_heads(config: BenchConfig) -> dict[str, dict]:
     if config.heads and config.tensor_parallel_size == 1 and config.quantization is None:
         return {}
     note = (
-        "no head: --eagle PATH, --eagle3 PATH or --dflash PATH (the toy target's: models/demo/eagle)"
+        "no head: --eagle PATH, --eagle3 PATH or --dflash PATH (the toy target's: models/demo/eagle, "
+        "models/demo/eagle3)"
         if not config.heads
         else "heads run on one rank, not with --tensor-parallel-size > 1"
         if config.tensor_parallel_size > 1

@@ -170,7 +170,8 @@ def card(info: dict) -> str:
 Two small Llama-family models (`LlamaForCausalLM`) for demonstrating and testing speculative decoding,
 made by `python -m speculative.demo.train --out models/demo --seed {info["seed"]}`. They write plausible
 Python and nothing more. Both directories load unchanged with `AutoModelForCausalLM.from_pretrained` and
-`AutoTokenizer.from_pretrained`; weights are bf16 safetensors; the tokenizer is shared.
+`AutoTokenizer.from_pretrained`; weights are bf16 safetensors; the tokenizer is shared (`draft/`'s tokenizer
+files are links to `target/`'s).
 
 ## Corpus and split
 

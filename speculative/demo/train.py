@@ -237,6 +237,15 @@ def save(model: LlamaForCausalLM, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path, save_jinja_files=False)
 
 
+def link_tokenizer(path: Path, source: Path) -> None:
+    """Replace the tokenizer files in `path` by relative links to those of `source`, a sibling folder: a
+    draft sharing the target's tokenizer keeps one copy of it in the pair."""
+    for file in sorted(source.glob("tokenizer*")):
+        link = path / file.name
+        link.unlink(missing_ok=True)
+        link.symlink_to(Path("..") / source.name / file.name)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for target/, draft/, README.md")
@@ -304,6 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
         cap,
     )
     save(draft, tokenizer, args.out / "draft")
+    link_tokenizer(args.out / "draft", args.out / "target")
     train_seconds = time.monotonic() - wall_start
 
     info = {

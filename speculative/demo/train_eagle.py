@@ -305,13 +305,18 @@ def write_card(info: dict, path: Path) -> None:
         f"{p['peak_lr']}, loss {p['loss']}, on {p.get('data', 'corpus windows')}"
         for p in info["pieces"]
     )
-    reads = {
-        "eagle": "an `fc` over [token embedding ; the target's last hidden state], sharing the target's "
-        "embedding and LM head",
-        "eagle3": "an `fc` over the residual streams entering the target's layers "
-        f"{info['target_layers']} (low, middle, high), its own norm and LM head over the whole vocabulary, "
-        "sharing the target's embedding",
-    }[layout]
+    if layout == "eagle":
+        reads = (
+            "an `fc` over [token embedding ; the target's last hidden state], sharing the target's "
+            "embedding and LM head"
+        )
+    else:
+        low, middle, _ = info["target_layers"]
+        reads = (
+            f"an `fc` over the target's hidden states {info['target_layers']} (the residual streams entering "
+            f"its layers {low} and {middle}, and its final norm's output) and its own final norm, sharing "
+            "the target's embedding and LM head (over the whole vocabulary: frozen in training, not saved)"
+        )
     cut = info.get("draft_vocabulary")
     vocabulary = (
         ""
