@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from speculative.config import GenerationConfig, SpeculativeConfig
 from speculative.console import progress, quiet_transformers
+from speculative.demo import smollm2
 from speculative.engine.outputs import SpeculationMetrics
 from speculative.engine_args import (
     EngineArgs,
@@ -107,7 +108,10 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
         bench,
         only=lambda method: method.reads_hidden_states,
         more="; measured as chains of k, and trees where the method has them",
-        notes={name: f" (default with the toy pair: models/demo/{name})" for name in ("eagle", "eagle3")},
+        notes={
+            "eagle": " (default with the toy pair: models/demo/eagle)",
+            "eagle3": " (default: the demo model's packaged head; with the toy pair models/demo/eagle3)",
+        },
     )
     bench.add_argument("--out", default="bench-out", help="output directory (default: bench-out)")
     bench.add_argument(
@@ -235,8 +239,12 @@ def bench(args: argparse.Namespace) -> int:
             setattr(config, field.name, getattr(args, field.name))
     pair, toy = EngineArgs(model=args.model, draft_model=args.draft_model).with_demo_pair()
     config.model, config.draft_model = pair.model, pair.draft_model
-    demo_heads = {m: path for m, path in config.heads.items() if Path(path).is_dir()}
-    config.heads = heads or (demo_heads if toy and not args.synthetic else {})
+    if heads or args.synthetic:
+        config.heads = heads
+    elif toy:
+        config.heads = {m: path for m, path in config.heads.items() if Path(path).is_dir()}
+    else:  # the demo model's packaged head; none for a model of one's own
+        config.heads = {} if args.model else {"eagle3": str(smollm2.EAGLE3_PACKAGE)}
     run_and_report(config, Path(args.out), Console() if sys.stdout.isatty() else Console(width=130))
     return 0
 

@@ -28,7 +28,7 @@ from speculative.bench.timing import (
     expected_tokens_per_step,
     speedup_bound,
 )
-from speculative.demo import DEMO_DIR, corpus
+from speculative.demo import DEMO_DIR, corpus, smollm2
 from speculative.prompts import PromptRecord, encode, load_jsonl
 
 SKIPPED = {"vllm_draft", "llamacpp", "llamacpp_draft", "llamacpp_draft_default"}  # no vLLM, no --llama-cpp
@@ -276,9 +276,10 @@ def test_bench_methods_patterns() -> None:
 
 
 def test_bench_head_flags(monkeypatch, model_dirs) -> None:
-    """The demo target's head by default, --eagle / --eagle3 / --dflash's otherwise (several side by
-    side), none for another target: their methods are then skipped, and say why (as they are with the
-    target split over ranks); a head without trees has no tree method to skip."""
+    """The demo target's heads by default (the toy pair's two, the demo model's packaged EAGLE-3 head),
+    --eagle / --eagle3 / --dflash's otherwise (several side by side), none for another target: their
+    methods are then skipped, and say why (as they are with the target split over ranks); a head
+    without trees has no tree method to skip."""
     configs = []
     monkeypatch.setattr(bench_run, "run_and_report", lambda config, out, console: configs.append(config))
     both = ["--eagle3", model_dirs["eagle"], "--dflash", model_dirs["dflash"]]
@@ -290,6 +291,14 @@ def test_bench_head_flags(monkeypatch, model_dirs) -> None:
     assert given.heads == {"eagle3": model_dirs["eagle"], "dflash": model_dirs["dflash"]}
     assert other.heads == {}
     assert skipped_heads(other)["ours_eagle"]["note"].startswith("no head: --eagle PATH")
+    monkeypatch.setenv(smollm2.DEMO_ENV, "")  # the real demo model (its fetch faked): its packaged head
+    fetched = smollm2.DemoPair(Path(model_dirs["target"]), Path(model_dirs["draft"]), Path("unused.gguf"))
+    monkeypatch.setattr(smollm2, "demo_pair", lambda: fetched)
+    assert cli.main(["bench"]) == 0 and cli.main(["bench", "--draft-model", model_dirs["draft"]]) == 0
+    assert configs[-2].model == model_dirs["target"] and configs[-2].draft_model == model_dirs["draft"]
+    for real in configs[-2:]:
+        assert real.heads == {"eagle3": str(smollm2.EAGLE3_PACKAGE)}
+    assert (smollm2.EAGLE3_PACKAGE / "model.safetensors").is_file()
     split = dataclasses.replace(given, tensor_parallel_size=2)
     assert set(skipped_heads(split)) == {"ours_eagle3", "ours_eagle3_tree", "ours_dflash", "ours_dflash_tree"}
     assert "one rank" in skipped_heads(split)["ours_dflash"]["note"]
