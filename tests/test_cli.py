@@ -207,7 +207,8 @@ def test_a_registered_method_gets_its_flags() -> None:
 
 def test_method_flags_state_a_whole_sentence_and_only_their_own_default() -> None:
     """A method flag's help is its docstring's first sentence, not its first line (a DFlash flag once read
-    "... in one forward; no"), and bench's --eagle3 / --dflash do not claim --eagle's default."""
+    "... in one forward; no"), and bench's --eagle / --eagle3 each name their own default head
+    (--dflash none)."""
     from speculative.engine_args import _first_sentence
 
     assert _first_sentence("A block drafter proposes k\n    tokens; no options. More.") == (
