@@ -193,3 +193,27 @@ def test_chat_sets_are_held_out_from_the_draft_recipe() -> None:
                 assert not any(p.fullmatch(text) for p in patterns), (r.id, text)
                 assert not any(task in " ".join(text.split()).lower() for task in tasks), (r.id, text)
                 assert text not in generated, r.id
+
+
+def word_runs(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    """Every run of `n` consecutive words of `text` (lowercased, letters and digits only)."""
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_chat_sets_are_held_out_from_the_written_requests() -> None:
+    written = [chat[0]["content"] for chat in instructions.written_requests()]
+    assert len(written) == len(set(written)) >= 1000
+    assert word_runs("One two three four five six seven eight nine.") == {
+        ("one", "two", "three", "four", "five", "six", "seven", "eight"),
+        ("two", "three", "four", "five", "six", "seven", "eight", "nine"),
+    }
+    runs = set().union(*(word_runs(text) for text in written))
+    for records in chat_records().values():
+        for r in records:
+            for message in r.messages:
+                if message["role"] == "user":
+                    shared = word_runs(message["content"]) & runs
+                    assert message["content"].strip() not in written and not shared, (r.id, shared)
+    with pytest.raises(ValueError, match="count"):
+        instructions.written_requests(len(written) + 1)

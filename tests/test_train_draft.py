@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from speculative import LLM, SamplingParams
 from speculative.demo import train_draft
+from speculative.demo.instructions import written_requests
 from speculative.demo.self_distill import read_answers
 from speculative.models.draft_vocabulary import read_draft_vocabulary
 
@@ -29,7 +30,8 @@ def trained(tmp_path_factory):
     tokenizer.save_pretrained(root / "target")
     argv = [
         "--target", str(root / "target"), "--out", str(root / "draft"), "--package", str(root / "package"),
-        "--chats", "6", "--followed", "6", "--sampled", "0", "--answer-tokens", "12", "--answer-batch", "4",
+        "--chats", "6", "--followed", "6", "--sampled", "0", "--written", "3", "--written-followed", "1",
+        "--answer-tokens", "12", "--answer-batch", "4",
         "--hidden", "32", "--layers", "1", "--intermediate", "64", "--draft-vocab", "40", "--steps", "4",
         "--warmup", "1", "--eval-every", "2", "--batch-tokens", "512",
     ]  # fmt: skip
@@ -41,7 +43,15 @@ def test_the_recipe_writes_a_draft_that_speculates_exactly(trained) -> None:
     root, target, info = trained
     answers = read_answers(root / "draft" / "data" / "first.jsonl")
     assert len(answers) == 6 and len(read_answers(root / "draft" / "data" / "second.jsonl")) == 12
-    assert info["answers"] == 18 and info["training"]["steps"] == 4
+    written = read_answers(root / "draft" / "data" / "written.jsonl")
+    tokenizer = LLM(str(root / "target"), dtype="float32").tokenizer
+    for answer, chat in zip(written, written_requests(3), strict=True):  # the bundled requests, in order
+        assert chat[0]["content"] in tokenizer.decode(answer["prompt"])
+    seconds = read_answers(root / "draft" / "data" / "written-second.jsonl")
+    asked = written_requests(1)[0][0]["content"][-30:]  # the conversation goes on (cut on the left)
+    assert len(seconds) == 2 and asked in tokenizer.decode(seconds[0]["prompt"])
+    assert info["answers"] == 23 and info["training"]["steps"] == 4
+    assert train_draft.stored_answers(root / "draft" / "data")[18:] == written + seconds
     vocabulary = read_draft_vocabulary(root / "draft")
     assert len(vocabulary) == 40 and int(target.config.eos_token_id) == int(vocabulary[0])
     draft = AutoModelForCausalLM.from_pretrained(root / "draft")
@@ -54,6 +64,7 @@ def test_the_recipe_writes_a_draft_that_speculates_exactly(trained) -> None:
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == plain
     card = (root / "draft" / "README.md").read_text()
     assert "tokens a step" in card and "No data set was downloaded" in card
+    assert "3 of the requests written by hand" in card
     assert json.loads((root / "draft" / "training.json").read_text())["engine"]["k"] == 4
 
 

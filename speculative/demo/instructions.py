@@ -1,7 +1,10 @@
 """Instructions for distilling a draft from an instruction-tuned target, with no data set to download.
 
 `first_turns(count, seed)` crosses a few hundred topics with request templates (questions, how-tos,
-advice, comparisons, writing, code) into single-turn chats. `follow_ups(chat, answer, rng)` makes
+advice, comparisons, writing, code) into single-turn chats. `written_requests(count)` gives requests
+written out one by one as users write them (WRITTEN_FILE: longer, more specific and more varied than
+any template, on home life, health, money and work, science, history and culture, travel and
+hobbies, writing tasks and programming). `follow_ups(chat, answer, rng)` makes
 two second-stage chats out of a first answer of the target's own: a follow-up question in the same
 conversation, or a summary, rewrite or proofreading request over the answer pasted into the prompt
 (where a copying drafter pays). The benchmark's prompt sets (speculative/bench/prompt_sets/) are
@@ -12,7 +15,9 @@ A chat is a list of {"role", "content"} messages, ready for the tokenizer's chat
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 CONCEPTS = """photosynthesis; inflation; the water cycle; machine learning; black holes; compound interest;
 the immune system; plate tectonics; democracy; climate change; the internet; vaccines; gravity;
@@ -231,3 +236,18 @@ def follow_ups(chat: list[dict], answer: str, rng: random.Random) -> list[list[d
     ]
     pasted = [{"role": "user", "content": rng.choice(PASTED).format(text=answer.strip())}]
     return [turn, pasted]
+
+
+WRITTEN_FILE = Path(__file__).with_name("written_requests.jsonl")
+"""JSON lines {"request": text, "kind": domain}: requests written by hand, one subject each, in the
+order written_requests takes them (the domains interleaved)."""
+
+
+def written_requests(count: int | None = None) -> list[list[dict]]:
+    """The first `count` (all where None) of WRITTEN_FILE's requests as single-turn chats; raises
+    ValueError where `count` exceeds the file's."""
+    lines = WRITTEN_FILE.read_text(encoding="utf-8").splitlines()
+    requests = [json.loads(line)["request"] for line in lines if line.strip()]
+    if count is not None and count > len(requests):
+        raise ValueError(f"count: {count} written requests asked, the file holds {len(requests)}")
+    return [[{"role": "user", "content": r}] for r in requests[:count]]

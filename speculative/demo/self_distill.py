@@ -9,7 +9,8 @@ that stops goes on where it left off (the lines already written are skipped by t
 Greedy answers are exactly what a draft must predict to be accepted under greedy decoding: every
 response token is the target's argmax given everything before it.
 
-Templates give a narrow set of requests. `sampled_requests` widens it the way Magpie does (Xu et al.
+Templates give a narrow set of requests, written requests (speculative.demo.instructions) a set of
+hand-written ones in users' own words. `sampled_requests` widens them the way Magpie does (Xu et al.
 2024, arXiv:2406.08464): given only the chat template's opening of a user turn, an instruction-tuned
 target writes a request itself, sampled, in the words and on the topics its users' requests have.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from speculative.demo.instructions import first_turns, follow_ups
+from speculative.demo.instructions import first_turns, follow_ups, written_requests
 from speculative.llm import LLM
 from speculative.sampling_params import SamplingParams
 
@@ -158,27 +159,38 @@ def self_distilled(
     batch: int = 48,
     seed: int = 0,
     sampled: int = 0,
+    written: int = 0,
+    written_followed: int = 0,
 ) -> list[dict]:
     """The target's answers to `count` first-turn chats (`folder`/first.jsonl), then to two follow-up
     chats of each of the first `followed` (`folder`/second.jsonl: a further question in the
     conversation, and a request over the answer pasted in, whose long prompts cost more to answer
     than first turns do), then to `sampled` requests it wrote itself (`folder`/requests.jsonl and
-    sampled.jsonl); every answer, in that order. Resumes what an earlier run left."""
+    sampled.jsonl), then to the first `written` of the bundled written requests (written.jsonl) and
+    two follow-ups of each of the first `written_followed` of those (written-second.jsonl); every
+    answer, in that order. Resumes what an earlier run left."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = llm.tokenizer
+
+    def answered(chats: list[list[dict]], name: str, description: str) -> list[dict]:
+        prompts = [chat_prompt(tokenizer, c) for c in chats]
+        return generate_chats(llm, prompts, folder / name, max_tokens, batch, description)
+
+    def followed_up(chats: list[list[dict]], answers: list[dict], name: str) -> list[dict]:
+        rng, seconds = random.Random(seed), []
+        for chat, answer in zip(chats, answers):
+            seconds += follow_ups(chat, tokenizer.decode(answer["response"], skip_special_tokens=True), rng)
+        return answered(seconds, name, "follow-ups")
+
     chats = first_turns(count, seed)
-    prompts = [chat_prompt(tokenizer, c) for c in chats]
-    first = generate_chats(llm, prompts, folder / "first.jsonl", max_tokens, batch, "first turns")
-    rng = random.Random(seed)
-    seconds = []
-    for chat, answer in zip(chats[:followed], first):
-        seconds += follow_ups(chat, tokenizer.decode(answer["response"], skip_special_tokens=True), rng)
-    prompts = [chat_prompt(tokenizer, c) for c in seconds]
-    second = generate_chats(llm, prompts, folder / "second.jsonl", max_tokens, batch, "follow-ups")
-    if not sampled:
-        return first + second
-    requests = sampled_requests(llm, sampled, folder / "requests.jsonl", batch, seed)
-    prompts = [chat_prompt(tokenizer, [{"role": "user", "content": r}]) for r in requests]
-    third = generate_chats(llm, prompts, folder / "sampled.jsonl", max_tokens, batch, "sampled requests")
-    return first + second + third
+    first = answered(chats, "first.jsonl", "first turns")
+    answers = first + followed_up(chats[:followed], first, "second.jsonl")
+    if sampled:
+        requests = sampled_requests(llm, sampled, folder / "requests.jsonl", batch, seed)
+        answers += answered([[{"role": "user", "content": r}] for r in requests], "sampled.jsonl", "sampled")
+    if written:
+        chats = written_requests(written)
+        first = answered(chats, "written.jsonl", "written requests")
+        answers += first + followed_up(chats[:written_followed], first, "written-second.jsonl")
+    return answers

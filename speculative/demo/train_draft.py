@@ -2,8 +2,9 @@
 `python -m speculative.demo.train_draft --target DIR --out DIR`.
 
 1. Data (speculative.demo.self_distill): the target answers greedily a few thousand chats built from
-   templates (speculative.demo.instructions), two follow-ups of some, and requests it wrote itself
-   (sampled from its chat template's opening of a user turn); no data set is downloaded.
+   templates (speculative.demo.instructions), two follow-ups of some, requests it wrote itself
+   (sampled from its chat template's opening of a user turn), and the bundled requests written by
+   hand (`--written`, with two follow-ups of some); no data set is downloaded.
    Every response token is the target's argmax given what precedes it: what a draft must predict
    for its tokens to be accepted. A fixed 3% of the answers (by index) is held out.
 2. The draft: a Llama of `--layers` layers and width `--hidden` with the target's tokenizer. Its token
@@ -54,7 +55,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from speculative.demo.train import autocast, optimizer
 from speculative.machine import machine
 
-ANSWER_FILES = ("first.jsonl", "second.jsonl", "sampled.jsonl")
+ANSWER_FILES = ("first.jsonl", "second.jsonl", "sampled.jsonl", "written.jsonl", "written-second.jsonl")
 """The answers files self_distilled writes in its folder, in the order it returns their answers
 (requests.jsonl beside them holds the sampled requests, not answers)."""
 HELDOUT_EVERY = 33
@@ -458,9 +459,16 @@ def card(info: dict) -> str:
     h = info["engine_heldout_answers"]
     held_positions = " / ".join(f"{c:.2f}" for c in h["acceptance_per_position"])
     sampled = (
-        f", and {a['sampled']} requests the target wrote itself (sampled from its chat template's "
+        f", {a['sampled']} requests the target wrote itself (sampled from its chat template's "
         "opening of a user turn, kept where complete and new)"
         if a.get("sampled")
+        else ""
+    )
+    written = (
+        f", {'all' if a['written'] < 0 else a['written']} of the requests written by hand "
+        f"(`speculative/demo/written_requests.jsonl`) and two follow-ups of {a.get('written_followed', 0)} "
+        "of them"
+        if a.get("written")
         else ""
     )
     resumed = ", going on from an earlier draft of this recipe (--resume)" if a.get("resume") else ""
@@ -486,7 +494,7 @@ lm_head reads those rows only.
 {a["answer_tokens"]} tokens each) to {a["chats"]} first-turn chats made from templates
 (`speculative/demo/instructions.py`: questions, how-tos, advice, writing, code) and two follow-ups of
 {a["followed"]} of them (a further question, and a summary / rewrite / proofreading request over the
-answer pasted in){sampled}. No data set was downloaded. One answer in 33 is held out.
+answer pasted in){sampled}{written}. No data set was downloaded. One answer in 33 is held out.
 
 ## Training
 
@@ -519,6 +527,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--chats", type=int, default=5000, help="first-turn chats the target answers")
     parser.add_argument("--followed", type=int, default=300, help="first turns followed up (two each)")
     parser.add_argument("--sampled", type=int, default=3000, help="requests the target writes and answers")
+    parser.add_argument(
+        "--written", type=int, default=0, help="bundled hand-written requests the target answers (-1: all)"
+    )
+    parser.add_argument(
+        "--written-followed", type=int, default=0, help="written requests followed up (two each)"
+    )
     parser.add_argument("--answer-tokens", type=int, default=192, help="tokens of an answer at most")
     parser.add_argument("--answer-batch", type=int, default=48, help="chats answered at once")
     parser.add_argument("--hidden", type=int, default=256)
@@ -543,6 +557,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-prompts", help="a bench prompt set (JSONL) for the card's engine figures")
     parser.add_argument("--target-name", help="the target's name in the card (default: its folder's)")
     args = parser.parse_args(argv)
+    from speculative.demo.instructions import written_requests
     from speculative.demo.self_distill import self_distilled
     from speculative.llm import LLM
 
@@ -558,6 +573,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.answer_batch,
         args.seed,
         args.sampled,
+        len(written_requests()) if args.written < 0 else args.written,
+        args.written_followed,
     )
     tokenizer = llm.tokenizer
     del llm
