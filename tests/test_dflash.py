@@ -413,6 +413,8 @@ def test_the_recipe_on_a_targets_own_answers(chat_target, tmp_path, draft_vocab)
         "first.jsonl": 40,
         "second.jsonl": 6,
         "sampled.jsonl": 0,
+        "written.jsonl": 0,
+        "written-second.jsonl": 0,
     }
     trace = [loss for _, loss in info["loss_trace"]]
     assert sum(trace[-3:]) / 3 < 0.8 * trace[0], trace
