@@ -64,7 +64,7 @@ def test_the_recipe_writes_a_draft_that_speculates_exactly(trained) -> None:
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == plain
     card = (root / "draft" / "README.md").read_text()
     assert "tokens a step" in card and "No data set was downloaded" in card
-    assert "3 of the requests written by hand" in card
+    assert "3 of the requests written one by one" in card
     assert json.loads((root / "draft" / "training.json").read_text())["engine"]["k"] == 4
 
 

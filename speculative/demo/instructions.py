@@ -239,7 +239,7 @@ def follow_ups(chat: list[dict], answer: str, rng: random.Random) -> list[list[d
 
 
 WRITTEN_FILE = Path(__file__).with_name("written_requests.jsonl")
-"""JSON lines {"request": text, "kind": domain}: requests written by hand, one subject each, in the
+"""JSON lines {"request": text, "kind": domain}: requests written one by one, one subject each, in the
 order written_requests takes them (the domains interleaved)."""
 
 

@@ -10,7 +10,7 @@ Greedy answers are exactly what a draft must predict to be accepted under greedy
 response token is the target's argmax given everything before it.
 
 Templates give a narrow set of requests, written requests (speculative.demo.instructions) a set of
-hand-written ones in users' own words. `sampled_requests` widens them the way Magpie does (Xu et al.
+ones written one by one in users' own words. `sampled_requests` widens them the way Magpie does (Xu et al.
 2024, arXiv:2406.08464): given only the chat template's opening of a user turn, an instruction-tuned
 target writes a request itself, sampled, in the words and on the topics its users' requests have.
 """

@@ -23,7 +23,7 @@ The text:
       train.py's train_loop, at the draft's learning rate unless `--lr`, under its autocast (bf16 where
       the CPU computes it natively).
   --target: the target's own greedy answers to chat requests, the JSONL files train_draft collects
-      under its `--data` (train_draft.stored_answers: first.jsonl, second.jsonl, sampled.jsonl, each line
+      under its `--data` (train_draft.stored_answers: the files of its ANSWER_FILES, each line
       {"prompt": the chat template's token ids, "response": the target's tokens}; requests.jsonl beside
       them holds only the requests). One answer in 33 is held out (train_draft.heldout_indices), for the
       measurements. Each answer is one row, its prompt then its response, cut to its last `--seq-len`

@@ -3,8 +3,8 @@
 
 1. Data (speculative.demo.self_distill): the target answers greedily a few thousand chats built from
    templates (speculative.demo.instructions), two follow-ups of some, requests it wrote itself
-   (sampled from its chat template's opening of a user turn), and the bundled requests written by
-   hand (`--written`, with two follow-ups of some); no data set is downloaded.
+   (sampled from its chat template's opening of a user turn), and bundled requests written one by
+   one (`--written`, with two follow-ups of some); no data set is downloaded.
    Every response token is the target's argmax given what precedes it: what a draft must predict
    for its tokens to be accepted. A fixed 3% of the answers (by index) is held out.
 2. The draft: a Llama of `--layers` layers and width `--hidden` with the target's tokenizer. Its token
@@ -465,7 +465,7 @@ def card(info: dict) -> str:
         else ""
     )
     written = (
-        f", {'all' if a['written'] < 0 else a['written']} of the requests written by hand "
+        f", {'all' if a['written'] < 0 else a['written']} of the requests written one by one "
         f"(`speculative/demo/written_requests.jsonl`) and two follow-ups of {a.get('written_followed', 0)} "
         "of them"
         if a.get("written")
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--followed", type=int, default=300, help="first turns followed up (two each)")
     parser.add_argument("--sampled", type=int, default=3000, help="requests the target writes and answers")
     parser.add_argument(
-        "--written", type=int, default=0, help="bundled hand-written requests the target answers (-1: all)"
+        "--written", type=int, default=0, help="bundled written requests the target answers (-1: all)"
     )
     parser.add_argument(
         "--written-followed", type=int, default=0, help="written requests followed up (two each)"
