@@ -163,13 +163,13 @@ def generate(args: argparse.Namespace) -> int:
     chat = instruct if given.chat is None else given.chat
     prompts = [_chat_prompt(llm, text) for text in texts] if chat else texts
     warm_up = min(WARM_UP_TOKENS, params.max_tokens)
-    compiling = (
-        "; --compile: the first call compiles, a minute or more on a small CPU" if engine.compile else ""
-    )
+    compiles = engine.compile or engine.draft_compile
+    flag = "--compile" if engine.compile else "--draft-compile"
+    compiling = f"; {flag}: the first call compiles, a minute or more on a small CPU" if compiles else ""
     progress(f"warming up on the prompts ({warm_up} tokens{compiling})...")
     start = time.perf_counter()
     llm.generate(prompts, dataclasses.replace(params, max_tokens=warm_up, ignore_eos=True))
-    cost = "warm-up and compilation" if engine.compile else "warm-up"
+    cost = "warm-up and compilation" if compiles else "warm-up"
     progress(f"first call ({warm_up} tokens, {cost}) in {time.perf_counter() - start:.2f} s")
     shown = [f"user: {text}\nassistant: " if chat else text for text in texts]
     if len(prompts) > 1:

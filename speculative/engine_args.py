@@ -254,6 +254,13 @@ class EngineArgs:
         "run the native forward compiled (torch.compile; the first call of each kind compiles, a minute "
         "or more on a small CPU)",
     )
+    draft_compile: bool | None = arg(
+        None,
+        "compile the drafter (a draft model or an EAGLE head), or with --no-draft-compile not, whatever "
+        "--compile says: --draft-compile alone compiles the small drafter and leaves the target eager",
+        action=argparse.BooleanOptionalAction,
+        default_text="--compile",
+    )
     tensor_parallel_size: int = arg(
         1,
         "split the target over N ranks (processes this command starts; under torchrun, its own); N must "

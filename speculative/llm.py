@@ -23,8 +23,15 @@ from speculative.engine.inputs import InputProcessor, PromptType
 from speculative.engine.outputs import CompletionOutput, RequestOutput
 from speculative.engine.sequence import Sequence
 from speculative.engine.state import SampleState, unpack_generator
+from speculative.fields import check
 from speculative.methods.acceptance import acceptance_rule
-from speculative.methods.registry import BuildContext, Built, refuse_draft_options, require_tree_forward
+from speculative.methods.registry import (
+    BuildContext,
+    Built,
+    refuse_draft_compile,
+    refuse_draft_options,
+    require_tree_forward,
+)
 from speculative.models.base import LanguageModel
 from speculative.models.compiled import prepare_model, warm_up_pair
 from speculative.models.loading import ModelImpl, load_model, quantize_model
@@ -40,7 +47,7 @@ class LLM:
     model / draft_model: a hub id or local path, a transformers PreTrainedModel, or a LanguageModel.
         A draft whose vocabulary differs from the target's drafts across tokenizers
         (CrossTokenizerProposer: a chain, greedy drafting; both tokenizers needed, fast ones; no
-        tree, compile, precompile or tensor parallelism).
+        tree, compile, draft_compile, precompile or tensor parallelism).
     speculative_config: how to speculate; None decodes plainly with the target (the baseline),
         except that giving a draft_model alone speculates with SpeculativeConfig()'s defaults.
     dtype: "auto", "float32", "bfloat16", "float16" or a torch.dtype; device: "cpu", "cuda", ... "auto" is
@@ -58,6 +65,11 @@ class LLM:
     compile: run the native forward compiled with torch.compile (models/compiled.py): inductor on
         CPU, CUDA graphs on CUDA. Each kind of call compiles on its first use, unless `precompile`
         warms it up here.
+    draft_compile: compile the drafter (a draft model, an EAGLE head) or not; None: as `compile`.
+        True beside compile=False compiles the small drafter alone: on a CPU an eager draft model's
+        forward is mostly the cost of dispatching its ops, while the target's eager forward, bound by
+        its weights, costs about the same for 1 to k + 1 tokens (docs/models.md#fast-path).
+        Refused (a ValueError) where the method has no such drafter.
     precompile: a PreCompileConfig: prompts are padded to its prefill buckets (a prompt longer than
         every bucket is a ValueError naming the largest), and each of its standalone (batch_size,
         prefill_length) shapes is run once here, compiled when `compile`.
@@ -94,6 +106,7 @@ class LLM:
         tokenizer: PreTrainedTokenizerBase | str | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | str | None = None,
         compile: bool = False,
+        draft_compile: bool | None = None,
         precompile: PreCompileConfig | None = None,
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
@@ -102,9 +115,12 @@ class LLM:
         arguments = {name: value for name, value in locals().items() if name != "self"}  # for other ranks
         speculative_config = _speculative_config(speculative_config, draft_model)
         check_quantization(quantization)
+        ok = draft_compile is None or isinstance(draft_compile, bool)
+        check(ok, "draft_compile", draft_compile, "None, True or False", owner="LLM")
         parallel = ParallelConfig(tensor_parallel_size, draft_tensor_parallel_size)
         if speculative_config is None:
             refuse_draft_options(arguments)
+            refuse_draft_compile(arguments, "decoding without speculation")
         else:
             speculative_config.options.check(speculative_config.method, arguments)
         self.quantization = quantization
@@ -113,8 +129,9 @@ class LLM:
         self.device = torch.device(device)
         self.tensor_parallel: TensorParallelGroup | None = None
         if parallel.tensor_parallel_size > 1:
-            if compile:
-                raise ValueError("compile=True does not run with tensor_parallel_size > 1 yet")
+            for name, given in (("compile", compile), ("draft_compile", draft_compile)):
+                if given:
+                    raise ValueError(f"{name}=True does not run with tensor_parallel_size > 1 yet")
             size = parallel.tensor_parallel_size
             check_model(model, model_impl, size, "target", "tensor_parallel_size", self.device)
             if parallel.draft_tensor_parallel_size > 1:

@@ -7,6 +7,7 @@ from conftest import byte_tokenizer, tiny_model
 
 import speculative.engine.engine as engine_module
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.models.compiled import CompiledCausalLM
 from speculative.proposers import CrossTokenizerProposer
 
 
@@ -91,6 +92,25 @@ def test_bad_draft_dtype() -> None:
         ValueError, match="draft_dtype is the draft model's dtype: give it with a draft_model"
     ):
         LLM(target, speculative_config=SpeculativeConfig("ngram"), draft_dtype="float32")
+
+
+def test_bad_draft_compile() -> None:
+    target = tiny_model()
+    with pytest.raises(ValueError, match=r"LLM.draft_compile must be None, True or False; got 'yes'"):
+        LLM(target, draft_model=target, draft_compile="yes")
+    with pytest.raises(ValueError, match="and decoding without speculation has none: drop draft_compile"):
+        LLM(target, draft_compile=True)
+    with pytest.raises(ValueError, match=r'SpeculativeConfig\(method="ngram"\) has none'):
+        LLM(target, speculative_config=SpeculativeConfig("ngram"), draft_compile=False)
+
+
+def test_draft_compile_compiles_the_drafter_whatever_compile_says() -> None:
+    """Wrapping only: nothing compiles until a call."""
+    target, draft = tiny_model("llama"), tiny_model("llama")
+    for compile, draft_compile, want in ((False, True, True), (True, False, False), (True, None, True)):
+        llm = LLM(target, draft_model=draft, compile=compile, draft_compile=draft_compile)
+        assert isinstance(llm.target.model, CompiledCausalLM) is compile
+        assert isinstance(llm.draft.model, CompiledCausalLM) is want
 
 
 def test_mismatched_params_list(no_work) -> None:

@@ -255,6 +255,37 @@ def test_cli_compile_flags() -> None:
     assert parser.parse_args(["generate"]).compile is False
     assert parser.parse_args(["bench", "--compile"]).compile is True
     assert parser.parse_args(["bench"]).compile is None  # None: BenchConfig's default (False)
+    for flags, want in (([], None), (["--draft-compile"], True), (["--no-draft-compile"], False)):
+        assert parser.parse_args(["serve", *flags]).draft_compile is want
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_a_drafter_compiled_alone_keeps_greedy_output(pair, tmp_path, method) -> None:
+    """LLM(draft_compile=True) beside an eager target: the drafter runs compiled (a draft model's k
+    greedy drafts, an EAGLE head's drafting: one compiled call each), the target eagerly; greedy output
+    and steps are the eager engine's, and later runs compile nothing."""
+    target, draft = pair
+    if method == "eagle3":
+        sizes = {"intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+        save_eagle_head(eagle_head(target, sizes, "eagle3"), tmp_path / "head")
+        draft = str(tmp_path / "head")
+    config = SpeculativeConfig(method=method, num_speculative_tokens=3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    eager = LLM(target, draft_model=draft, speculative_config=config)
+    alone = LLM(target, draft_model=draft, speculative_config=config, draft_compile=True)
+    assert isinstance(alone.target.model, NativeCausalLM)
+    proposer = alone.engine.proposer
+    compiled = proposer.compiled if method == "eagle3" else proposer.model
+    assert isinstance(compiled, CompiledCausalLM)
+    want = eager.generate(PROMPTS, params)
+    got = alone.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.metrics.num_steps for o in got] == [o.metrics.num_steps for o in want]
+    graphs = counters["stats"]["unique_graphs"]
+    alone.generate(PROMPTS, params)
+    assert counters["stats"]["unique_graphs"] == graphs
+    greedy = compiled._head_greedy if method == "eagle3" else compiled._greedy
+    assert 3 in greedy
 
 
 @pytest.mark.parametrize("tree", [None, "dynamic"])

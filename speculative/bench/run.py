@@ -333,7 +333,10 @@ class Pair:
                 PreCompileConfig(sorted({1, max(config.batch_sizes)})),
                 config.k,
                 every_width=True,  # n-gram lookup's and suffix decoding's verifications (shared target)
-                every_draft_length=config.selects("ours_draft_adaptive_compiled"),
+                every_draft_length=any(
+                    config.selects(name)
+                    for name in ("ours_draft_adaptive_compiled", "ours_draft_adaptive_compiled_draft")
+                ),
             )
 
     def ours(
@@ -345,6 +348,7 @@ class Pair:
         tree: str | None = None,
         lookup: bool = False,
         own: int = 0,
+        draft_compiled: bool = False,
         **options,
     ) -> OursMethod | None:
         """Our engine on the shared models: plain decoding (drafter None), draft model, n-gram, suffix or
@@ -352,7 +356,8 @@ class Pair:
         models (engine "ours_compiled"); with `adaptive`, k chosen per step in [0, k]
         (SpeculativeConfig.adaptive); with `tree`, token trees of that shape, k deep, of the config's
         tree_width and tree_nodes; with `lookup` (the draft model), prompt lookup first (LOOKUP_MIN), the
-        draft's own chain at most `own` long (num_assistant_tokens; 0: k); `options`: more
+        draft's own chain at most `own` long (num_assistant_tokens; 0: k); with `draft_compiled` (the
+        draft model), the compiled draft beside the eager target (LLM's draft_compile); `options`: more
         SpeculativeConfig fields. None where the config's `methods` leave it out
         (nothing loaded)."""
         config = self.config
@@ -372,10 +377,14 @@ class Pair:
                     f", prompt lookup first{mine}{label}",
                 )
                 options.update(prompt_lookup_min=LOOKUP_MIN, num_assistant_tokens=own)
+            if draft_compiled:
+                suffix, label = f"{suffix}_compiled_draft", f"{label}, the draft compiled"
             name, label = f"ours_{short}{suffix}", f"ours {short} k{'<=' if adaptive else '='}{k}{label}"
         if not config.selects(name):
             return None
         target, draft = (self.compiled_target, self.compiled_draft) if compiled else (self.target, self.draft)
+        if draft_compiled:
+            draft = self.compiled_draft
         # compile: the models are compiled already; an EAGLE head, loaded by the LLM, is compiled there
         loading = {"device": self.device, "tokenizer": self.tokenizer, "compile": compiled}
         if config.tensor_parallel_size > 1:  # every rank loads the pair itself
@@ -589,6 +598,9 @@ def build_methods(
         methods += [pair.ours(d, config.k, compiled=True, lookup=True, own=LOOKUP_OWN) for d in own]
         methods += [pair.ours(d, config.k, compiled=True, adaptive=True, lookup=True) for d in looked]
         methods += [pair.ours(d, config.k, compiled=True, tree=METHODS[d].suited_tree) for d in trees]
+        if pair.draft is not None:  # the draft compiled alone, beside the eager target
+            methods += [pair.ours("draft_model", config.k, draft_compiled=True)]
+            methods += [pair.ours("draft_model", config.k, adaptive=True, draft_compiled=True)]
     methods = [m for m in methods if m is not None and config.selects(m.name)]
     skipped = skipped_heads(config)
     if pair.draft is None:
@@ -735,7 +747,10 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
         notes.append(
             "Compiled methods (torch.compile of the native forward) share the eager models' weights; "
             "every graph they use was compiled while the pair loaded. Their speedups are against the "
-            "eager ours AR; their bound and efficiency use ours AR, compiled, and their own step times."
+            "eager ours AR; their bound and efficiency use ours AR, compiled, and their own step times. "
+            "Methods whose draft alone is compiled (LLM's draft_compile: the compiled draft, its graphs "
+            "compiled while the pair loaded, beside the eager target) are eager methods: their speedups, "
+            "bound and efficiency are against the eager ours AR."
         )
     ks = sorted(set(config.sweep_k) | {config.k})
     limits = [m.max_length for m in (pair.target, pair.draft) if m is not None]

@@ -15,6 +15,7 @@ from speculative.methods.registry import (
     Built,
     MethodConfig,
     check_draft_model,
+    drafter_compiled,
     register,
     require_tree_forward,
 )
@@ -50,6 +51,7 @@ class DraftModelConfig(MethodConfig):
     )
 
     uses_draft_model: ClassVar[bool] = True
+    compiles_drafter: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
@@ -97,7 +99,7 @@ class DraftModelConfig(MethodConfig):
         )
         apply_draft_vocabulary(draft.model, given["draft_model"])
         quantize_model(draft.model, given["quantization"], "draft model", dtype_name)
-        draft.model = prepare_model(draft.model, given["compile"], given["precompile"])
+        draft.model = prepare_model(draft.model, drafter_compiled(given), given["precompile"])
         if not _same_vocabulary(context.target, draft):
             if self.prompt_lookup_min:
                 raise ValueError(
@@ -153,9 +155,11 @@ def _cross_tokenizer_proposer(context: BuildContext, draft: LoadedModel) -> Cros
             "SpeculativeConfig.tree is not supported with a draft model that has its own tokenizer "
             "(drafting across tokenizers proposes chains); use tree=None"
         )
+    arguments = context.arguments
     for name, given in (
-        ("compile", context.arguments["compile"]),
-        ("precompile", context.arguments["precompile"] is not None),
+        ("compile", arguments["compile"]),
+        ("draft_compile", arguments.get("draft_compile")),
+        ("precompile", arguments["precompile"] is not None),
         ("tensor_parallel_size", context.group is not None),
     ):
         if given:

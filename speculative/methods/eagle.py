@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from speculative.methods.heads import HeadConfig
-from speculative.methods.registry import BuildContext, Built, register
+from speculative.methods.registry import BuildContext, Built, drafter_compiled, register
 
 
 @register("eagle", "eagle3")
@@ -19,6 +19,7 @@ class EagleConfig(HeadConfig):
     rank."""
 
     drafter: ClassVar[str] = "the EAGLE head"
+    compiles_drafter: ClassVar[bool] = True
 
     def build(self, context: BuildContext) -> Built:
         from speculative.models.compiled import CompiledCausalLM
@@ -28,9 +29,8 @@ class EagleConfig(HeadConfig):
 
         config, native = context.config, self.native_target(context)
         head = load_eagle_head(context.arguments["draft_model"], config.method, native)
-        compiled = (
-            CompiledCausalLM(head) if context.arguments["compile"] else None
-        )  # a greedy chain's, a tree's drafting
+        # a greedy chain's, a tree's drafting
+        compiled = CompiledCausalLM(head) if drafter_compiled(context.arguments) else None
         if config.tree is None:
             return Built(EagleProposer(head, compiled))
         return Built(EagleTreeProposer(head, config.tree, config.tree_width, config.tree_nodes, compiled))

@@ -30,7 +30,8 @@ class BuildContext:
         tree_width, tree_nodes: the shape of the proposals).
     target: the loaded target (its model already quantized and wrapped for compile/precompile).
     arguments: LLM.__init__'s arguments by name, checked (draft_model as given, dtype, draft_dtype,
-        model_impl, draft_tokenizer, compile, precompile, quantization, draft_tensor_parallel_size, ...).
+        model_impl, draft_tokenizer, compile, draft_compile, precompile, quantization,
+        draft_tensor_parallel_size, ...); `drafter_compiled(arguments)` says whether the drafter compiles.
     device: the device the models run on (this rank's). group: this rank's tensor-parallel group (None:
         one process).
     """
@@ -65,6 +66,8 @@ class MethodConfig(DictRoundTrip):
         warms up every width.
     trees: whether the method proposes token trees (SpeculativeConfig.tree); suited_tree: the tree
         kind that suits it ("static" or "dynamic"), the benchmark's choice.
+    compiles_drafter: its drafter (a draft model, an EAGLE head) runs compiled where
+        `drafter_compiled(arguments)`; LLM(draft_compile=...) is refused for the others.
     """
 
     uses_draft_model: ClassVar[bool] = False
@@ -72,14 +75,17 @@ class MethodConfig(DictRoundTrip):
     model_free: ClassVar[bool] = False
     trees: ClassVar[bool] = True
     suited_tree: ClassVar[str] = "dynamic"
+    compiles_drafter: ClassVar[bool] = False
 
     def check(self, method: str, arguments: dict[str, Any]) -> None:
         """Refuse LLM arguments the method cannot run with, before anything loads (a ValueError naming
         the argument). `arguments`: LLM.__init__'s, by name. The base checks that a draft model is given
         where it is used, and refuses the draft model's own dtype and tokenizer (DraftModelConfig takes
-        them)."""
+        them) and draft_compile where the method has no drafter that compiles."""
         check_draft_model(method, self.uses_draft_model, arguments.get("draft_model"))
         refuse_draft_options(arguments)
+        if not self.compiles_drafter:
+            refuse_draft_compile(arguments, f'SpeculativeConfig(method="{method}")')
 
     def build(self, context: BuildContext) -> Built:
         """The method's proposer (and draft model) for the LLM being built."""
@@ -99,6 +105,21 @@ def refuse_draft_options(arguments: dict[str, Any]) -> None:
     for name, what in (("draft_dtype", "dtype"), ("draft_tokenizer", "tokenizer")):
         if arguments.get(name) is not None:
             raise ValueError(f"{name} is the draft model's {what}: give it with a draft_model")
+
+
+def refuse_draft_compile(arguments: dict[str, Any], what: str) -> None:
+    """A ValueError where LLM's arguments set draft_compile for `what`, which has no drafter that
+    compiles (no speculation, n-gram lookup, suffix decoding, a DFlash drafter)."""
+    if arguments.get("draft_compile") is not None:
+        raise ValueError(
+            f"draft_compile compiles a draft model or an EAGLE head, and {what} has none: drop draft_compile"
+        )
+
+
+def drafter_compiled(arguments: dict[str, Any]) -> bool:
+    """Whether the drafter runs compiled: LLM's draft_compile, or its compile where that is None."""
+    given = arguments.get("draft_compile")
+    return bool(arguments["compile"] if given is None else given)
 
 
 def require_tree_forward(model: LanguageModel, which: str = "model") -> None:

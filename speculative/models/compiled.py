@@ -519,5 +519,16 @@ def warm_up_pair(
     widths = range(2, k + 2) if every_width else [k + 1] if k else []
     warm_up(target, precompile, [(1, False)] + [(q, False) for q in widths])
     if draft is not None:
-        lengths = range(1, k + 1) if every_draft_length else [k]
-        warm_up(draft, precompile, [(2, True), (1, False)], greedy=[(q, j) for j in lengths for q in (1, 2)])
+        warm_up_draft(draft, precompile, k, every_draft_length)
+
+
+def warm_up_draft(
+    draft: LanguageModel, precompile: PreCompileConfig, num_speculative_tokens: int, every_draft_length: bool
+) -> None:
+    """warm_up_pair's draft half: for every standalone shape of `precompile`, the draft's prefill and its
+    drafting of k steps (every 1 .. k with `every_draft_length`) from a query of 1 token or of 2.
+    Batch sizes 1 and 2 make every graph of a draft model's calls: a batch of 2 rows marks its batch
+    dynamic, so that its graphs serve every larger batch."""
+    k = num_speculative_tokens
+    lengths = range(1, k + 1) if every_draft_length else [k]
+    warm_up(draft, precompile, [(2, True), (1, False)], greedy=[(q, j) for j in lengths for q in (1, 2)])

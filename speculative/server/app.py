@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from speculative.console import progress
 from speculative.demo import smollm2
@@ -33,6 +34,9 @@ with needs_extra("server", "speculative.server"):
 
     from speculative.server import protocol as P
     from speculative.server.scheduler import QueueFull, RequestStream, RequestUpdate, Scheduler, ShuttingDown
+
+if TYPE_CHECKING:
+    from speculative.llm import LLM
 
 log = logging.getLogger("speculative.server")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
@@ -206,6 +210,19 @@ def drain(app: FastAPI) -> None:
     app.state.scheduler.drain(app.state.shutdown_timeout)
 
 
+def _compile_draft(llm: LLM) -> None:
+    """--draft-compile with a draft model: its graphs (batch 1 and larger, drafting 1 .. k tokens from
+    1 or 2) compiled before the server listens, so that no request waits while one compiles."""
+    from speculative.models.compiled import warm_up_draft
+    from speculative.precompile import PreCompileConfig
+
+    k = llm.speculative_config.num_speculative_tokens
+    progress(f"--draft-compile: compiling the draft model's graphs, k up to {k} (a minute on a small CPU)...")
+    start = time.perf_counter()
+    warm_up_draft(llm.draft.model, PreCompileConfig(batch_size=[1, 2]), k, every_draft_length=True)
+    progress(f"compiled the draft model's graphs in {time.perf_counter() - start:.1f} s")
+
+
 def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None) -> FastAPI:
     """The app `speculative serve` runs (not started): the flags checked, --chat-template before the
     models load, then the LLM (with the template as its tokenizer's), its scheduler and the
@@ -223,8 +240,11 @@ def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None
         raise ValueError(
             f"--max-model-len {server.max_model_len} is more than the models' context of {context}"
         )
-    if engine.compile:
-        progress("--compile: each kind of call compiles on its first use (a minute or more on a small CPU)")
+    if engine.draft_compile and llm.draft is not None:
+        _compile_draft(llm)
+    if engine.compile or (engine.draft_compile and llm.draft is None):
+        flag = "--compile" if engine.compile else "--draft-compile"
+        progress(f"{flag}: each kind of call compiles on its first use (a minute or more on a small CPU)")
     scheduler = Scheduler(llm, max_num_seqs=server.max_num_seqs, max_waiting=server.max_waiting)
     return create_app(
         scheduler,
