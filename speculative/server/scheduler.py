@@ -310,6 +310,7 @@ class Scheduler:
             try:
                 self.engine.step()
             except Exception as error:
+                logging.getLogger(__name__).error("an engine step failed its requests", exc_info=True)
                 self._fail_all(f"{type(error).__name__}: {error}")
                 continue
             elapsed = time.perf_counter() - start
