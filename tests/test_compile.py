@@ -259,6 +259,26 @@ def test_cli_compile_flags() -> None:
         assert parser.parse_args(["serve", *flags]).draft_compile is want
 
 
+def test_a_compiled_call_in_another_thread_makes_the_settings_there(pair) -> None:
+    """torch keeps dynamo's settings per thread: a thread that only runs compiled calls (a server's
+    engine thread) gets the raised graph limit and duck sizing off from its first call."""
+    import threading
+
+    import torch.fx.experimental._config as fx_config
+
+    llm = LLM(pair[0], compile=True)
+    seen = {}
+
+    def run() -> None:
+        llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2))
+        seen.update(limit=torch._dynamo.config.recompile_limit, duck=fx_config.use_duck_shape)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == {"limit": 64, "duck": False}
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_a_drafter_compiled_alone_keeps_greedy_output(pair, tmp_path, method) -> None:
     """LLM(draft_compile=True) beside an eager target: the drafter runs compiled (a draft model's k

@@ -27,22 +27,23 @@ CUDA: every call compiled, mode "reduce-overhead" (CUDA graphs), the cache tenso
 addresses (new_cache); a graph inductor leaves out of CUDA graphs runs without one and warns
 (_compile). tests/test_cuda.py checks it on a GPU.
 
-Process-wide settings made on first use: dynamo's limit of graphs per code object raised to
-MIN_RECOMPILE_LIMIT (every model's graphs share NativeCausalLM.run's code object), duck sizing
-off (two sizes that happen to be equal in the first call are not assumed equal forever), and
-dynamo's recursive dict tags on. A compiled call first checks the guards of its graph: on every
-tensor, type and constant the trace read, about 1,800 for a 30-layer model, which took longer than
-a millisecond a call on CPU. The model's fused layers (FusedLayer, PackedLinear) are nn.Modules
-that register nothing, and with the tags a subtree of nn.Modules whose attribute dicts did not
-change since the last check (any assignment changes a dict's tag) skips its guards: what is left
-is the inputs', the cache's and the model's own few. (Tensors are taken as unchanged there: an
-in-place change of a held tensor's shape, `.data =` or `resize_`, would go unseen; the engine makes
-none.)
+Settings made in each thread before its first compiled call (torch keeps them per thread, so a
+server's engine thread needs its own: apply_dynamo_settings): dynamo's limit of graphs per code
+object raised to MIN_RECOMPILE_LIMIT (every model's graphs share NativeCausalLM.run's code object),
+duck sizing off (two sizes that happen to be equal in the first call are not assumed equal forever),
+and dynamo's recursive dict tags on. A compiled call first checks the guards of its graph: on every
+tensor, type and constant the trace read, about 1,800 for a 30-layer model, which took longer than a
+millisecond a call on CPU. The model's fused layers (FusedLayer, PackedLinear) are nn.Modules that
+register nothing, and with the tags a subtree of nn.Modules whose attribute dicts did not change
+since the last check (any assignment changes a dict's tag) skips its guards: what is left is the
+inputs', the cache's and the model's own few. (Tensors are taken as unchanged there: an in-place
+change of a held tensor's shape, `.data =` or `resize_`, would go unseen; the engine makes none.)
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -65,6 +66,22 @@ from speculative.precompile import PreCompileConfig
 # Graphs of every model share the one code object of NativeCausalLM.run, and dynamo's default limit
 # on graphs per code object (8) is below a target's and a draft's together.
 MIN_RECOMPILE_LIMIT = 64
+
+
+_SETTINGS = threading.local()  # whether this thread has dynamo's settings (apply_dynamo_settings)
+
+
+def apply_dynamo_settings() -> None:
+    """The module docstring's process-wide dynamo settings, in the calling thread: torch keeps them per
+    thread (a server's engine thread saw none of those its main thread made: dynamo's default limit of
+    8 graphs per code object, duck sizing on), so every compiled call makes them in its thread first."""
+    if getattr(_SETTINGS, "applied", False):
+        return
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, MIN_RECOMPILE_LIMIT)
+    config.use_recursive_dict_tags_for_guards = True
+    fx_config.use_duck_shape = False
+    _SETTINGS.applied = True
 
 
 def _standard_strides(tensor: Tensor) -> Tensor:
@@ -108,10 +125,7 @@ class CompiledCausalLM:
         # CPU: longer calls (prefills) run eagerly, on every thread, where compiling gains little and
         # each thread count would need graphs of its own (dynamo guards on it)
         self.max_compiled_rows = SMALL_CALL_ROWS if model.device.type == "cpu" else None
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, MIN_RECOMPILE_LIMIT)
-        config.use_recursive_dict_tags_for_guards = True
-        fx_config.use_duck_shape = False
+        apply_dynamo_settings()
         self._compiled = self._compile(model.run)
         self._positions: dict[tuple[int, int], Tensor] = {}  # (batch, q) -> _every_position
         self._marked = lambda: None  # a weak reference to the first cache view marked dynamic (_dynamic)
@@ -127,9 +141,15 @@ class CompiledCausalLM:
         else:
             compiled = torch.compile(fn, options={"post_grad_custom_post_pass": GEMV_PASS})
         if self.mode != "reduce-overhead":
-            return compiled
+
+            def in_any_thread(*args, **kwargs):
+                apply_dynamo_settings()
+                return compiled(*args, **kwargs)
+
+            return in_any_thread
 
         def call(*args, **kwargs):
+            apply_dynamo_settings()
             skipped = counters["inductor"]["cudagraph_skips"]
             out = compiled(*args, **kwargs)
             if counters["inductor"]["cudagraph_skips"] > skipped:

@@ -91,6 +91,9 @@ class DraftModelProposer:
             self._refill(tokens, lengths)
         if self.pending:
             self._add_pending(tokens, lengths)
+        greedy = strategy.all_greedy and self.greedy_decoding and not strategy.any_guided
+        if greedy and self.behind:  # the compiled drafting then takes 1 or 2 tokens, whatever the plain steps
+            self._catch_up(tokens, lengths)
         fed = self.missing + self.behind
         query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))  # [B, fed]
         if strategy.any_guided:
@@ -98,7 +101,7 @@ class DraftModelProposer:
             choose = walk.choose(strategy.next_tokens)
             token_ids, logits = decode(self.model, query, self.cache, num_tokens, choose)
             logits = walk.masked(logits)
-        elif strategy.all_greedy and self.greedy_decoding:
+        elif greedy:
             token_ids, logits = self.model.greedy_decode(query, self.cache, num_tokens)
         else:
             token_ids, logits = decode(self.model, query, self.cache, num_tokens, strategy.next_tokens)
