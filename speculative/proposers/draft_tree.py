@@ -123,8 +123,10 @@ class DraftTreeProposer(DraftModelProposer):
 
     def select_rows(self, rows: Tensor) -> None:
         super().select_rows(rows)
-        if self._proposed:  # rows that finished in the step being committed leave first
+        if self._proposed:  # rows that finished in the step being committed leave first ...
             self._roots = self._roots[rows]
+            if not rows.numel():  # ... and where none stays there is no commit: the next step may be plain
+                self._proposed = 0
 
 
 def grow_tree(

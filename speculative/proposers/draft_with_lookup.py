@@ -92,8 +92,10 @@ class DraftWithLookupProposer:
 
     def select_rows(self, rows: Tensor) -> None:
         self.draft.select_rows(rows)
-        if self._step is not None:  # rows that finished in the step leave before its on_commit
+        if self._step is not None:  # rows that finished in the step leave before its on_commit ...
             self._step = tuple(values[rows] for values in self._step)
+            if not len(rows):  # ... which, where none stays, never comes: the next step may be plain
+                self._step = None
 
 
 def _lookup_one_hot(probs: Tensor, looked: Tensor, chosen: Tensor) -> Tensor:

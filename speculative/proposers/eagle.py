@@ -118,8 +118,9 @@ class EagleProposer:
         pass
 
     def select_rows(self, rows: Tensor) -> None:
-        if not rows.numel():  # the batch emptied: the cache's buffers go with it, as the target's do
-            self.cache = self.features = None
+        if not rows.numel():  # the batch emptied: the cache's buffers go with it, as the target's do,
+            self.cache = self.features = None  # and a step it ended is never committed
+            self._proposed = 0
         if self.cache is not None:
             self.cache.select_rows(rows)
         for name in ("features", "_observed", "_roots"):
