@@ -215,7 +215,12 @@ class EngineArgs:
     )
     posterior_threshold: float = _spec("posterior_threshold", "--acceptance typical: the threshold's bound")
     posterior_alpha: float = _spec("posterior_alpha", "--acceptance typical: the entropy scale")
-    adaptive: bool = _spec("adaptive", "choose k per step in [0, k] from measured acceptance and step times")
+    adaptive: bool | None = arg(
+        None,
+        "choose k per step in [0, k] from measured acceptance and step times, or with --no-adaptive not",
+        action=argparse.BooleanOptionalAction,
+        default_text="on where `serve` runs the demo model with its draft, else off",
+    )
     disable_by_batch_size: int | None = _spec(
         "disable_by_batch_size",
         "decode plainly (draft nothing) at steps of N or more running rows: plain decoding's "
@@ -353,6 +358,15 @@ class EngineArgs:
             )
         draft = self.draft_model or (None if modelless else str(DEMO_DIR / "draft"))
         return dataclasses.replace(self, model=str(DEMO_DIR / "target"), draft_model=draft), True
+
+    def adaptive_by_default(self) -> EngineArgs:
+        """These args with --adaptive on where neither --adaptive nor --no-adaptive was given and they
+        speculate with a draft model's chains: `serve`'s default for the demo model, whose drafter at
+        its fixed k runs slower than plain decoding under load (docs/server.md, Under load)."""
+        config = self.speculative_config()
+        if self.adaptive is not None or config is None or config.method != "draft_model" or config.tree:
+            return self
+        return dataclasses.replace(self, adaptive=True)
 
     def check_speculative_flags(self) -> None:
         """Refuse a bad speculative flag before anything loads (speculative_config's ValueError), as the

@@ -47,6 +47,22 @@ def test_speculation_switches_off_where_it_does_not_pay() -> None:
     assert chooser.history.count(0) > 150  # the exploration steps aside
 
 
+def test_a_k_that_the_proposer_cuts_is_worth_the_width_it_drafts() -> None:
+    """A proposer that drafts one token a row whatever k is asked (a draft with prompt lookup first, at
+    32 rows): each step's time is its width's, each k is valued at the width it gave, and plain decoding
+    wins where one draft does not pay (valued at its own k, the k of 4 looked like 4 drafts for one
+    draft's time, and a batch size where it never drafted 4 stayed in its warm-up, drafting every step)."""
+    chooser = DraftLength(4, adaptive=True)
+    for step in range(300):
+        k = chooser.choose(32)
+        width = min(k, 1)
+        accepted = [int((step * 31 + row) % 10 < 4) if width else 0 for row in range(32)]  # 0.4 a draft
+        chooser.observe(32, width, 10.0 + 9.0 * width, accepted, [width] * 32, chosen=k)
+    assert chooser.widths[32][4] == pytest.approx(1.0)
+    assert chooser.choose(32) == 0
+    assert list(chooser.history).count(0) > 270
+
+
 def test_exploration_thins_out_while_the_best_k_holds() -> None:
     """Where plain steps are best, the neighbour is measured again at doubling intervals: a few steps
     in a thousand, not one in sixteen. (Two steps each: the first takes in what plain steps left.)"""
@@ -306,8 +322,8 @@ def test_a_step_costs_what_the_host_did_before_the_next() -> None:
     engine, seen = llm.engine, []
     engine.draft_length.choose = lambda rows: 0  # plain steps: one token each
     observe = engine.draft_length.observe
-    engine.draft_length.observe = lambda rows, k, seconds, *rest: (
-        seen.append(seconds) or observe(rows, k, seconds, *rest)
+    engine.draft_length.observe = lambda rows, k, seconds, *rest, **chosen: (
+        seen.append(seconds) or observe(rows, k, seconds, *rest, **chosen)
     )
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add(llm.make_sequences([5, 6, 7], params, 0))
@@ -332,8 +348,8 @@ def test_a_step_that_compiles_a_graph_is_no_step_time(monkeypatch) -> None:
     engine, seen = llm.engine, []
     engine.draft_length.choose = lambda rows: 1
     observe = engine.draft_length.observe
-    engine.draft_length.observe = lambda rows, k, seconds, *rest: (
-        seen.append(seconds) or observe(rows, k, seconds, *rest)
+    engine.draft_length.observe = lambda rows, k, seconds, *rest, **chosen: (
+        seen.append(seconds) or observe(rows, k, seconds, *rest, **chosen)
     )
     graphs = iter([0, 0, 0, 1, 1, 1])  # the second step compiles one
     monkeypatch.setattr(engine_module, "graphs_compiled", lambda: next(graphs))
@@ -356,8 +372,8 @@ def test_an_admission_between_steps_is_not_part_of_a_step_time() -> None:
     engine, seen = llm.engine, []
     engine.draft_length.choose = lambda rows: 0
     observe = engine.draft_length.observe
-    engine.draft_length.observe = lambda rows, k, seconds, *rest: (
-        seen.append(seconds) or observe(rows, k, seconds, *rest)
+    engine.draft_length.observe = lambda rows, k, seconds, *rest, **chosen: (
+        seen.append(seconds) or observe(rows, k, seconds, *rest, **chosen)
     )
     prefill = engine._prefill
     engine._prefill = lambda batch: time.sleep(0.5) or prefill(batch)  # a long prompt's prefill

@@ -50,6 +50,15 @@ every token it skipped (a draft model also prefills the rows that joined meanwhi
 switching, not of drafting; an exploration from plain decoding is therefore measured twice, the
 second time clean. Nor is a step that compiled a graph (a compiled model's first call of a shape,
 seconds where the step takes milliseconds): the engine passes no time for it.
+
+A proposal can be narrower than the k asked: a draft with prompt lookup first drafts a chain of its
+own length (the demo's: 1) beside lookups that shrink with the batch (at 32 rows every proposal is one
+token wide), and a lookup that found nothing proposes none. Such a step is timed as a step of the
+width it had, and each k asked is valued at the mean width it gave at that batch size (E and t at that
+width, between the two nearest where it is fractional), so that a k the proposer cuts is worth what it
+delivers; the warm-up counts the k asked. Valued at its own k, a k of 4 that drafted one token looked
+like four drafts for the price of one, and a batch size where max_k never drafted max_k tokens never
+left its warm-up: the demo's drafter at 32 rows drafted every step (docs/server.md#under-load).
 """
 
 from __future__ import annotations
@@ -78,8 +87,10 @@ class DraftLength:
         self.accepted = [0.5] * max_k  # ... and of those, accepted (a prior of 1/2)
         self.times: dict[int, dict[int, float]] = {}  # batch size -> k -> mean step seconds
         self.borrowed: dict[int, set[int]] = {}  # batch size -> the k whose times are another size's
-        self.counts: dict[int, dict[int, int]] = {}
-        self.seen: dict[int, dict[int, int]] = {}  # batch size -> k -> its steps there when k was last run
+        self.counts: dict[int, dict[int, int]] = {}  # batch size -> width drafted -> steps timed
+        self.asked: dict[int, dict[int, int]] = {}  # batch size -> k asked -> steps timed
+        self.widths: dict[int, dict[int, float]] = {}  # batch size -> k asked -> mean width drafted
+        self.seen: dict[int, dict[int, int]] = {}  # batch size -> k asked -> its steps there when last run
         self.explore: dict[int, tuple[int, int, int]] = {}  # batch size -> (best k, interval, next step)
         self._plain_explore = (_EXPLORE, _EXPLORE)  # (interval, next step) where plain decoding is best
         self._plain_seconds = 0.0  # plain steps' time since the last exploration from them
@@ -109,10 +120,11 @@ class DraftLength:
         if not counts and batch_size not in self.times:
             self._borrow(batch_size)
         if batch_size not in self.borrowed:  # measured from scratch: max_k and 0 first
+            asked = self.asked.get(batch_size, {})
             for k in (self.max_k, 0):
-                if counts.get(k, 0) < _WARMUP:
+                if asked.get(k, 0) < _WARMUP:
                     return k
-        rate = [self.expected_tokens(k) / self.step_time(batch_size, k) for k in range(self.max_k + 1)]
+        rate = [self._rate(batch_size, k) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=rate.__getitem__)
         if self._last_k == 0 and rate[best] < _SWITCH_GAIN * rate[0]:
             best = 0
@@ -142,6 +154,16 @@ class DraftLength:
         self._explored = min(sorted(others), key=lambda k: seen.get(k, -1))  # the least recently measured
         return self._explored
 
+    def _rate(self, batch_size: int, k: int) -> float:
+        """Tokens a second per row when asking for k drafts: E / t at the mean width k gave here (module
+        docstring), k itself where it has not been asked here."""
+        width = self.widths.get(batch_size, {}).get(k, k)
+        low = int(width)
+        expected = self.expected_tokens(low)
+        if width > low:
+            expected += (width - low) * (self.expected_tokens(low + 1) - expected)
+        return expected / self.step_time(batch_size, width)
+
     def _discount_acceptance(self, batch_size: int) -> None:
         """Before an exploration from plain decoding: the acceptance measured before the plain steps
         (counts that decay only as drafts are made) weighs at most one step's rows of it, so that what
@@ -160,19 +182,31 @@ class DraftLength:
             self.borrowed[batch_size] = set(self.times[batch_size])
 
     def observe(
-        self, batch_size: int, k: int, seconds: float | None, accepted: list[int], drafted: list[int]
+        self,
+        batch_size: int,
+        k: int,
+        seconds: float | None,
+        accepted: list[int],
+        drafted: list[int],
+        chosen: int | None = None,
     ) -> None:
-        """One step's figures: its k and time (module docstring; None where the step compiled a graph:
-        not a step of that k, which the chooser measures again), and per row the drafts accepted and
-        proposed."""
+        """One step's figures: its k, the width of its proposal (the drafts verified a row: at most the
+        k `chosen` for it, None: k), and its time (module docstring; None where the step compiled a
+        graph: not a step of that k, which the chooser measures again), and per row the drafts accepted
+        and proposed."""
         self.history.append(k)
         if not self.adaptive:
             return
+        chosen = k if chosen is None else chosen
         self._steps += 1
         switched, self._last_k = k > 0 and self._last_k == 0, k
         explored, self._explored = self._explored, None
-        if switched and explored == k:
-            self._again = k
+        if switched and explored == chosen:
+            self._again = chosen
+        if chosen:
+            widths = self.widths.setdefault(batch_size, {})
+            mean = widths.get(chosen, k)
+            widths[chosen] = _TIME_DECAY * mean + (1 - _TIME_DECAY) * k
         if seconds is not None:  # None: the step compiled a graph, which its time holds
             self.times.setdefault(batch_size, {})
             counts = self.counts.setdefault(batch_size, {})
@@ -183,7 +217,9 @@ class DraftLength:
             if k == 0:
                 self._plain_seconds += seconds
             counts[k] = counts.get(k, 0) + 1
-            self.seen.setdefault(batch_size, {})[k] = sum(counts.values())
+            asked = self.asked.setdefault(batch_size, {})
+            asked[chosen] = asked.get(chosen, 0) + 1
+            self.seen.setdefault(batch_size, {})[chosen] = sum(counts.values())
         if k == 0:
             return
         self.reached = [r * _DECAY for r in self.reached]
@@ -239,9 +275,9 @@ class DraftLength:
             total += chance
         return total
 
-    def step_time(self, batch_size: int, k: int) -> float:
+    def step_time(self, batch_size: int, k: float) -> float:
         """t_B(k): the measured time, or the line through the two measured k nearest to k (where only one
-        k is measured yet, its time)."""
+        k is measured yet, its time); k may be a mean width, between two k."""
         times = self.times[batch_size]
         if k in times:
             return times[k]

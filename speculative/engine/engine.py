@@ -268,6 +268,7 @@ class Engine:
             timed = graphs_compiled() == graphs  # a step that compiled a graph is no measure of its k
             self._unobserved = (
                 rows,
+                k,
                 draft_ids.shape[1],
                 start,
                 seconds if timed else None,
@@ -300,10 +301,10 @@ class Engine:
         with None (no next step: the batch ended) its own duration; no time (None) for a step that
         compiled a graph."""
         if self._unobserved is not None:
-            rows, k, start, seconds, accepted, drafted = self._unobserved
+            rows, chosen, width, start, seconds, accepted, drafted = self._unobserved
             admitting, self._unobserved, self._admitting = self._admitting, None, 0.0
             period = seconds if now is None or seconds is None else now - start - admitting
-            self.draft_length.observe(rows, k, period, accepted, drafted)
+            self.draft_length.observe(rows, width, period, accepted, drafted, chosen=chosen)
 
     def _score(self, query: Tensor, parents: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The target's forward over the step's query [B, q] (a chain, or the tree `parents`): its

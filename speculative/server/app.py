@@ -229,6 +229,8 @@ def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None
     OpenAI-compatible app (`replica`: create_app's). ValueError naming the flag for a bad value."""
     template = check_serve_flags(server, engine)
     given, (engine, toy) = engine.model, engine.with_demo_pair()
+    if given is None and not toy:
+        engine = engine.adaptive_by_default()
     name = server.served_model_name or given or ("speculative-demo" if toy else smollm2.NAME)
     llm = engine.create_llm()
     if template is not None:
