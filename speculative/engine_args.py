@@ -359,14 +359,26 @@ class EngineArgs:
         draft = self.draft_model or (None if modelless else str(DEMO_DIR / "draft"))
         return dataclasses.replace(self, model=str(DEMO_DIR / "target"), draft_model=draft), True
 
-    def adaptive_by_default(self) -> EngineArgs:
-        """These args with --adaptive on where neither --adaptive nor --no-adaptive was given and they
-        speculate with a draft model's chains: `serve`'s default for the demo model, whose drafter at
-        its fixed k runs slower than plain decoding under load (docs/server.md, Under load)."""
+    def demo_server_defaults(self) -> EngineArgs:
+        """These args with `serve`'s defaults for the demo model where the flags leave them open and they
+        speculate with a draft model's chains: --adaptive (the draft at its fixed k runs slower than plain
+        decoding under load) and, on a CPU with the native forward, --draft-compile (the draft's graphs
+        compile in the background while the server answers). Compiled, the draft's own chain is as long
+        as its prompt lookup's (-k as the draft declares it, instead of the one token it declares for
+        itself), which pays beside the eager target: docs/server.md, Under load."""
         config = self.speculative_config()
-        if self.adaptive is not None or config is None or config.method != "draft_model" or config.tree:
+        if config is None or config.method != "draft_model" or config.tree:
             return self
-        return dataclasses.replace(self, adaptive=True)
+        adaptive = True if self.adaptive is None else self.adaptive
+        draft_compile = self.draft_compile
+        if draft_compile is None and self.device == "cpu" and self.model_impl != "transformers":
+            draft_compile = True
+        k = self.num_speculative_tokens
+        if draft_compile and k is None and "num_assistant_tokens" not in self.options:
+            k = config.num_speculative_tokens
+        return dataclasses.replace(
+            self, adaptive=adaptive, draft_compile=draft_compile, num_speculative_tokens=k
+        )
 
     def check_speculative_flags(self) -> None:
         """Refuse a bad speculative flag before anything loads (speculative_config's ValueError), as the

@@ -28,9 +28,10 @@ def _die_with_parent() -> None:  # Linux: the server gets SIGTERM when the bench
 @dataclass
 class ServerProcess:
     """`command` run as a server on 127.0.0.1:`port`, its output kept in a temporary log. `start`
-    returns once GET /health answers 200 (RuntimeError with the end of the log if the process exits
-    first or does not answer within HEALTH_TIMEOUT); `stop` sends SIGTERM, then SIGKILL after
-    `stop_timeout` s. A context manager."""
+    returns once GET /health answers 200 without `compiling` (its drafter compiled: timings are of
+    the compiled server), a RuntimeError with the end of the log if the process exits first or does
+    not answer so within HEALTH_TIMEOUT; `stop` sends SIGTERM, then SIGKILL after `stop_timeout` s.
+    A context manager."""
 
     command: list[str]
     port: int
@@ -65,7 +66,8 @@ class ServerProcess:
                     f"{self.name} exited with status {self.process.returncode}:\n{self.log_tail()}"
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=2.0)
+                if health.status_code == 200 and not health.json().get("compiling"):
                     return self
             except httpx.TransportError:
                 pass

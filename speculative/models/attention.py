@@ -132,7 +132,8 @@ class FusedAttention:
         self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Tensor, scale: float
     ) -> Tensor:
         keys, values = key_cache[:, :, :span], value_cache[:, :, :span]
-        if not (torch.compiler.is_compiling() and query.device.type == "cpu"):
+        # dynamo's tracing (is_compiling() is process-wide: also true beside another thread's compile)
+        if not (torch.compiler.is_dynamo_compiling() and query.device.type == "cpu"):
             return F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
             )

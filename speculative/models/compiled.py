@@ -27,6 +27,11 @@ CUDA: every call compiled, mode "reduce-overhead" (CUDA graphs), the cache tenso
 addresses (new_cache); a graph inductor leaves out of CUDA graphs runs without one and warns
 (_compile). tests/test_cuda.py checks it on a GPU.
 
+`compile_in_background(models, warm_up)` compiles in a thread of its own (a server that answers at
+once): until its warm-up has run, the models' calls from every other thread run eagerly
+(NativeCausalLM's forward, the same function uncompiled: the same outputs), then compiled; a warm-up
+that fails leaves them eager.
+
 Settings made in each thread before its first compiled call (torch keeps them per thread, so a
 server's engine thread needs its own: apply_dynamo_settings): dynamo's limit of graphs per code
 object raised to MIN_RECOMPILE_LIMIT (every model's graphs share NativeCausalLM.run's code object),
@@ -43,10 +48,13 @@ change of a held tensor's shape, `.data =` or `resize_`, would go unseen; the en
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
+import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch._dynamo
@@ -66,6 +74,13 @@ from speculative.precompile import PreCompileConfig
 # Graphs of every model share the one code object of NativeCausalLM.run, and dynamo's default limit
 # on graphs per code object (8) is below a target's and a draft's together.
 MIN_RECOMPILE_LIMIT = 64
+
+# compile_in_background: its thread's niceness (the lowest priority, which the compiler processes it
+# starts inherit), and Python's thread switch interval while it compiles (seconds; 5 ms by default):
+# compiling holds the interpreter lock most of the time, and an eager forward beside it waits for the
+# lock between every two of its operations (docs/server.md, Under load)
+BACKGROUND_NICENESS = 19
+SWITCH_INTERVAL = 1e-4
 
 
 _SETTINGS = threading.local()  # whether this thread has dynamo's settings (apply_dynamo_settings)
@@ -125,6 +140,7 @@ class CompiledCausalLM:
         # CPU: longer calls (prefills) run eagerly, on every thread, where compiling gains little and
         # each thread count would need graphs of its own (dynamo guards on it)
         self.max_compiled_rows = SMALL_CALL_ROWS if model.device.type == "cpu" else None
+        self._warming: threading.Thread | None = None  # compile_in_background's thread, until it succeeds
         apply_dynamo_settings()
         self._compiled = self._compile(model.run)
         self._positions: dict[tuple[int, int], Tensor] = {}  # (batch, q) -> _every_position
@@ -162,6 +178,15 @@ class CompiledCausalLM:
             return out
 
         return call
+
+    def _eager(self, input_ids: Tensor) -> bool:
+        """Whether a call of input_ids [batch, q] runs eagerly: from a thread other than a background
+        warm-up's while one runs (or after one failed), or on CPU with more than max_compiled_rows
+        tokens."""
+        warming = self._warming
+        if warming is not None and warming is not threading.current_thread():
+            return True
+        return self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows
 
     vocab_size = property(lambda self: self.model.vocab_size)
     max_length = property(lambda self: self.model.max_length)
@@ -267,7 +292,7 @@ class CompiledCausalLM:
     ) -> Tensor | tuple[Tensor, Tensor]:
         """NativeCausalLM.forward, compiled (with `hidden_layers`, a graph that also returns them);
         on CPU, eager for more than SMALL_CALL_ROWS tokens."""
-        if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
+        if self._eager(input_ids):
             return self.model.forward(input_ids, cache, num_tokens, logits_indices, hidden_layers)
         run = self._run
         if hidden_layers is not None:
@@ -291,7 +316,7 @@ class CompiledCausalLM:
         """NativeCausalLM.forward_tree, compiled: graphs of their own for tree calls, the masks computed
         eagerly and passed in, their sizes dynamic as the chains' are; on CPU, eager for more than
         SMALL_CALL_ROWS tokens."""
-        if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
+        if self._eager(input_ids):
             return self.model.forward_tree(input_ids, cache, parents, hidden_layers=hidden_layers)
         extra = {} if hidden_layers is None else {"hidden_layers": tuple(hidden_layers)}
 
@@ -331,7 +356,7 @@ class CompiledCausalLM:
         (warm_up_pair compiles the engine's). On CPU, a query of more than SMALL_CALL_ROWS tokens
         steps through `forward`, as `forward` would run it.
         """
-        if self.max_compiled_rows is not None and input_ids.numel() > self.max_compiled_rows:
+        if self._eager(input_ids):
             return decode(self, input_ids, cache, steps)
         compiled = self._greedy.get(steps)
         if compiled is None:
@@ -370,7 +395,7 @@ class CompiledCausalLM:
         but the last. One graph per `steps` and kind of query (dynamo specializes a batch or q of 1);
         on CPU, more than SMALL_CALL_ROWS query tokens run the same function eagerly."""
         greedy = _head_greedy_run(self.model, steps)
-        if self.max_compiled_rows is None or input_ids.numel() <= self.max_compiled_rows:
+        if not self._eager(input_ids):
             compiled = self._head_greedy.get(steps)
             if compiled is None:
                 compiled = self._head_greedy[steps] = self._compile(greedy)
@@ -423,7 +448,7 @@ class CompiledCausalLM:
         Growing a tree's levels eagerly costs a compiled forward_tree call plus its masks and the
         growth's own small operations a level; here they fuse around the levels' forwards
         (docs/models.md#fast-path)."""
-        if self.max_compiled_rows is None or input_ids.numel() <= self.max_compiled_rows:
+        if not self._eager(input_ids):
             compiled = self._trees.get(key)
             if compiled is None:
                 compiled = self._trees[key] = self._compile(grow)
@@ -503,6 +528,40 @@ def _head_greedy_run(head: NativeCausalLM, steps: int) -> Callable[..., tuple[Te
         return decode_steps(step, steps, input_ids)
 
     return greedy
+
+
+def compile_in_background(
+    models: Sequence[CompiledCausalLM],
+    warm_up: Callable[[], None],
+    done: Callable[[BaseException | None, float], None],
+) -> threading.Thread:
+    """Run `warm_up` (calls of `models`, which compile their graphs: warm_up_pair's) in a new daemon
+    thread and return it; until it has run, the models' calls from every other thread run eagerly,
+    and after it compiled. `done(error, seconds)` is called in that thread at its end (error None, or
+    what the warm-up raised: the models then stay eager, as the warm-up could not compile them)."""
+
+    def run() -> None:
+        start, error = time.perf_counter(), None
+        if sys.platform == "linux":  # this thread's priority, and that of the compilers it starts
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL)
+        try:
+            warm_up()
+        except Exception as raised:  # the models stay eager: a server keeps serving
+            error = raised
+        else:
+            for model in models:
+                model._warming = None
+        finally:
+            sys.setswitchinterval(interval)
+        done(error, time.perf_counter() - start)
+
+    thread = threading.Thread(target=run, name="compile-in-background", daemon=True)
+    for model in models:
+        model._warming = thread
+    thread.start()
+    return thread
 
 
 def prepare_model(

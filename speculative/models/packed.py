@@ -259,7 +259,9 @@ class PackedLinear(nn.Module):
         if self.quantization == "w8a8":  # eager and compiled: the kernel's op
             return w8a8.linear(x, self.qweight, self.scales, self.bias, residual)
         if self.quantization is not None:
-            if torch.compiler.is_compiling():
+            # dynamo's tracing, not is_compiling(): that flag is process-wide, set in every thread while
+            # one compiles (an eager call beside a background compile would take the compiled branch)
+            if torch.compiler.is_dynamo_compiling():
                 if (
                     self.quantization == "int8"
                     and x.dtype in INT8_REDUCTION_DTYPES
@@ -274,7 +276,7 @@ class PackedLinear(nn.Module):
                 return torch.ops.speculative.prepacked_linear(x, residual, self.handle)
             return self._quantized(x, residual)
         if self.prepacked is not None:
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_dynamo_compiling():
                 rows = x.shape[0]
                 if statically_known_true(rows == 1) or (  # left to inductor: a reduction (gemv.py)
                     x.dtype == torch.float32 and statically_known_true(rows <= STATIC_REDUCTION_MAX_ROWS)

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,7 @@ from speculative.demo import smollm2
 from speculative.engine.outputs import SpeculationMetrics
 from speculative.engine_args import EngineArgs
 from speculative.extras import needs_extra
+from speculative.methods import METHODS
 from speculative.sampling_params import SamplingParams
 from speculative.server.args import ServerArgs, check_serve_flags
 
@@ -96,6 +98,7 @@ def create_app(
         title="speculative", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan
     )
     app.state.draining = False
+    app.state.compiling = None  # a thread compiling the drafter in the background (serve_app)
     app.state.scheduler, app.state.shutdown_timeout = scheduler, shutdown_timeout
     limits = _Limits(tokenizer, max_prompt_tokens, max_model_len)
     app.add_middleware(
@@ -193,6 +196,9 @@ def create_app(
     async def health(request: Request) -> Response:
         if request.app.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        compiling = request.app.state.compiling
+        if compiling is not None and compiling.is_alive():  # serving, the drafter eager until compiled
+            return JSONResponse({"status": "ok", "compiling": True})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -210,17 +216,49 @@ def drain(app: FastAPI) -> None:
     app.state.scheduler.drain(app.state.shutdown_timeout)
 
 
-def _compile_draft(llm: LLM) -> None:
-    """--draft-compile with a draft model: its graphs (batch 1 and larger, drafting 1 .. k tokens from
-    1 or 2) compiled before the server listens, so that no request waits while one compiles."""
-    from speculative.models.compiled import warm_up_draft
+def _compile_ahead(llm: LLM) -> threading.Thread | None:
+    """The graphs of the compiled models among the target (--compile) and a draft model (--draft-compile,
+    or --compile), compiled ahead of the requests (none waits while one compiles): at batch 1 and
+    larger, the target's plain step and verifications of 2 .. k + 1 tokens, the draft's drafting of
+    1 .. k tokens from 1 or 2. A thread of their own compiles them, returned, while the server answers
+    with the models eager; None where no such model is compiled. (An EAGLE head's compiled calls
+    compile on their first use.)"""
+    from speculative.models.compiled import (
+        CompiledCausalLM,
+        compile_in_background,
+        warm_up_draft,
+        warm_up_pair,
+    )
     from speculative.precompile import PreCompileConfig
 
-    k = llm.speculative_config.num_speculative_tokens
-    progress(f"--draft-compile: compiling the draft model's graphs, k up to {k} (a minute on a small CPU)...")
-    start = time.perf_counter()
-    warm_up_draft(llm.draft.model, PreCompileConfig(batch_size=[1, 2]), k, every_draft_length=True)
-    progress(f"compiled the draft model's graphs in {time.perf_counter() - start:.1f} s")
+    config = llm.speculative_config
+    k = config.num_speculative_tokens if config is not None else 0
+    target, draft = llm.target.model, llm.draft.model if llm.draft is not None else None
+    models = {
+        name: m for name, m in (("target", target), ("draft model", draft)) if isinstance(m, CompiledCausalLM)
+    }
+    if not models:
+        return None
+    names = " and the ".join(models)
+
+    def warm_up() -> None:
+        shapes = PreCompileConfig(batch_size=[1, 2])
+        if "target" in models:
+            warm_up_pair(target, None, shapes, k, every_width=True)
+        if "draft model" in models:
+            warm_up_draft(draft, shapes, k, every_draft_length=True)
+
+    def done(error: BaseException | None, seconds: float) -> None:
+        if error is None:
+            progress(f"compiled the {names}'s graphs in {seconds:.1f} s: they run compiled from now on")
+        else:
+            progress(f"compiling the {names}'s graphs failed ({error!r}): they keep running eagerly")
+
+    progress(
+        f"compiling the {names}'s graphs in the background (a minute or more on a small CPU; eager until "
+        "then, /health says compiling)"
+    )
+    return compile_in_background(list(models.values()), warm_up, done)
 
 
 def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None) -> FastAPI:
@@ -230,7 +268,7 @@ def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None
     template = check_serve_flags(server, engine)
     given, (engine, toy) = engine.model, engine.with_demo_pair()
     if given is None and not toy:
-        engine = engine.adaptive_by_default()
+        engine = engine.demo_server_defaults()
     name = server.served_model_name or given or ("speculative-demo" if toy else smollm2.NAME)
     llm = engine.create_llm()
     if template is not None:
@@ -242,13 +280,17 @@ def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None
         raise ValueError(
             f"--max-model-len {server.max_model_len} is more than the models' context of {context}"
         )
-    if engine.draft_compile and llm.draft is not None:
-        _compile_draft(llm)
-    if engine.compile or (engine.draft_compile and llm.draft is None):
+    compiling = _compile_ahead(llm)
+    config = llm.speculative_config
+    if (
+        (engine.compile or engine.draft_compile)
+        and config is not None
+        and METHODS[config.method].reads_hidden_states
+    ):
         flag = "--compile" if engine.compile else "--draft-compile"
-        progress(f"{flag}: each kind of call compiles on its first use (a minute or more on a small CPU)")
+        progress(f"{flag}: the drafter's calls compile on their first use (a minute or more on a small CPU)")
     scheduler = Scheduler(llm, max_num_seqs=server.max_num_seqs, max_waiting=server.max_waiting)
-    return create_app(
+    app = create_app(
         scheduler,
         model_name=name,
         tokenizer=llm.tokenizer,
@@ -261,6 +303,8 @@ def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None
         send_timeout=server.timeout_send,
         replica=replica,
     )
+    app.state.compiling = compiling
+    return app
 
 
 def _check_model(requested: str | None, served: str) -> None:
