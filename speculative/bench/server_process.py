@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 HEALTH_TIMEOUT = 300.0  # seconds for a server to load its models and answer /health
+COMPILE_TIMEOUT = 1800.0  # seconds from its start for a server to compile its graphs (a cold cache)
 
 
 def free_port() -> int:
@@ -28,10 +29,10 @@ def _die_with_parent() -> None:  # Linux: the server gets SIGTERM when the bench
 @dataclass
 class ServerProcess:
     """`command` run as a server on 127.0.0.1:`port`, its output kept in a temporary log. `start`
-    returns once GET /health answers 200 without `compiling` (its drafter compiled: timings are of
-    the compiled server), a RuntimeError with the end of the log if the process exits first or does
-    not answer so within HEALTH_TIMEOUT; `stop` sends SIGTERM, then SIGKILL after `stop_timeout` s.
-    A context manager."""
+    returns once GET /health answers 200 without `compiling` (its models compiled: timings are of
+    the compiled server); a RuntimeError with the end of the log if the process exits first, does
+    not answer within HEALTH_TIMEOUT or does not finish compiling within COMPILE_TIMEOUT. `stop`
+    sends SIGTERM, then SIGKILL after `stop_timeout` s. A context manager."""
 
     command: list[str]
     port: int
@@ -59,7 +60,8 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
-        deadline = time.monotonic() + HEALTH_TIMEOUT
+        started = time.monotonic()
+        deadline, waited_for = started + HEALTH_TIMEOUT, f"answer /health within {HEALTH_TIMEOUT:.0f} s"
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
@@ -67,15 +69,18 @@ class ServerProcess:
                 )
             try:
                 health = httpx.get(f"{self.url}/health", timeout=2.0)
-                if health.status_code == 200 and not health.json().get("compiling"):
-                    return self
+                if health.status_code == 200:
+                    json_body = health.headers.get("content-type", "").startswith("application/json")
+                    if not (json_body and health.json().get("compiling")):
+                        return self
+                    deadline = started + COMPILE_TIMEOUT
+                    waited_for = f"compile its graphs within {COMPILE_TIMEOUT:.0f} s"
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
+        tail = self.log_tail()  # before stop, which closes the log
         self.stop()
-        raise RuntimeError(
-            f"{self.name} did not answer /health within {HEALTH_TIMEOUT:.0f} s:\n{self.log_tail()}"
-        )
+        raise RuntimeError(f"{self.name} did not {waited_for}:\n{tail}")
 
     def log_tail(self, chars: int = 3000) -> str:
         self.log.seek(0)

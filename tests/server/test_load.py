@@ -214,3 +214,54 @@ def test_bench_serve_on_the_demo_pair(tmp_path: Path, capsys) -> None:
     report = (out / "report.md").read_text()
     assert "## Soak" in report and "![load](load.png)" in report and (out / "load.png").stat().st_size
     assert f"wrote {out / 'report.md'}" in capsys.readouterr().out
+
+
+COMPILING_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+asked = []
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        asked.append(self.path)
+        body = {"status": "ok", **({"compiling": True} if len(asked) <= int(sys.argv[3]) else {})}
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+        with open(sys.argv[2], "w") as log:
+            log.write(str(len(asked)))
+
+    def log_message(self, *args):
+        pass
+
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_server_that_compiles_in_the_background_is_timed_once_it_has_compiled(tmp_path) -> None:
+    """`/health` answers `compiling` while a server's graphs compile beside its first requests:
+    bench-serve starts timing it after that, not at its first answer."""
+    from speculative.bench.server_process import ServerProcess, free_port
+
+    script, asked, port = tmp_path / "server.py", tmp_path / "asked", free_port()
+    script.write_text(COMPILING_SERVER)
+    with ServerProcess([sys.executable, str(script), str(port), str(asked), "3"], port, "compiling"):
+        assert asked.read_text() == "4"
+
+
+def test_a_server_that_never_finishes_compiling_is_given_up(tmp_path, monkeypatch) -> None:
+    from speculative.bench import server_process
+
+    monkeypatch.setattr(server_process, "COMPILE_TIMEOUT", 2.0)
+    script, asked, port = tmp_path / "server.py", tmp_path / "asked", server_process.free_port()
+    script.write_text(COMPILING_SERVER)
+    server = server_process.ServerProcess(
+        [sys.executable, str(script), str(port), str(asked), "100000"], port
+    )
+    with pytest.raises(RuntimeError, match="did not compile its graphs within 2 s"):
+        server.start()
+    assert server.process.poll() is not None  # stopped
