@@ -167,7 +167,8 @@ def with_draft_defaults(data: dict[str, Any], draft_model: object) -> dict[str, 
     or its file sets none). Where the lookup is on and the file also says `prompt_lookup_num_tokens`
     (transformers' field for a lookup's tokens a step) above `num_assistant_tokens`, the lookup's
     chain is that long (num_speculative_tokens) and the draft's its own (DraftModelConfig's
-    num_assistant_tokens). A ValueError naming the file where such a value is out of range ([1, 32];
+    num_assistant_tokens); where `data` gives the draft's own chain, k is the longer of the two. A
+    ValueError naming the file where such a value is out of range ([1, 32];
     0 or more)."""
     if data.get("method", "draft_model") != "draft_model":
         return data
@@ -182,7 +183,7 @@ def with_draft_defaults(data: dict[str, Any], draft_model: object) -> dict[str, 
     if k is not None and "num_speculative_tokens" not in data:
         check(is_int(k) and 1 <= k <= 32, DECLARED_K, k, "an integer in [1, 32]", str(path))
         data = {**data, "num_speculative_tokens": k}
-        if longer is not None and data.get(DECLARED_LOOKUP) and DECLARED_K not in data:
+        if longer is not None and data.get(DECLARED_LOOKUP):
             check(
                 is_int(longer) and 1 <= longer <= 32,
                 DECLARED_LOOKUP_K,
@@ -190,8 +191,10 @@ def with_draft_defaults(data: dict[str, Any], draft_model: object) -> dict[str, 
                 "an integer in [1, 32]",
                 str(path),
             )
-            if longer > k:
-                data = {**data, "num_speculative_tokens": longer, DECLARED_K: k}
+            given = data.get(DECLARED_K)  # the draft's own chain as the user asked (0: the whole k)
+            chain = max(longer, k if given is None else given)
+            if chain > k:
+                data = {**data, "num_speculative_tokens": chain, DECLARED_K: k if given is None else given}
     return data
 
 

@@ -85,6 +85,11 @@ def test_a_longer_declared_lookup_chain_leaves_the_draft_its_own_k(model_dirs, t
     assert with_draft_defaults({}, draft) == both
     assert with_draft_defaults({"prompt_lookup_min": 0}, draft)["num_speculative_tokens"] == 1
     assert "num_assistant_tokens" not in with_draft_defaults({"num_speculative_tokens": 3}, draft)
+    for own, k in ((2, 4), (6, 6), (0, 4)):  # the draft's own chain given, k not: k the longer chain
+        assert with_draft_defaults({"num_assistant_tokens": own}, draft) == both | {
+            "num_assistant_tokens": own,
+            "num_speculative_tokens": k,
+        }
     config = LLM(model_dirs["target"], draft_model=draft).speculative_config
     assert (
         config.num_speculative_tokens,
