@@ -98,7 +98,7 @@ def create_app(
         title="speculative", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan
     )
     app.state.draining = False
-    app.state.compiling = None  # a thread compiling the drafter in the background (serve_app)
+    app.state.compiling = None  # a thread compiling the models' graphs in the background (serve_app)
     app.state.scheduler, app.state.shutdown_timeout = scheduler, shutdown_timeout
     limits = _Limits(tokenizer, max_prompt_tokens, max_model_len)
     app.add_middleware(
@@ -197,7 +197,7 @@ def create_app(
         if request.app.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         compiling = request.app.state.compiling
-        if compiling is not None and compiling.is_alive():  # serving, the drafter eager until compiled
+        if compiling is not None and compiling.is_alive():  # serving, the compiled models eager until then
             return JSONResponse({"status": "ok", "compiling": True})
         return JSONResponse({"status": "ok"})
 
