@@ -122,3 +122,42 @@ def test_a_failing_request_fails_alone() -> None:
     bad_updates, texts = asyncio.run(main())
     assert "boom" in bad_updates[-1].error
     assert texts[0] == expected
+
+
+@pytest.mark.parametrize("budget", [None, 20])
+def test_prefills_between_steps_stay_within_max_prefill_tokens(budget) -> None:
+    """With max_prefill_tokens the requests waiting together are prefilled a few at a time, their
+    prompts at most that many tokens together (a longer one alone); without it, all at once. Either
+    way each gets its offline output."""
+    llm = _llm()
+    prompts = [llm.tokenizer(p)["input_ids"] for p in PROMPTS * 2]  # 14, 5, 9 and 19 tokens, twice
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    offline = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    expected = [o.outputs[0].token_ids for o in offline]
+    prefilled = []  # per engine.add, its prompts' lengths
+    add = llm.engine.add
+
+    def recording_add(sequences, *args, **kwargs):
+        prefilled.append([len(s.prompt_token_ids) for s in sequences])
+        return add(sequences, *args, **kwargs)
+
+    llm.engine.add = recording_add
+
+    async def main():
+        scheduler = Scheduler(llm, max_num_seqs=8, max_prefill_tokens=budget)
+        streams = [scheduler.submit(p, params, f"r{i}") for i, p in enumerate(prompts)]  # all waiting
+        scheduler.start()
+        results = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), 60)
+        await scheduler.shutdown(5)
+        return results
+
+    results = asyncio.run(main())
+    assert [ids[0] for _, ids, _ in results] == expected
+    if budget is None:
+        assert prefilled == [[len(p) for p in prompts]]
+    else:
+        assert len(prefilled) > 2
+        assert all(sum(lengths) <= budget or len(lengths) == 1 for lengths in prefilled)
+        assert any(len(lengths) > 1 for lengths in prefilled)  # several short prompts go together
+    with pytest.raises(ValueError, match="max_prefill_tokens must be >= 1"):
+        Scheduler(llm, max_prefill_tokens=0)

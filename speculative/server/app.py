@@ -289,7 +289,12 @@ def serve_app(server: ServerArgs, engine: EngineArgs, replica: str | None = None
     ):
         flag = "--compile" if engine.compile else "--draft-compile"
         progress(f"{flag}: the drafter's calls compile on their first use (a minute or more on a small CPU)")
-    scheduler = Scheduler(llm, max_num_seqs=server.max_num_seqs, max_waiting=server.max_waiting)
+    scheduler = Scheduler(
+        llm,
+        max_num_seqs=server.max_num_seqs,
+        max_waiting=server.max_waiting,
+        max_prefill_tokens=server.max_prefill_tokens,
+    )
     app = create_app(
         scheduler,
         model_name=name,

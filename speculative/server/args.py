@@ -49,6 +49,12 @@ class ServerArgs:
     )
     max_num_seqs: int = arg(32, "sequences decoded together at most")
     max_waiting: int = arg(128, "sequences that may wait for room in the batch (then 429)")
+    max_prefill_tokens: int | None = arg(
+        None,
+        "prompt tokens prefilled between two decoding steps at most (a longer prompt goes alone): a "
+        "smaller figure keeps the running streams' pauses short while new requests arrive",
+        default_text="no bound",
+    )
     max_prompt_tokens: int | None = arg(None, "longest prompt accepted", default_text="the context")
     max_model_len: int | None = arg(None, "prompt + max_tokens at most", default_text="the models' context")
     max_request_bytes: int = arg(
@@ -113,6 +119,7 @@ def check_serve_flags(server: ServerArgs, engine: EngineArgs) -> str | None:
     if server.replicas > 1 and engine.device != "cpu":
         raise ValueError(f"--replicas runs on the CPU only (--device cpu); got --device {engine.device}")
     for flag in (
+        "max_prefill_tokens",
         "max_prompt_tokens",
         "max_model_len",
         "max_request_bytes",

@@ -139,6 +139,10 @@ class Scheduler:
     max_num_seqs: sequences in the running batch at most (a request's n / best_of all count).
     max_waiting: sequences that may wait for room in the running batch; beyond, `submit` raises
         QueueFull.
+    max_prefill_tokens: prompt tokens admitted between two steps at most (None: no bound); the oldest
+        waiting request is admitted whatever its prompt's length, so none waits for ever. Every running
+        row waits while new ones are prefilled, so the bound caps that pause (a stream's inter-token
+        latency) at the cost of a later first token for requests that arrive together.
     """
 
     def __init__(
@@ -147,16 +151,20 @@ class Scheduler:
         *,
         max_num_seqs: int = 32,
         max_waiting: int = 128,
+        max_prefill_tokens: int | None = None,
         metrics: ServerMetrics | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_waiting < 0:
             raise ValueError(
                 f"max_num_seqs must be >= 1 and max_waiting >= 0; got {max_num_seqs}, {max_waiting}"
             )
+        if max_prefill_tokens is not None and max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1 or None; got {max_prefill_tokens}")
         self.llm = llm
         self.engine = llm.engine
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
+        self.max_prefill_tokens = max_prefill_tokens
         self.metrics = metrics or ServerMetrics()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -343,11 +351,17 @@ class Scheduler:
         return True
 
     def _admit(self) -> list[Request]:
-        """Move waiting requests that fit into the running batch (under the lock), oldest first."""
+        """Move waiting requests that fit into the running batch (under the lock), oldest first, their
+        prompts max_prefill_tokens long at most together (the first one whatever its length)."""
         admitted, room = [], self.max_num_seqs - self.num_running
+        budget = self.max_prefill_tokens
         while self._waiting and len(self._waiting[0].sequences) <= room:
+            tokens = len(self._waiting[0].sequences[0].prompt_token_ids)
+            if admitted and budget is not None and tokens > budget:
+                break
             request = self._waiting.popleft()
             room -= len(request.sequences)
+            budget = None if budget is None else budget - tokens
             admitted.append(request)
         self._running.extend(admitted)
         self._num_running = sum(len(j.sequences) for j in self._running)

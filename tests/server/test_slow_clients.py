@@ -192,6 +192,7 @@ def test_serve_passes_the_slow_client_flags_to_uvicorn(capsys) -> None:
         ("--timeout-send", "0", "--timeout-send must be > 0; got 0.0"),
         ("--limit-concurrency", "0", "--limit-concurrency must be >= 1; got 0"),
         ("--timeout-keep-alive", "0", "--timeout-keep-alive must be >= 1; got 0"),
+        ("--max-prefill-tokens", "0", "--max-prefill-tokens must be >= 1; got 0"),
     ):
         assert cli.main(["serve", flag, value]) == 2
         assert message in capsys.readouterr().err
