@@ -35,6 +35,9 @@ token: a chunk's gap shared by the tokens it brought, each token a sample; the s
 `inter_token_latency_seconds`): a speculative step's chunk can hold several tokens, so its gap is a
 longer step's while its tokens come sooner, each as p50 / p99 in ms; errors (a status other than 200,
 an error event, or no [DONE]). The server's RSS is sampled every RSS_PERIOD s throughout (psutil).
+From the server's /metrics, read before and after each level (`engine_counters`): its engine's steps
+by the draft tokens they verified a row (0: a plain step) and its busy seconds prefilling and stepping,
+which say how often adaptive k drafted at a level and how much of the time went to prefills.
 """
 
 from __future__ import annotations
@@ -367,12 +370,14 @@ async def drive_servers(
             await driver.closed_loop(busiest, busiest, 8)
         levels = [("closed", c) for c in config.concurrency] + [("open", r) for r in config.rates]
         runs: dict[tuple[str, str, float], list] = {}
+        engine: dict[tuple[str, str, float], list] = {}  # each run's engine_counters over its level
         names = list(drivers)
         for round_ in range(config.rounds):
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
             for kind, value in levels:
                 for name in order:
                     driver = drivers[name]
+                    counters = await engine_counters(driver.client)
                     level_start = driver.clock()
                     if kind == "closed":
                         records = await driver.closed_loop(
@@ -385,15 +390,72 @@ async def drive_servers(
                         )
                     span = (level_start, driver.clock() - level_start, records)
                     runs.setdefault((name, kind, value), []).append(span)
+                    engine.setdefault((name, kind, value), []).append(
+                        counters_since(counters, await engine_counters(driver.client))
+                    )
         for name in names:
             for kind, value in levels:
                 key = "concurrency" if kind == "closed" else "rate"
-                results[name][kind].append({key: value, **pooled(runs[name, kind, value])})
+                level = {key: value, **pooled(runs[name, kind, value])}
+                level["engine"] = pooled_counters(engine[name, kind, value])
+                results[name][kind].append(level)
             if config.soak_requests:
                 results[name]["soak"] = await _soak(drivers[name], processes[name], busiest, config)
         stop.set()
         await asyncio.gather(*samplers)
     return results
+
+
+_ENGINE_STEPS = "speculative:engine_steps_total"
+_ENGINE_SECONDS = "speculative:engine_busy_seconds_total"
+
+
+async def engine_counters(client: httpx.AsyncClient) -> dict | None:
+    """The server's engine counters from /metrics: {"steps": {drafted: steps}, "prefill_s": seconds,
+    "step_s": seconds} (module docstring); None where it has none (another server)."""
+    response = await client.get("/metrics")
+    if response.status_code != 200:
+        return None
+    counters: dict = {"steps": {}, "prefill_s": 0.0, "step_s": 0.0}
+    found = False
+    for line in response.text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in (_ENGINE_STEPS, _ENGINE_SECONDS):
+            continue
+        label, value = rest.split('"')[1], float(line.split()[-1])
+        found = True
+        if name == _ENGINE_STEPS:
+            counters["steps"][int(label)] = value
+        else:
+            counters[f"{label}_s"] = value
+    return counters if found else None
+
+
+def counters_since(before: dict | None, after: dict | None) -> dict | None:
+    """What the engine counters gained from `before` to `after` (None where either is missing)."""
+    if before is None or after is None:
+        return None
+    steps = {k: n - before["steps"].get(k, 0.0) for k, n in after["steps"].items()}
+    return {
+        "steps": {k: int(n) for k, n in sorted(steps.items()) if n},
+        "prefill_s": after["prefill_s"] - before["prefill_s"],
+        "step_s": after["step_s"] - before["step_s"],
+    }
+
+
+def pooled_counters(runs: list[dict | None]) -> dict | None:
+    """A level's engine counters summed over its rounds (None where a round has none)."""
+    if not runs or any(run is None for run in runs):
+        return None
+    steps: dict[int, int] = {}
+    for run in runs:
+        for k, n in run["steps"].items():
+            steps[k] = steps.get(k, 0) + n
+    return {
+        "steps": dict(sorted(steps.items())),
+        "prefill_s": sum(run["prefill_s"] for run in runs),
+        "step_s": sum(run["step_s"] for run in runs),
+    }
 
 
 async def _heap_in_use(client: httpx.AsyncClient) -> int | None:

@@ -63,6 +63,43 @@ def level_rows(results: dict, kind: str) -> list[list[str]]:
     return rows
 
 
+ENGINE_COLUMNS = [
+    "server",
+    "level",
+    "steps",
+    "drafting steps",
+    "draft tokens a drafting step",
+    "prefill share of busy time",
+]
+
+
+def engine_rows(results: dict) -> list[list[str]]:
+    """Table rows of every level's engine counters (load.engine_counters), where the server had them:
+    its steps, the share that drafted, the draft tokens such a step verified a row on average, and the
+    prefills' share of the engine thread's busy seconds."""
+    rows = []
+    for name, server in results["servers"].items():
+        for level in server["closed"] + server["open"]:
+            engine = level.get("engine")
+            if not engine:
+                continue
+            steps = {int(k): n for k, n in engine["steps"].items()}
+            total, drafting = sum(steps.values()), sum(n for k, n in steps.items() if k)
+            drafted = sum(k * n for k, n in steps.items())
+            busy = engine["prefill_s"] + engine["step_s"]
+            rows.append(
+                [
+                    name,
+                    _label(level),
+                    str(total),
+                    f"{drafting / total:.1%}" if total else "-",
+                    num(drafted / drafting if drafting else None, ".2f"),
+                    f"{engine['prefill_s'] / busy:.1%}" if busy else "-",
+                ]
+            )
+    return rows
+
+
 def speedup_lines(results: dict) -> list[str]:
     """One line per server but plain and level: its output tokens/s over plain's in the same round, the
     median and range over the rounds (none without a plain server)."""
@@ -167,6 +204,15 @@ def markdown(results: dict, plot: str) -> str:
             "Each server's output tokens/s over plain's in the same round: the median over the rounds, "
             "and the least and the most.",
             "\n".join(f"- {line}" for line in speedups),
+        ]
+    engine = engine_rows(results)
+    if engine:
+        parts += [
+            "## Engine",
+            "From each server's /metrics over the level (every round): its engine's steps, the share of "
+            "them that drafted, the draft tokens such a step verified a row on average, and the share of "
+            "the engine thread's busy time spent prefilling admitted requests.",
+            markdown_table(ENGINE_COLUMNS, engine),
         ]
     soak = soak_lines(results)
     if soak:

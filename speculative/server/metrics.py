@@ -96,6 +96,14 @@ class ServerMetrics:
                 registry=registry,
             )
             heap.set_function(lambda: -1 if (used := heap_in_use()) is None else used)
+        self.engine_steps = counter(
+            "engine_steps", "Engine steps, by draft tokens verified a row (0: a plain step).", ("drafted",)
+        )
+        self.engine_seconds = counter(
+            "engine_busy_seconds",
+            "The engine thread's busy seconds: prefilling admitted requests, and stepping the batch.",
+            ("phase",),
+        )
         self.num_drafts = counter("spec_decode_num_drafts", "Proposals that drafted at least one token.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")

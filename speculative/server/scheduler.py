@@ -24,6 +24,7 @@ import torch
 
 from speculative.engine.outputs import Logprob, SpeculationMetrics
 from speculative.engine.sequence import Sequence
+from speculative.engine.stats import StepStats
 from speculative.llm import LLM
 from speculative.models.cpu_tuning import SMALL_CALL_ROWS, tune
 from speculative.models.eagle import EagleHead
@@ -285,6 +286,10 @@ class Scheduler:
     # The engine thread.
 
     def _run(self) -> None:
+        with self.engine.recording_steps() as steps:  # each step's StepStats, counted and cleared
+            self._serve(steps)
+
+    def _serve(self, steps: list[StepStats]) -> None:
         busy = False  # a step ran since the batch was last empty
         while True:
             with self._lock:
@@ -322,6 +327,10 @@ class Scheduler:
                 self._fail_all(f"{type(error).__name__}: {error}")
                 continue
             elapsed = time.perf_counter() - start
+            self.metrics.engine_seconds.labels(phase="step").inc(elapsed)
+            for stats in steps:
+                self.metrics.engine_steps.labels(drafted=str(stats.num_query_tokens - 1)).inc()
+            steps.clear()
             self._publish(list(self._running), elapsed)
             self._step_time += elapsed
             if self._kernel_time < KERNEL_SHARE * self._step_time:
@@ -377,13 +386,16 @@ class Scheduler:
         try:
             self.engine.add([r for request in requests for r in request.sequences])
         except Exception as error:
+            self.metrics.engine_seconds.labels(phase="prefill").inc(time.perf_counter() - start)
             if len(requests) == 1:
                 self._fail(requests[0], f"{type(error).__name__}: {error}")
                 return
             for request in requests:
                 self._add([request])
             return
-        self._publish(requests, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        self.metrics.engine_seconds.labels(phase="prefill").inc(elapsed)
+        self._publish(requests, elapsed)
 
     def _publish(self, requests: list[Request], elapsed: float) -> None:
         """Hand each request what its sequences gained; retire the finished and failed ones."""

@@ -60,5 +60,20 @@ def test_metrics_parse_and_move(served) -> None:
     assert moved("speculative:spec_decode_num_drafts_total") >= 1
     assert moved("speculative:spec_decode_num_draft_tokens_total") >= 3
     assert moved("speculative:time_to_first_token_seconds_count") >= 1
+    # the engine's steps by the drafts they verified a row (k = 3: a 10-token answer drafts), its busy time
+    steps = {
+        labels: value for (name, labels), value in after.items() if name == "speculative:engine_steps_total"
+    }
+    assert {labels[0][1] for labels in steps} <= {"0", "1", "2", "3"}
+    assert (
+        sum(
+            moved("speculative:engine_steps_total", labels)
+            for labels in steps
+            if labels != (("drafted", "0"),)
+        )
+        >= 1
+    )
+    assert moved("speculative:engine_busy_seconds_total", (("phase", "prefill"),)) > 0
+    assert moved("speculative:engine_busy_seconds_total", (("phase", "step"),)) > 0
     assert after[("speculative:num_sequences_running", ())] == 0
     assert after[("speculative:num_sequences_waiting", ())] == 0

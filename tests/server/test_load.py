@@ -17,12 +17,14 @@ from speculative.bench.load import (
     Driver,
     LoadConfig,
     RequestRecord,
+    counters_since,
     drive_servers,
     pooled,
+    pooled_counters,
     serve_command,
     summarize,
 )
-from speculative.bench.load_report import markdown, soak_lines, speedup_lines
+from speculative.bench.load_report import engine_rows, markdown, soak_lines, speedup_lines
 from speculative.cli import main
 from speculative.prompts import PromptRecord
 
@@ -97,6 +99,8 @@ def test_the_driver_counts_every_request_of_every_level(served) -> None:
         tokens = level["output_tokens_per_s"] * level["seconds"]
         assert tokens == pytest.approx(5 * level["requests"])  # ignore_eos: exactly max_tokens each
         assert level["ttft_ms"]["p50"] > 0 and level["tpot_ms"]["p50"] > 0
+        engine = level["engine"]  # the server's engine counters over the level
+        assert engine["prefill_s"] > 0 and engine["step_s"] > 0 and any(k > 0 for k in engine["steps"])
     soak = result["soak"]
     assert soak["errors"] == 0 and soak["requests"] >= 8
     if sys.platform == "linux":  # glibc's heap figures, through the server's /metrics
@@ -107,6 +111,9 @@ def test_the_driver_counts_every_request_of_every_level(served) -> None:
     results["machine"] = {"nproc": 2, "cpu": "cpu", "cpu_features": "AVX2", "torch": "t", "python": "p"}
     report = markdown(results, "load.png")
     assert "| draft | 3 clients |" in report and "| draft | 40 req/s |" in report
+    assert "## Engine" in report
+    labels = [row[:2] for row in engine_rows(results)]
+    assert labels == [["draft", "1 client"], ["draft", "3 clients"], ["draft", "40 req/s"]]
     assert soak_lines(results)[0].startswith(f"draft: {soak['requests']} requests")
 
 
@@ -151,6 +158,18 @@ def test_a_level_pools_its_rounds() -> None:
     assert level["rounds_output_tokens_per_s"] == pytest.approx([10.0, 40.0])
     assert level["spans"] == [[0.0, 1.0], [5.0, 0.5]]
     assert speedup_lines({"servers": {"draft": {"closed": [level], "open": []}}}) == []  # no plain
+
+
+def test_engine_counters_of_a_level_add_up_over_its_rounds() -> None:
+    before = {"steps": {0: 10.0, 2: 5.0}, "prefill_s": 1.0, "step_s": 2.0}
+    after = {"steps": {0: 16.0, 2: 5.0, 4: 2.0}, "prefill_s": 1.5, "step_s": 3.0}
+    run = counters_since(before, after)
+    assert run == {"steps": {0: 6, 4: 2}, "prefill_s": 0.5, "step_s": 1.0}
+    assert counters_since(None, after) is None and pooled_counters([run, None]) is None
+    level = {"concurrency": 8, "engine": pooled_counters([run, run])}
+    assert level["engine"] == {"steps": {0: 12, 4: 4}, "prefill_s": 1.0, "step_s": 2.0}
+    rows = engine_rows({"servers": {"adaptive": {"closed": [level], "open": []}}})
+    assert rows == [["adaptive", "8 clients", "16", "25.0%", "4.00", "33.3%"]]
 
 
 def test_request_lengths_vary_over_their_range_the_same_for_every_server(served) -> None:
