@@ -286,8 +286,19 @@ class Scheduler:
     # The engine thread.
 
     def _run(self) -> None:
+        """The engine thread: `_serve` until it returns (shut down). A step or a prefill that raises
+        fails its own requests there; anything else that raises (publishing, admitting) fails every
+        queued and running request with its error, and the thread goes on serving: a thread that
+        ended would leave every request, then and later, waiting for ever."""
         with self.engine.recording_steps() as steps:  # each step's StepStats, counted and cleared
-            self._serve(steps)
+            while True:
+                try:
+                    self._serve(steps)
+                    return
+                except Exception as error:
+                    logging.getLogger(__name__).error("the engine thread failed its requests", exc_info=True)
+                    steps.clear()
+                    self._fail_all(f"{type(error).__name__}: {error}")
 
     def _serve(self, steps: list[StepStats]) -> None:
         busy = False  # a step ran since the batch was last empty

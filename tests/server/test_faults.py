@@ -176,6 +176,31 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(se
     assert_idle(served)
 
 
+def test_a_failure_outside_the_step_fails_the_requests_and_the_engine_thread_goes_on(
+    served, monkeypatch
+) -> None:
+    """Publishing a step's tokens raises once: the running stream gets an error event then [DONE] (it
+    waited for ever when the engine thread ended), and the next request is served whole."""
+    scheduler = served.scheduler
+    publish = scheduler._publish
+    armed = threading.Event()
+    armed.set()
+
+    def failing_publish(requests, elapsed):
+        if armed.is_set() and any(r.first_token_time is not None for r in requests):
+            armed.clear()
+            raise RuntimeError("injected publish failure")
+        return publish(requests, elapsed)
+
+    monkeypatch.setattr(scheduler, "_publish", failing_publish)
+    events = stream_events(served, LONG)
+    assert events[-1] == "[DONE]"
+    assert "injected publish failure" in json.loads(events[-2])["error"]["message"]
+    assert not armed.is_set()
+    assert_whole(served, served.post(COMPLETIONS, SHORT), SHORT)
+    assert_idle(served)
+
+
 def stream_events(served, body: dict) -> list[str]:
     """A streamed request's data lines, to the end."""
     with httpx.stream(
