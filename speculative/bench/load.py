@@ -410,15 +410,18 @@ _ENGINE_STEPS = "speculative:engine_steps_total"
 _ENGINE_SECONDS = "speculative:engine_busy_seconds_total"
 
 
+async def _metrics_lines(client: httpx.AsyncClient) -> list[str]:
+    """The lines of the server's /metrics (none where it has no such route)."""
+    response = await client.get("/metrics")
+    return response.text.splitlines() if response.status_code == 200 else []
+
+
 async def engine_counters(client: httpx.AsyncClient) -> dict | None:
     """The server's engine counters from /metrics: {"steps": {drafted: steps}, "prefill_s": seconds,
     "step_s": seconds} (module docstring); None where it has none (another server)."""
-    response = await client.get("/metrics")
-    if response.status_code != 200:
-        return None
     counters: dict = {"steps": {}, "prefill_s": 0.0, "step_s": 0.0}
     found = False
-    for line in response.text.splitlines():
+    for line in await _metrics_lines(client):
         name, _, rest = line.partition("{")
         if name not in (_ENGINE_STEPS, _ENGINE_SECONDS):
             continue
@@ -460,8 +463,7 @@ def pooled_counters(runs: list[dict | None]) -> dict | None:
 
 async def _heap_in_use(client: httpx.AsyncClient) -> int | None:
     """The server's speculative:heap_in_use_bytes from /metrics (None where it has none)."""
-    response = await client.get("/metrics")
-    for line in response.text.splitlines() if response.status_code == 200 else ():
+    for line in await _metrics_lines(client):
         if line.startswith("speculative:heap_in_use_bytes "):
             value = float(line.split()[1])
             return None if value < 0 else int(value)
