@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import noisy_copy, tiny_model
+from conftest import noisy_copy, save_eagle_head_for, tiny_model
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 
@@ -80,6 +80,108 @@ def test_rows_admitted_mid_run_give_their_tokens_alone(setup: str) -> None:
     assert engine.batch is None and engine.cache is None
     if setup.startswith("draft"):  # a draft's KV buffers go with the batch, as the target's do
         assert getattr(engine.proposer, "draft", engine.proposer).cache is None  # (with lookup: its draft)
+
+
+def _run_out(engine) -> None:
+    steps = 0
+    while engine.sequences:
+        engine.step()
+        steps += 1
+        assert steps < 100
+
+
+def _eagle(tmp_path) -> LLM:
+    """An LLM whose proposer reads the target's hidden states of every prompt token."""
+    target = tiny_model("llama", num_layers=2)
+    config = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+    return LLM(target, draft_model=save_eagle_head_for(target, tmp_path / "eagle"), speculative_config=config)
+
+
+@pytest.mark.parametrize("setup", [*SETUPS, "eagle, native"])
+def test_prompts_prefilled_a_chunk_at_a_time_between_steps_give_their_tokens_alone(
+    setup: str, tmp_path
+) -> None:
+    llm = _eagle(tmp_path) if setup == "eagle, native" else _llm(**SETUPS[setup])
+    expected = [_alone(llm, i) for i in range(len(PROMPTS))]
+    engine = llm.engine
+    sequences = [llm.make_sequences(PROMPTS[i], p, i) for i, p in enumerate(_params())]
+    engine.add(sequences[0])
+    engine.step()
+    engine.begin_prefill(sequences[2])  # 7 tokens: 3, 3, then 1
+    assert engine.prefill_chunk(3) is None and engine.prefilling.tokens_left == 4
+    assert engine.sequences == sequences[0]  # the running batch is untouched until the last chunk
+    engine.step()
+    assert engine.prefill_chunk(3) is None
+    engine.step()
+    assert engine.prefill_chunk(3) == [] and engine.prefilling is None
+    assert engine.sequences == sequences[0] + sequences[2]
+    engine.step()
+    engine.begin_prefill(sequences[3])  # n = 2: both rows share the prompt's chunks
+    assert engine.prefill_chunk(2) is None
+    engine.step()
+    engine.prefill_chunk()
+    engine.add(sequences[1])
+    _run_out(engine)
+    for i, group in enumerate(sequences):
+        assert [r.output_token_ids for r in group] == expected[i], f"prompt {i}"
+
+
+def test_an_eagle_head_reads_the_hidden_states_of_every_chunk(tmp_path) -> None:
+    llm = _eagle(tmp_path)
+    engine, width = llm.engine, len(PROMPTS[2])
+    engine.add(llm.make_sequences(PROMPTS[2], _params()[2], 2))
+    whole = engine.proposer.features[0, :width].clone()
+    engine.reset()
+    engine.begin_prefill(llm.make_sequences(PROMPTS[2], _params()[2], 2))
+    for _ in range(3):
+        engine.prefill_chunk(3)
+    torch.testing.assert_close(engine.proposer.features[0, :width], whole)
+
+
+def test_a_chunked_prefill_outlives_the_batch_beside_it_and_abort_or_reset_ends_it() -> None:
+    llm = _llm("native", "draft_model")
+    expected = _alone(llm, 2)
+    engine = llm.engine
+    short = llm.make_sequences(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), 1)
+    chunked = llm.make_sequences(PROMPTS[2], _params()[2], 2)
+    engine.add(short)
+    engine.begin_prefill(chunked)
+    engine.prefill_chunk(4)
+    _run_out(engine)  # the batch beside it ends ...
+    assert engine.batch is None and engine.prefilling.tokens_left == 3  # ... the chunked prefill goes on
+    with pytest.raises(RuntimeError, match="a chunked prefill is under way"):
+        engine.begin_prefill(llm.make_sequences(PROMPTS[0], _params()[0], 0))
+    assert engine.prefill_chunk() == []
+    _run_out(engine)
+    assert chunked[0].output_token_ids == expected[0]
+
+    pair = llm.make_sequences(PROMPTS[3], _params()[3], 3)  # n = 2
+    engine.begin_prefill(pair)
+    engine.prefill_chunk(1)
+    engine.abort(pair[:1])  # one of the prompt's rows leaves, the other still joins
+    assert engine.prefill_chunk() == [] and engine.sequences == pair[1:] and pair[0].finish_reason == "abort"
+    _run_out(engine)
+    assert pair[1].finish_reason == "length"
+    for ended_by in ("abort", "reset"):
+        again = llm.make_sequences(PROMPTS[0], _params()[0], 0)
+        engine.begin_prefill(again)
+        engine.prefill_chunk(2)
+        engine.abort(again) if ended_by == "abort" else engine.reset()
+        assert engine.prefilling is None and engine.batch is None
+    with pytest.raises(RuntimeError, match="no chunked prefill is under way"):
+        engine.prefill_chunk()
+
+
+def test_a_chunked_prefill_takes_the_new_rows_of_one_prompt_without_prompt_logprobs() -> None:
+    llm = _llm("native", None)
+    two = llm.make_sequences(PROMPTS[0], _params()[0], 0) + llm.make_sequences(PROMPTS[1], _params()[1], 1)
+    wanting = llm.make_sequences(PROMPTS[0], SamplingParams(max_tokens=4, prompt_logprobs=1), 0)
+    for sequences in (two, wanting):
+        with pytest.raises(ValueError, match="the new sequences of one prompt"):
+            llm.engine.begin_prefill(sequences)
+    llm.engine.begin_prefill(two[:1])
+    with pytest.raises(ValueError, match="max_tokens must be >= 1 or None; got 0"):
+        llm.engine.prefill_chunk(0)
 
 
 @pytest.mark.parametrize("setup", ["draft, native", "draft, transformers", "draft + lookup, native"])

@@ -124,24 +124,33 @@ def test_a_failing_request_fails_alone() -> None:
     assert texts[0] == expected
 
 
-@pytest.mark.parametrize("budget", [None, 20])
+@pytest.mark.parametrize("budget", [None, 20, 8])
 def test_prefills_between_steps_stay_within_max_prefill_tokens(budget) -> None:
     """With max_prefill_tokens the requests waiting together are prefilled a few at a time, their
-    prompts at most that many tokens together (a longer one alone); without it, all at once. Either
-    way each gets its offline output."""
+    prompts at most that many tokens together between two steps of running rows, a longer prompt a
+    chunk at a time (with no row running, the oldest whole); without it, all at once. Either way each
+    gets its offline output."""
     llm = _llm()
     prompts = [llm.tokenizer(p)["input_ids"] for p in PROMPTS * 2]  # 14, 5, 9 and 19 tokens, twice
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     offline = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     expected = [o.outputs[0].token_ids for o in offline]
-    prefilled = []  # per engine.add, its prompts' lengths
-    add = llm.engine.add
+    gaps = [[]]  # per pause between two steps: (prompt tokens prefilled, rows running then) per prefill
+    engine, add, chunk, step = llm.engine, llm.engine.add, llm.engine.prefill_chunk, llm.engine.step
 
     def recording_add(sequences, *args, **kwargs):
-        prefilled.append([len(s.prompt_token_ids) for s in sequences])
+        gaps[-1].append(([len(s.prompt_token_ids) for s in sequences], len(engine.sequences)))
         return add(sequences, *args, **kwargs)
 
-    llm.engine.add = recording_add
+    def recording_chunk(max_tokens=None):
+        gaps[-1].append(([max_tokens or engine.prefilling.tokens_left], len(engine.sequences)))
+        return chunk(max_tokens)
+
+    def recording_step():
+        gaps.append([])
+        return step()
+
+    engine.add, engine.prefill_chunk, engine.step = recording_add, recording_chunk, recording_step
 
     async def main():
         scheduler = Scheduler(llm, max_num_seqs=8, max_prefill_tokens=budget)
@@ -153,11 +162,62 @@ def test_prefills_between_steps_stay_within_max_prefill_tokens(budget) -> None:
 
     results = asyncio.run(main())
     assert [ids[0] for _, ids, _ in results] == expected
+    prefills = [p for gap in gaps for p in gap]
     if budget is None:
-        assert prefilled == [[len(p) for p in prompts]]
-    else:
-        assert len(prefilled) > 2
-        assert all(sum(lengths) <= budget or len(lengths) == 1 for lengths in prefilled)
-        assert any(len(lengths) > 1 for lengths in prefilled)  # several short prompts go together
+        assert [lengths for lengths, _ in prefills] == [[len(p) for p in prompts]]
+        return
+    assert len(prefills) > 2
+    for gap in gaps:
+        if gap and gap[0][1]:  # rows were running: they waited for this gap's prefills only
+            assert sum(sum(lengths) for lengths, _ in gap) <= budget, gaps
+    if budget == 20:  # every prompt fits: none is chunked, several short ones go together
+        assert any(len(lengths) > 1 for lengths, _ in prefills)
+    else:  # the 14, 9 and 19-token prompts behind running rows go in chunks
+        assert sum(1 for lengths, _ in prefills if lengths[0] not in {len(p) for p in prompts}) > 2
     with pytest.raises(ValueError, match="max_prefill_tokens must be >= 1"):
         Scheduler(llm, max_prefill_tokens=0)
+
+
+def test_a_chunked_prefill_that_fails_or_is_aborted_loses_its_own_request_only() -> None:
+    """Behind a running request, two long prompts go in chunks: the first's second chunk raises (it
+    fails with that error), the second's client leaves after its first chunk (its rows never join);
+    the running request and one after them get their offline outputs."""
+    llm = _llm()
+    engine, chunk = llm.engine, llm.engine.prefill_chunk
+    long_prompt = llm.tokenizer(PROMPTS[3])["input_ids"]  # 19 tokens
+    short = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    after = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first, last = llm.tokenizer(PROMPTS[0])["input_ids"], llm.tokenizer(PROMPTS[1])["input_ids"]
+    expected = [
+        llm.generate([{"prompt_token_ids": p}], q)[0].outputs[0].token_ids
+        for p, q in ((first, short), (last, after))
+    ]
+    streams, calls = [], []
+
+    def flaky_chunk(max_tokens=None):
+        calls.append(engine.prefilling.batch.sequences[0].prompt_index)
+        if len(calls) == 2:
+            raise RuntimeError("chunk exploded")
+        out = chunk(max_tokens)
+        if len(calls) == 3:
+            streams[2].abort()
+        return out
+
+    engine.prefill_chunk = flaky_chunk
+
+    async def main():
+        scheduler = Scheduler(llm, max_num_seqs=8, max_prefill_tokens=4)
+        for i, (prompt, params) in enumerate(
+            [(first, short), (long_prompt, short), (long_prompt, short), (last, after)]
+        ):
+            streams.append(scheduler.submit(prompt, params, f"r{i}"))
+        scheduler.start()
+        done = await asyncio.wait_for(asyncio.gather(*(_collect(streams[i]) for i in (0, 1, 3))), 60)
+        assert scheduler.num_running == 0 and engine.prefilling is None
+        await scheduler.shutdown(5)
+        return done
+
+    (_, first_ids, _), (_, _, failed), (_, last_ids, _) = asyncio.run(main())
+    assert first_ids[0] == expected[0] and last_ids[0] == expected[1]
+    assert failed[-1].error == "RuntimeError: chunk exploded"
+    assert calls[:3] == [1, 1, 2] and 2 not in calls[3:]  # the aborted one's prefill ended there

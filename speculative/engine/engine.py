@@ -28,7 +28,10 @@ runs once per prompt; a prompt's n / best_of sequences then copy its cache rows.
 
 Continuous batching: `add` prefills new sequences into caches of their own and then appends their
 rows to the running batch (and its caches), `step` advances every running row, `abort` drops rows;
-a server's scheduler calls these between steps. `generate` is the same loop for one fixed batch.
+a server's scheduler calls these between steps. A long prompt can instead be prefilled a chunk at a
+time between steps (`begin_prefill`, then `prefill_chunk` until it joins), so that the running rows
+wait for one chunk at a time rather than the whole prompt. `generate` is the same loop for one fixed
+batch.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -68,6 +72,23 @@ class Commit(NamedTuple):
     accepted: list[int]
     drafted: list[int]
     most_kept: int
+
+
+@dataclass
+class PartialPrefill:
+    """One prompt's sequences being prefilled a chunk at a time (Engine.begin_prefill): their batch,
+    the target's cache of the prompt's tokens prefilled so far (one row) and, for a proposer that reads
+    them, those tokens' hidden states (one [1, chunk, F] tensor per chunk)."""
+
+    batch: Batch
+    cache: KVCache
+    done: int = 0
+    features: list[Tensor] = field(default_factory=list)
+
+    @property
+    def tokens_left(self) -> int:
+        """The prompt's tokens not prefilled yet."""
+        return self.batch.host_lengths[0] - self.done
 
 
 class Engine:
@@ -113,6 +134,7 @@ class Engine:
         self.hidden_layers = proposer.hidden_layers if isinstance(proposer, FeatureProposer) else None
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
+        self.prefilling: PartialPrefill | None = None  # a prompt prefilled a chunk at a time
         self.stop_strings: dict[int, StopStrings] = {}
         self.num_top, self.want_logprobs = 0, False
         self.step_stats: list[StepStats] | None = None  # collected while `recording_steps` is open
@@ -155,10 +177,16 @@ class Engine:
             self.reset()
 
     def reset(self) -> None:
-        """Forget the running batch and its caches."""
+        """Forget the running batch, its caches and a chunked prefill under way."""
+        self.prefilling = None
+        self._end_batch()
+
+    def _end_batch(self) -> None:
+        """Forget the running batch and its caches (a chunked prefill under way goes on)."""
         self._close_period(None)
         self.batch, self.cache = None, None
-        self.stop_strings = {}
+        waiting = {id(s) for s in self.prefilling.batch.sequences} if self.prefilling is not None else set()
+        self.stop_strings = {key: value for key, value in self.stop_strings.items() if key in waiting}
         if self.proposer is not None:
             self.proposer.select_rows(torch.empty(0, dtype=torch.long, device=self.target.device))
 
@@ -189,30 +217,101 @@ class Engine:
         """
         if not sequences:
             return []
+        with self._admitting_time() as start:
+            batch = self._new_batch(sequences, start, eos_token_ids)
+            self._want_logprobs(self.sequences + sequences)
+            if any(s.output_token_ids for s in sequences):
+                (cache, features), finished = self._rebuild_cache(batch), []
+            else:
+                cache, features, finished = self._prefill(batch)
+            return self._join(batch, cache, features, finished)
+
+    def begin_prefill(self, sequences: list[Sequence], eos_token_ids: Seq[int] | None = None) -> None:
+        """Start admitting the sequences of one new prompt (the same prompt_index, no output tokens,
+        no prompt_logprobs) with their prompt prefilled a chunk at a time: `prefill_chunk` runs the
+        chunks, between steps, and the last one admits them as `add` does. One such prefill at a time;
+        `abort` and `reset` end it. Raises ValueError for sequences it cannot take so."""
+        if self.prefilling is not None:
+            raise RuntimeError("a chunked prefill is under way: prefill_chunk until it ends first")
+        if len({s.prompt_index for s in sequences}) != 1 or any(
+            s.output_token_ids or s.params.prompt_logprobs is not None for s in sequences
+        ):
+            raise ValueError(
+                "a chunked prefill takes the new sequences of one prompt (the same prompt_index, no "
+                "output tokens yet) that want no prompt_logprobs"
+            )
+        batch = self._new_batch(sequences, time.perf_counter(), eos_token_ids)
+        self.prefilling = PartialPrefill(batch, self.target.new_cache(1, batch.capacity))
+
+    @torch.inference_mode()
+    def prefill_chunk(self, max_tokens: int | None = None) -> list[Sequence] | None:
+        """The next `max_tokens` (None: all the rest) of the chunked prefill's prompt (begin_prefill).
+        Until its last chunk, returns None and the running batch is untouched; the last chunk samples
+        each sequence's first token and appends them to the running batch, returning those that
+        already finished, as `add` does. When this raises, the chunked prefill's sequences are lost
+        (the prefill ends), and only they."""
+        partial = self.prefilling
+        if partial is None:
+            raise RuntimeError("no chunked prefill is under way (begin_prefill)")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None; got {max_tokens}")
+        with self._admitting_time():
+            try:
+                return self._prefill_chunk(partial, max_tokens)
+            except BaseException:
+                self.prefilling = None
+                raise
+
+    def _prefill_chunk(self, partial: PartialPrefill, max_tokens: int | None) -> list[Sequence] | None:
+        """`prefill_chunk`'s work (its docstring)."""
+        batch = partial.batch
+        size = partial.tokens_left if max_tokens is None else min(max_tokens, partial.tokens_left)
+        extra = {"hidden_layers": self.hidden_layers} if self.hidden_layers else {}
+        out = self.target.forward(
+            batch.tokens[:1, partial.done : partial.done + size],
+            partial.cache,
+            logits_indices=torch.full((1, 1), size - 1, dtype=torch.long, device=batch.tokens.device),
+            **extra,
+        )
+        if self.hidden_layers:
+            out, hidden = out
+            partial.features.append(hidden)
+        partial.done += size
+        if partial.tokens_left:
+            return None
+        self.prefilling = None
+        self._want_logprobs(self.sequences + batch.sequences)
+        features = torch.cat(partial.features, dim=1) if partial.features else None
+        cache, features, finished = self._first_tokens(batch, [0], [0], out, features, partial.cache)
+        return self._join(batch, cache, features, finished)
+
+    @contextmanager
+    def _admitting_time(self) -> Iterator[float]:
+        """Yields the time now; the block's duration counts as admitting rows (not the step's cost:
+        _close_period) where a step's figures wait for draft_length."""
         start = time.perf_counter()
         try:
-            return self._admit(sequences, start, eos_token_ids)
+            yield start
         finally:
             if self._unobserved is not None:
                 self._admitting += time.perf_counter() - start
 
-    def _admit(
-        self, sequences: list[Sequence], start: float, eos_token_ids: Seq[int] | None
-    ) -> list[Sequence]:
-        """`add`'s work (its docstring), the sequences admitted at `start`."""
+    def _new_batch(self, sequences: list[Sequence], start: float, eos_token_ids: Seq[int] | None) -> Batch:
+        """The batch of sequences that join at `start`, their stop strings watched."""
         for s in sequences:
             s.start_time = start
             if s.params.stop:
                 self.stop_strings[id(s)] = StopStrings(s, lambda ids, p=s.params: self.decode(ids, p))
         eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        batch = Batch(
+        return Batch(
             sequences, eos, self.k, self.target.vocab_size, self.target.device, self.generator, self.room
         )
-        self._want_logprobs(self.sequences + sequences)
-        if any(s.output_token_ids for s in sequences):
-            (cache, features), finished = self._rebuild_cache(batch), []
-        else:
-            cache, features, finished = self._prefill(batch)
+
+    def _join(
+        self, batch: Batch, cache: KVCache, features: Tensor | None, finished: list[Sequence]
+    ) -> list[Sequence]:
+        """Append a prefilled batch's rows that stay (and their cache and `features`, the hidden states
+        a proposer reads of them) to the running batch; returns `finished`."""
         if not batch.sequences:
             return finished
         if self.proposer is not None:
@@ -290,7 +389,7 @@ class Engine:
                 )
             )
         if not batch.sequences:
-            self.reset()
+            self._end_batch()
         return commit.finished
 
     def _close_period(self, now: float | None) -> None:
@@ -512,19 +611,27 @@ class Engine:
             s.logprobs = (s.logprobs or []) + entries
 
     def abort(self, sequences: list[Sequence], reason: str = "abort") -> None:
-        """Drop these sequences from the running batch, marking them finished with `reason`."""
+        """Drop these sequences from the running batch or the chunked prefill, marking them finished
+        with `reason`."""
         gone = {id(s) for s in sequences}
         for s in sequences:
             if not s.finished:
                 s.finish_reason = reason
             self.stop_strings.pop(id(s), None)
+        if self.prefilling is not None:
+            partial = self.prefilling.batch
+            keep = [i for i, s in enumerate(partial.sequences) if id(s) not in gone]
+            if not keep:
+                self.prefilling = None
+            elif len(keep) < len(partial.sequences):
+                partial.select(keep, [], None)
         if self.batch is None:
             return
         keep = [i for i, s in enumerate(self.batch.sequences) if id(s) not in gone]
         if len(keep) < len(self.batch.sequences):
             self.batch.select(keep, [self.cache], self.proposer)
             if not self.batch.sequences:
-                self.reset()
+                self._end_batch()
 
     def _want_logprobs(self, sequences: list[Sequence]) -> None:
         self.num_top = max([s.params.logprobs or 0 for s in sequences])
@@ -548,10 +655,7 @@ class Engine:
         return cache, out[1] if self.hidden_layers else None
 
     def _prefill(self, batch: Batch) -> tuple[KVCache, Tensor | None, list[Sequence]]:
-        """The target's prefill of each prompt (its first sequence's row); the prompt's other sequences
-        copy its cache row; each samples a first token. Returns the new cache, the hidden states a
-        proposer reads of the prompts of the rows that stay ([B, width, F], None if it reads none) and
-        the sequences that finished with that token."""
+        """The target's prefill of each prompt (its first sequence's row), then `_first_tokens`."""
         sequences = batch.sequences
         heads = [
             row
@@ -562,6 +666,24 @@ class Engine:
         logits, features, cache, order = self._prefill_prompts(batch, heads, all_logits)  # [P, 1 or width, V]
         if all_logits:
             logits = self._prompt_logprobs(batch, heads, order, logits)
+        return self._first_tokens(batch, heads, order, logits, features, cache)
+
+    def _first_tokens(
+        self,
+        batch: Batch,
+        heads: list[int],
+        order: list[int],
+        logits: Tensor,
+        features: Tensor | None,
+        cache: KVCache,
+    ) -> tuple[KVCache, Tensor | None, list[Sequence]]:
+        """After the prefill of the prompts whose first sequences are the batch rows `heads` (logits
+        [P, 1, V] at each prompt's last token, features [P, width, F] or None, the cache's row of
+        prompt p `order[p]`): each prompt's other sequences copy its cache row, and every sequence
+        samples its first token. Returns the new cache, the hidden states of the prompts of the rows
+        that stay ([B, width, F], None if the proposer reads none) and the sequences that finished
+        with that token."""
+        sequences = batch.sequences
         rows = [order[bisect.bisect_right(heads, row) - 1] for row in range(len(sequences))]  # -> cache row
         if rows != list(range(len(rows))):
             index = to_device(rows, torch.long, batch.tokens.device)

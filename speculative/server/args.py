@@ -51,8 +51,9 @@ class ServerArgs:
     max_waiting: int = arg(128, "sequences that may wait for room in the batch (then 429)")
     max_prefill_tokens: int | None = arg(
         None,
-        "prompt tokens prefilled between two decoding steps at most (a longer prompt goes alone): a "
-        "smaller figure keeps the running streams' pauses short while new requests arrive",
+        "prompt tokens prefilled between two decoding steps at most (a longer prompt goes in chunks of "
+        "that many, one between two steps): a smaller figure keeps the running streams' pauses short "
+        "while new requests arrive",
         default_text="no bound",
     )
     max_prompt_tokens: int | None = arg(None, "longest prompt accepted", default_text="the context")

@@ -140,10 +140,15 @@ class Scheduler:
     max_num_seqs: sequences in the running batch at most (a request's n / best_of all count).
     max_waiting: sequences that may wait for room in the running batch; beyond, `submit` raises
         QueueFull.
-    max_prefill_tokens: prompt tokens admitted between two steps at most (None: no bound); the oldest
-        waiting request is admitted whatever its prompt's length, so none waits for ever. Every running
-        row waits while new ones are prefilled, so the bound caps that pause (a stream's inter-token
-        latency) at the cost of a later first token for requests that arrive together.
+    max_prefill_tokens: prompt tokens prefilled between two steps at most (None: no bound). Every
+        running row waits while new ones are prefilled, so the bound caps that pause (a stream's
+        inter-token latency) at the cost of a later first token for requests that arrive together.
+        While rows run, a waiting request whose prompt is longer than the bound is prefilled a chunk of
+        at most that many tokens between two steps (Engine.begin_prefill) and joins the batch with its
+        last chunk; one such prompt at a time, the oldest waiting request, and before it nothing else
+        enters the batch whole in that pause. With no row running (nobody waits on it) and for a
+        request that wants prompt_logprobs (all its logits at once), the oldest waiting request is
+        prefilled whole whatever its length.
     """
 
     def __init__(
@@ -171,7 +176,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
-        self._num_running = 0  # sequences of the _running requests (read from other threads)
+        self._prefilling: Request | None = None  # its prompt prefilled a chunk at a time
+        self._num_running = 0  # sequences of the _running and _prefilling requests (read from other threads)
         self._aborted: list[Request] = []
         self._numbers = itertools.count()
         self._accepting = True
@@ -260,7 +266,9 @@ class Scheduler:
         """`drain(timeout)`, wait for the queued and running requests to finish or fail, then stop the
         engine thread."""
         self.drain(timeout)
-        while (self._running or self._waiting) and self._thread is not None and self._thread.is_alive():
+        while self._thread is not None and self._thread.is_alive():
+            if not (self._running or self._waiting or self._prefilling):
+                break
             await asyncio.sleep(0.02)
         self._stopping = True
         self._wake.set()
@@ -306,8 +314,8 @@ class Scheduler:
             with self._lock:
                 aborted, self._aborted = self._aborted, []
                 expired = self._deadline is not None and time.monotonic() >= self._deadline
-                pending = bool(self._waiting or self._running)
-                admitted = self._admit() if not (self._stopping or expired) else []
+                pending = bool(self._waiting or self._running or self._prefilling)
+                admitted, chunk = self._admit() if not (self._stopping or expired) else ([], 0)
             for request in aborted:
                 if not request.done:
                     self._finish(request, "abort")
@@ -317,10 +325,12 @@ class Scheduler:
                 if self._stopping:
                     return
                 continue
+            if chunk:
+                self._prefill_chunk(chunk)
             if admitted:
                 self._add(admitted)
             self._set_gauges()
-            if not self._running:
+            if not self._running and self._prefilling is None:
                 if busy:  # the batch just emptied
                     release_free_memory()
                     busy = False
@@ -370,29 +380,71 @@ class Scheduler:
             release_free_memory()
         return True
 
-    def _admit(self) -> list[Request]:
-        """Move waiting requests that fit into the running batch (under the lock), oldest first, their
-        prompts max_prefill_tokens long at most together (the first one whatever its length)."""
+    def _admit(self) -> tuple[list[Request], int]:
+        """Under the lock: the waiting requests that go into the running batch whole now, oldest first,
+        and the tokens of the chunked prefill's next chunk (0: none), within max_prefill_tokens (the
+        class docstring). A request whose prompt is to be prefilled in chunks becomes _prefilling."""
         admitted, room = [], self.max_num_seqs - self.num_running
-        budget = self.max_prefill_tokens
+        budget, chunk = self.max_prefill_tokens, 0
+        if self._prefilling is not None and not self._prefilling.aborted:  # (an aborted one ends below)
+            left = self.engine.prefilling.tokens_left
+            chunk = left if budget is None or not self._running else min(left, budget)
+            budget = None if budget is None else budget - chunk
         while self._waiting and len(self._waiting[0].sequences) <= room:
-            tokens = len(self._waiting[0].sequences[0].prompt_token_ids)
-            if admitted and budget is not None and tokens > budget:
-                break
-            request = self._waiting.popleft()
+            request = self._waiting[0]
+            tokens = len(request.sequences[0].prompt_token_ids)
+            if budget is not None and tokens > budget:
+                if admitted or self._prefilling is not None:
+                    break
+                if self._running and request.params.prompt_logprobs is None:
+                    self._waiting.popleft()
+                    self._prefilling, chunk = request, budget
+                    room -= len(request.sequences)
+                    break
+            self._waiting.popleft()
             room -= len(request.sequences)
             budget = None if budget is None else budget - tokens
             admitted.append(request)
         self._running.extend(admitted)
-        self._num_running = sum(len(j.sequences) for j in self._running)
-        return admitted
+        self._count_running()
+        return admitted, chunk
+
+    def _count_running(self) -> None:
+        prefilling = [self._prefilling] if self._prefilling is not None else []
+        self._num_running = sum(len(j.sequences) for j in self._running + prefilling)
+
+    def _prefill_chunk(self, tokens: int) -> None:
+        """The next `tokens` of the _prefilling request's prompt (its first chunk begins its prefill);
+        with its last, it joins the running requests. If that raises, it fails alone."""
+        request = self._prefilling
+        start = time.perf_counter()
+        try:
+            if self.engine.prefilling is None:
+                self._prepare(request)
+                self.engine.begin_prefill(request.sequences)
+            finished = self.engine.prefill_chunk(tokens)
+        except Exception as error:
+            self.metrics.engine_seconds.labels(phase="prefill").inc(time.perf_counter() - start)
+            self._fail(request, f"{type(error).__name__}: {error}")
+            return
+        elapsed = time.perf_counter() - start
+        self.metrics.engine_seconds.labels(phase="prefill").inc(elapsed)
+        if finished is not None:
+            self._prefilling = None
+            self._running.append(request)
+            self._publish([request], elapsed)
+
+    def _prepare(self, request: Request) -> None:
+        """Give the request's sequences its prompt index (the engine shares one prefill per index) and
+        count its prompt."""
+        for r in request.sequences:
+            r.prompt_index = request.number
+        self.metrics.prompt_tokens.inc(len(request.sequences[0].prompt_token_ids))
 
     def _add(self, requests: list[Request]) -> None:
         """Prefill the requests together; if that raises, one at a time, so that a failing one fails alone."""
         for request in requests:
-            for r in request.sequences:
-                r.prompt_index = request.number  # the engine shares one prefill per prompt index
-            self.metrics.prompt_tokens.inc(len(request.sequences[0].prompt_token_ids))
+            self._prepare(request)
         start = time.perf_counter()
         try:
             self.engine.add([r for request in requests for r in request.sequences])
@@ -528,9 +580,11 @@ class Scheduler:
 
     def _retire(self, request: Request) -> None:
         request.done = True
+        if request is self._prefilling:
+            self._prefilling = None
         if request in self._running:
             self._running.remove(request)
-            self._num_running = sum(len(j.sequences) for j in self._running)
+        self._count_running()
 
     def _fail(self, request: Request, error: str) -> None:
         self._finish(request, "error")
@@ -541,7 +595,8 @@ class Scheduler:
     def _fail_all(self, error: str) -> None:
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
-        for request in waiting + list(self._running):
+        prefilling = [self._prefilling] if self._prefilling is not None else []
+        for request in waiting + prefilling + list(self._running):
             self._fail(request, error)
         self.engine.reset()
 
