@@ -249,3 +249,24 @@ def test_a_row_that_finishes_gives_its_place_to_the_last_row() -> None:
         engine.step()
     assert orders[0] == [4, 1, 2, 3]  # row 0 left after its second token; the last row took its place
     assert [g[0].output_token_ids for g in sequences] == expected
+
+
+def test_a_draft_prefills_rows_of_very_different_lengths_apart_and_drafts_as_for_each_alone() -> None:
+    """Rows that join the draft together, a long prompt behind a short one (one prefill forward each,
+    then the cache's rows put back in order), draft what each drafts alone: the same tokens accepted."""
+    llm = _llm("native", "draft_model")
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[3, 4], list(range(2, 42)), [7, 8, 9], list(range(50, 80))]
+    alone = []
+    for i, prompt in enumerate(prompts):
+        (s,) = llm.make_sequences(prompt, params, i)
+        llm.engine.run([s])
+        alone.append((s.output_token_ids, s.metrics.num_accepted))
+    engine = llm.engine
+    together = [llm.make_sequences(p, params, i)[0] for i, p in enumerate(prompts)]
+    engine.add(together[:2])  # all new to the draft: its first proposal prefills them
+    engine.step()
+    engine.add(together[2:])  # joining running rows: prefilled, then caught up with them
+    _run_out(engine)
+    assert [(s.output_token_ids, s.metrics.num_accepted) for s in together] == alone
+    assert all(accepted > 0 for _, accepted in alone)

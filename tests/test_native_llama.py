@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -214,6 +215,38 @@ def test_sliding_window_matters():
     assert (windowed[:, 4:] - full[:, 4:]).abs().max() > 1e-2
     assert_close(windowed[:, :4], full[:, :4])
     assert_close(windowed, hf_logits(hf, ids))
+
+
+@pytest.mark.parametrize(
+    ("name", "causal_layers"), [("llama", [True, True]), ("qwen2_window", [True, False])]
+)
+def test_a_prefill_into_an_empty_cache_attends_by_the_causal_rule_without_a_mask(
+    name, causal_layers, monkeypatch
+):
+    """Into an empty cache, a layer without a sliding window calls SDPA with is_causal and no mask (a
+    windowed one keeps its mask); right-padded rows give the masked forward's logits, and the cache
+    the same next step."""
+    _, native = models(name)
+    ids, num_tokens = tokens(3, 9, seed=9), torch.tensor([9, 4, 7])
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("is_causal", False) and kwargs.get("attn_mask") is None)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    caches = [native.new_cache(3, 16) for _ in range(2)]
+    causal = native(ids, caches[0], num_tokens=num_tokens)
+    assert calls == causal_layers
+    calls.clear()
+    masked = native.forward_with(functools.partial(native.run, empty_cache=False), ids, caches[1], num_tokens)
+    assert calls == [False] * len(causal_layers)
+    for b, n in enumerate(num_tokens.tolist()):
+        assert_close(causal[b, :n], masked[b, :n])
+    nxt = tokens(3, 2, seed=10)
+    calls.clear()
+    assert_close(native(nxt, caches[0]), native(nxt, caches[1]))
+    assert not any(calls)  # onto a cache that holds tokens: the mask
 
 
 def test_cache_overflow_raises():

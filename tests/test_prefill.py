@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
-from speculative.engine.batch import MAX_PREFILL_GROUPS, PREFILL_PADDING, prefill_groups
 from speculative.models.llama import NativeCausalLM
+from speculative.models.prefill import MAX_PREFILL_GROUPS, PREFILL_PADDING, prefill_groups
 
 
 @given(st.lists(st.integers(1, 600), min_size=1, max_size=40))

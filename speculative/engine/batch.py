@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-
 import torch
 from torch import Tensor
 
@@ -13,28 +11,6 @@ from speculative.proposers.base import Proposer
 from speculative.sampling import SampleStrategy
 from speculative.sampling.context import TokenContext
 from speculative.transfer import to_device
-
-# Prefill groups on a CPU, where a prefill's cost is its padded tokens: a row joins the group of the
-# longer rows before it when its padding is at most PREFILL_PADDING tokens or 1/8 of the group's width
-# (a forward's own overhead is worth about that many tokens), and there are at most MAX_PREFILL_GROUPS.
-PREFILL_PADDING = 16
-MAX_PREFILL_GROUPS = 8
-
-
-def prefill_groups(lengths: Seq[int]) -> list[list[int]]:
-    """The rows (indices into `lengths`, the prompts' lengths) of each prefill forward, longest first:
-    rows of similar lengths share a forward, right-padded to the longest of them, so that little
-    compute goes to padding (module constants)."""
-    order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
-    groups: list[list[int]] = []
-    for row in order:
-        width = lengths[groups[-1][0]] if groups else 0
-        padding = width - lengths[row]
-        if groups and (padding <= max(PREFILL_PADDING, width // 8) or len(groups) == MAX_PREFILL_GROUPS):
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
 
 
 class Batch:

@@ -50,13 +50,14 @@ from torch import Tensor
 
 from speculative.acceptance import AcceptanceRule, RejectionSampler
 from speculative.engine import logprobs as L
-from speculative.engine.batch import Batch, prefill_groups
+from speculative.engine.batch import Batch
 from speculative.engine.draft_length import DraftLength
 from speculative.engine.sequence import NoTokenAllowed, Sequence, StopStrings
 from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
 from speculative.models.compiled import graphs_compiled
+from speculative.models.prefill import prefill_groups
 from speculative.proposers.base import FeatureProposer, LearningProposer, Proposal, Proposer
 from speculative.proposers.grammar import cut_to_grammar
 from speculative.sampling_params import SamplingParams

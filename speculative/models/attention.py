@@ -20,8 +20,14 @@ The contract, for one decoder layer of one forward of `batch` rows of `q` query 
                  h // (heads / kv_heads)) against the cache's slots [0, span) -> [batch, heads, q,
                  head_dim] in the queries' dtype: softmax(q k^T * scale, masked) v
 
+                 A forward into an empty cache (every row's queries at positions 0..q-1, no sliding
+                 window, no tree) makes none: `attend` then takes None, the causal rule itself, which
+                 a kernel applies without a mask in memory (SDPA's is_causal, which also skips the
+                 masked half of the scores; docs/internals.md#measured-choices)
+
 A query always sees at least itself, so no row of a mask is empty. Slots past a row's length hold
-stale or padding K/V, which the mask hides. Every method runs inside compiled graphs too
+stale or padding K/V, which the mask hides (after a right-padded prefill into an empty cache, the
+padding queries alone see them: their outputs are never read). Every method runs inside compiled graphs too
 (NativeCausalLM.run is what torch.compile compiles), so a backend is plain tensor code; a flash,
 paged or FlexAttention backend is one more class with these three methods (a paged one also owns
 the cache layout: StaticKVCache is today's only one). A model's backend is its `attention_backend`
@@ -72,7 +78,8 @@ class AttentionBackend(Protocol):
         self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Any, scale: float
     ) -> Tensor:
         """query [batch, heads, q, head_dim] against cache slots [0, span) under `mask` (this backend's
-        own, from `mask`): [batch, heads, q, head_dim] in the query's dtype."""
+        own, from `mask`; None: query i sees slots 0..i, a forward into an empty cache): [batch,
+        heads, q, head_dim] in the query's dtype."""
         ...
 
 
@@ -132,6 +139,8 @@ class FusedAttention:
         self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Tensor, scale: float
     ) -> Tensor:
         keys, values = key_cache[:, :, :span], value_cache[:, :, :span]
+        if mask is None:
+            return _causal(query, keys, values, scale)
         # dynamo's tracing (is_compiling() is process-wide: also true beside another thread's compile)
         if not (torch.compiler.is_dynamo_compiling() and query.device.type == "cpu"):
             return F.scaled_dot_product_attention(
@@ -191,6 +200,16 @@ class SdpaAttention:
         self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Tensor, scale: float
     ) -> Tensor:
         keys, values = key_cache[:, :, :span], value_cache[:, :, :span]
+        if mask is None:
+            return _causal(query, keys, values, scale)
         return F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
         )
+
+
+def _causal(query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
+    """attend with mask None (a forward into an empty cache): SDPA under its own causal rule, query i
+    seeing keys 0..i (the first q of the span's)."""
+    return F.scaled_dot_product_attention(
+        query, keys, values, is_causal=True, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+    )

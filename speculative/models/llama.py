@@ -420,9 +420,8 @@ class NativeCausalLM(nn.Module):
         """
         if hidden_layers is not None:
             self.check_hidden_layers(hidden_layers)
-            run = functools.partial(self.run, slots=None, tree_masks=None, hidden_layers=hidden_layers)
-            return self.forward_with(run, input_ids, cache, num_tokens, logits_indices)
-        return self.forward_with(self.run, input_ids, cache, num_tokens, logits_indices)
+        run = functools.partial(self.run, hidden_layers=hidden_layers, empty_cache=cache.host_max_length == 0)
+        return self.forward_with(run, input_ids, cache, num_tokens, logits_indices)
 
     def check_hidden_layers(self, hidden_layers: tuple[int, ...]) -> None:
         """A ValueError unless every index is in [0, num_hidden_layers] (see forward)."""
@@ -551,6 +550,7 @@ class NativeCausalLM(nn.Module):
         slots: Tensor | None = None,  # [batch, q] int64, where the K/V are written; default positions
         tree_masks: dict[int | None, Tensor] | None = None,  # window -> [batch, 1, q, span] bool
         hidden_layers: tuple[int, ...] | None = None,  # see forward
+        empty_cache: bool = False,  # every row's queries are positions 0..q-1 (AttentionBackend: no mask)
     ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, n, vocab] float32 (and [batch, q, h * hidden])
         """The forward as a function of tensors: what torch.compile compiles.
 
@@ -566,7 +566,17 @@ class NativeCausalLM(nn.Module):
         hidden = self.embed(input_ids.reshape(batch * q))  # [rows, hidden]
         wanted = hidden_layers or ()
         hidden, taps = self.run_layers(
-            hidden, None, batch, positions, keys, values, key_positions, slots, tree_masks, wanted
+            hidden,
+            None,
+            batch,
+            positions,
+            keys,
+            values,
+            key_positions,
+            slots,
+            tree_masks,
+            wanted,
+            empty_cache,
         )
         hidden = hidden.view(batch, q, -1)
         logits = self.logits(hidden, logits_indices, self.model.norm.weight)
@@ -607,6 +617,7 @@ class NativeCausalLM(nn.Module):
         slots: Tensor | None,
         tree_masks: dict[int | None, Tensor] | None,
         wanted: tuple[int, ...] = (),  # layers whose input streams are kept
+        empty_cache: bool = False,  # run's
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """The decoder layers of `run` (its other arguments) over the residual stream `hidden`. Returns
         the stream after the last layer ([rows, hidden], before the final norm) and, for each i in
@@ -640,7 +651,12 @@ class NativeCausalLM(nn.Module):
             window = attn.sliding_window
             if window not in masks:
                 tree_mask = None if tree_masks is None else tree_masks[window]
-                masks[window] = backend.mask(positions, key_positions, window, tree_mask, hidden.dtype)
+                causal = empty_cache and tree_mask is None and window is None  # attend's rule, no mask
+                masks[window] = (
+                    None
+                    if causal
+                    else backend.mask(positions, key_positions, window, tree_mask, hidden.dtype)
+                )
             out = backend.attend(
                 qk[:, :, :heads].transpose(1, 2), key_cache, value_cache, span, masks[window], attn.scaling
             )  # [batch, heads, q, head_dim]

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from speculative.kv_cache import KVCache
 from speculative.models.base import GreedyDecoding, LanguageModel, decode
+from speculative.models.prefill import prefill_groups
 from speculative.proposers.base import Proposal
 from speculative.proposers.grammar import GrammarWalk
 from speculative.sampling import SampleStrategy
@@ -75,16 +76,31 @@ class DraftModelProposer:
         self.pending = []
 
     def _prefill(self, tokens: Tensor, lengths: Tensor) -> tuple[KVCache, int]:
-        """A new cache of the rows' contexts but their last tokens, and its host max length."""
-        cache = self.model.new_cache(tokens.shape[0], tokens.shape[1])
-        width = int(lengths.max()) - 1  # the prefill feeds all but the last token
-        self.model.forward(
-            tokens[:, :width],
-            cache,
-            num_tokens=lengths - 1,
-            logits_indices=torch.zeros_like(lengths)[:, None],
-        )
-        return cache, width
+        """A new cache of the rows' contexts but their last tokens, and its host max length. On a CPU,
+        rows of different lengths go in a few forwards of similar lengths (`prefill_groups`), not all
+        padded to the longest: a long prompt that joined beside short ones costs its own tokens."""
+        fed = (lengths - 1).tolist()  # the prefill feeds all but the last token
+        rows = list(range(len(fed)))
+        groups = prefill_groups(fed) if tokens.device.type == "cpu" else [rows]
+        cache = None
+        for group in groups:  # the cache's rows: the groups' rows one after the other
+            index = torch.tensor(group, device=tokens.device)
+            part = self.model.new_cache(len(group), tokens.shape[1])
+            self.model.forward(
+                tokens[index, : max(fed[i] for i in group)],
+                part,
+                num_tokens=lengths[index] - 1,
+                logits_indices=torch.zeros_like(index)[:, None],
+            )
+            if cache is None:
+                cache = part
+            else:
+                cache.append_rows(part)
+        order = [row for group in groups for row in group]
+        if order != rows:
+            place = {row: i for i, row in enumerate(order)}
+            cache.select_rows(torch.tensor([place[row] for row in rows], device=tokens.device))
+        return cache, max(fed)
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         if self._short:
