@@ -221,3 +221,34 @@ def test_a_chunked_prefill_that_fails_or_is_aborted_loses_its_own_request_only()
     assert first_ids[0] == expected[0] and last_ids[0] == expected[1]
     assert failed[-1].error == "RuntimeError: chunk exploded"
     assert calls[:3] == [1, 1, 2] and 2 not in calls[3:]  # the aborted one's prefill ended there
+
+
+def test_an_error_that_recurs_at_once_makes_the_engine_thread_wait_not_spin(caplog) -> None:
+    """Setting the gauges raises on every turn of the engine thread, idle too: it backs off (a few turns
+    a second, not thousands), and once the error is gone it serves again."""
+    llm = _llm()
+    prompt = llm.tokenizer(PROMPTS[0])["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+
+    async def main():
+        scheduler = Scheduler(llm)
+        turns, set_gauges = [], scheduler._set_gauges
+
+        def broken():
+            turns.append(1)
+            raise RuntimeError("gauges exploded")
+
+        scheduler._set_gauges = broken
+        scheduler.start()
+        await asyncio.sleep(1.0)
+        scheduler._set_gauges = set_gauges
+        spun = len(turns)
+        (_, ids, _) = await asyncio.wait_for(_collect(scheduler.submit(prompt, params, "after")), 60)
+        await scheduler.shutdown(5)
+        return spun, ids
+
+    spun, ids = asyncio.run(main())
+    assert 1 <= spun <= 12, spun  # 20 ms, 40, 80, ... apart
+    assert ids[0] == expected
+    assert "gauges exploded" in caplog.text

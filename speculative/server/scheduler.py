@@ -44,6 +44,10 @@ steps only as long as the time it spent making them between steps is under this 
 stepping; when idle it makes them one after the other."""
 
 
+FAILURE_MEMORY = 10.0
+"""Seconds after an error in the engine thread within which another counts as the same one recurring."""
+
+
 class QueueFull(Exception):
     """The waiting queue is at its limit (HTTP 429)."""
 
@@ -297,7 +301,10 @@ class Scheduler:
         """The engine thread: `_serve` until it returns (shut down). A step or a prefill that raises
         fails its own requests there; anything else that raises (publishing, admitting) fails every
         queued and running request with its error, and the thread goes on serving: a thread that
-        ended would leave every request, then and later, waiting for ever."""
+        ended would leave every request, then and later, waiting for ever. An error that comes back at
+        once (within FAILURE_MEMORY seconds of the last) makes the thread wait before it goes on, twice
+        as long each time up to a second, rather than spin on it."""
+        failures, last = 0, -FAILURE_MEMORY
         with self.engine.recording_steps() as steps:  # each step's StepStats, counted and cleared
             while True:
                 try:
@@ -307,6 +314,11 @@ class Scheduler:
                     logging.getLogger(__name__).error("the engine thread failed its requests", exc_info=True)
                     steps.clear()
                     self._fail_all(f"{type(error).__name__}: {error}")
+                    if self._stopping:
+                        return
+                    now = time.monotonic()
+                    failures, last = (failures + 1 if now - last < FAILURE_MEMORY else 1), now
+                    time.sleep(min(0.01 * 2**failures, 1.0))
 
     def _serve(self, steps: list[StepStats]) -> None:
         busy = False  # a step ran since the batch was last empty
