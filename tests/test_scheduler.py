@@ -252,3 +252,39 @@ def test_an_error_that_recurs_at_once_makes_the_engine_thread_wait_not_spin(capl
     assert 1 <= spun <= 12, spun  # 20 ms, 40, 80, ... apart
     assert ids[0] == expected
     assert "gauges exploded" in caplog.text
+
+
+def test_a_step_that_raises_fails_the_running_requests_alone() -> None:
+    """The step raises once while a long prompt is being prefilled in chunks and another request waits:
+    the running request fails with the step's error, the chunked one and the waiting one get their
+    offline outputs."""
+    llm = _llm()
+    engine, step = llm.engine, llm.engine.step
+    tokenize = lambda text: llm.tokenizer(text)["input_ids"]  # noqa: E731
+    running, chunked, waiting = tokenize(PROMPTS[0]), tokenize(PROMPTS[3]), tokenize(PROMPTS[1])  # 14, 19, 5
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = [
+        llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in (chunked, waiting)
+    ]
+    steps = []
+
+    def failing_step():
+        steps.append(engine.prefilling is not None)
+        if len(steps) == 3:
+            assert engine.prefilling is not None  # the chunked prefill is under way
+            raise RuntimeError("step exploded")
+        return step()
+
+    engine.step = failing_step
+
+    async def main():
+        scheduler = Scheduler(llm, max_num_seqs=8, max_prefill_tokens=4)
+        streams = [scheduler.submit(p, params, f"r{i}") for i, p in enumerate((running, chunked, waiting))]
+        scheduler.start()
+        results = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), 60)
+        await scheduler.shutdown(5)
+        return results
+
+    (_, _, failed), (_, chunked_ids, _), (_, waiting_ids, _) = asyncio.run(main())
+    assert failed[-1].error == "RuntimeError: step exploded"
+    assert [chunked_ids[0], waiting_ids[0]] == expected

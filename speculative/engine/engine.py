@@ -180,10 +180,11 @@ class Engine:
     def reset(self) -> None:
         """Forget the running batch, its caches and a chunked prefill under way."""
         self.prefilling = None
-        self._end_batch()
+        self.drop_batch()
 
-    def _end_batch(self) -> None:
-        """Forget the running batch and its caches (a chunked prefill under way goes on)."""
+    def drop_batch(self) -> None:
+        """Forget the running batch and its caches, whatever state a step that raised left them in (its
+        sequences are the caller's to mark); a chunked prefill under way goes on."""
         self._close_period(None)
         self.batch, self.cache = None, None
         waiting = {id(s) for s in self.prefilling.batch.sequences} if self.prefilling is not None else set()
@@ -390,7 +391,7 @@ class Engine:
                 )
             )
         if not batch.sequences:
-            self._end_batch()
+            self.drop_batch()
         return commit.finished
 
     def _close_period(self, now: float | None) -> None:
@@ -632,7 +633,7 @@ class Engine:
         if len(keep) < len(self.batch.sequences):
             self.batch.select(keep, [self.cache], self.proposer)
             if not self.batch.sequences:
-                self._end_batch()
+                self.drop_batch()
 
     def _want_logprobs(self, sequences: list[Sequence]) -> None:
         self.num_top = max([s.params.logprobs or 0 for s in sequences])

@@ -299,9 +299,10 @@ class Scheduler:
 
     def _run(self) -> None:
         """The engine thread: `_serve` until it returns (shut down). A step or a prefill that raises
-        fails its own requests there; anything else that raises (publishing, admitting) fails every
-        queued and running request with its error, and the thread goes on serving: a thread that
-        ended would leave every request, then and later, waiting for ever. An error that comes back at
+        fails its own requests there (a step's: the running ones); anything else that raises
+        (publishing, admitting) fails every queued and running request with its error, and the thread
+        goes on serving: a thread that ended would leave every request, then and later, waiting for
+        ever. An error that comes back at
         once (within FAILURE_MEMORY seconds of the last) makes the thread wait before it goes on, twice
         as long each time up to a second, rather than spin on it."""
         failures, last = 0, -FAILURE_MEMORY
@@ -357,7 +358,7 @@ class Scheduler:
                 self.engine.step()
             except Exception as error:
                 logging.getLogger(__name__).error("an engine step failed its requests", exc_info=True)
-                self._fail_all(f"{type(error).__name__}: {error}")
+                self._fail_step(f"{type(error).__name__}: {error}")
                 continue
             elapsed = time.perf_counter() - start
             self.metrics.engine_seconds.labels(phase="step").inc(elapsed)
@@ -603,6 +604,13 @@ class Scheduler:
         self._send(
             request, RequestUpdate([], True, len(request.sequences[0].prompt_token_ids), 0, None, error)
         )
+
+    def _fail_step(self, error: str) -> None:
+        """A step raised: its requests, the running ones, fail with its error and the engine drops its
+        batch; the waiting requests and a chunked prefill under way go on."""
+        self.engine.drop_batch()
+        for request in list(self._running):
+            self._fail(request, error)
 
     def _fail_all(self, error: str) -> None:
         with self._lock:
