@@ -288,3 +288,35 @@ def test_a_step_that_raises_fails_the_running_requests_alone() -> None:
     (_, _, failed), (_, chunked_ids, _), (_, waiting_ids, _) = asyncio.run(main())
     assert failed[-1].error == "RuntimeError: step exploded"
     assert [chunked_ids[0], waiting_ids[0]] == expected
+
+
+def test_a_prefill_that_raises_fails_its_request_alone_and_prompts_count_once() -> None:
+    """Two requests prefilled together, one of whose prefills raises: they are prefilled again one at a
+    time, the failing one fails alone, and each prompt counts once in the prompt tokens metric."""
+    llm = _llm()
+    engine, add = llm.engine, llm.engine.add
+    good, bad = llm.tokenizer(PROMPTS[0])["input_ids"], [9, 9, 9, 9]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate([{"prompt_token_ids": good}], params)[0].outputs[0].token_ids
+
+    def failing_add(sequences, *args, **kwargs):
+        if any(s.prompt_token_ids == bad for s in sequences):
+            raise RuntimeError("prefill exploded")
+        return add(sequences, *args, **kwargs)
+
+    engine.add = failing_add
+
+    async def main():
+        scheduler = Scheduler(llm)
+        streams = [
+            scheduler.submit(good, params, "good"),
+            scheduler.submit(bad, params, "bad"),
+        ]  # waiting together
+        scheduler.start()
+        results = await asyncio.wait_for(asyncio.gather(*(_collect(s) for s in streams)), 60)
+        await scheduler.shutdown(5)
+        return results, scheduler.metrics.prompt_tokens._value.get()
+
+    ((_, ids, _), (_, _, failed)), counted = asyncio.run(main())
+    assert ids[0] == expected and failed[-1].error == "RuntimeError: prefill exploded"
+    assert counted == len(good) + len(bad)

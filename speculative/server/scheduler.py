@@ -458,6 +458,10 @@ class Scheduler:
         """Prefill the requests together; if that raises, one at a time, so that a failing one fails alone."""
         for request in requests:
             self._prepare(request)
+        self._prefill_whole(requests)
+
+    def _prefill_whole(self, requests: list[Request]) -> None:
+        """`_add`'s prefill of prepared requests."""
         start = time.perf_counter()
         try:
             self.engine.add([r for request in requests for r in request.sequences])
@@ -467,7 +471,7 @@ class Scheduler:
                 self._fail(requests[0], f"{type(error).__name__}: {error}")
                 return
             for request in requests:
-                self._add([request])
+                self._prefill_whole([request])
             return
         elapsed = time.perf_counter() - start
         self.metrics.engine_seconds.labels(phase="prefill").inc(elapsed)
