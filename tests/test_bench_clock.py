@@ -55,17 +55,18 @@ def test_call_times_from_the_engines_steps_and_the_means_per_kind_of_call() -> N
     steps, metrics = _generate(_llm("draft_model", k=3))
     calls = CallTimes.from_steps(steps)
     assert [q for q, _ in calls.target] == [s.num_query_tokens for s in steps]
-    assert [n for n, _ in calls.drafting] == [3] * metrics.num_steps  # one proposal of k a step
+    # one proposal of k a step, the first (the draft's prefill of the prompt) left out
+    assert [n for n, _ in calls.drafting] == [3] * (metrics.num_steps - 1)
     calls = [
         CallTimes(target=[(1, 2.0), (4, 6.0), (4, 8.0)], drafting=[(3, 3.0)]),
         CallTimes(target=[(1, 4.0), (2, 100.0)], drafting=[(1, 0.5), (1, 1.5)]),
     ]
     assert run_step_times(calls, 3) == {"T_1": 3.0, "T_v": 7.0, "T_d": 1.0}
-    # an EAGLE head's first proposal feeds it the prompt (its prefill): not drafting, left out
-    steps = [StepStats(1, 3, 4, 3, 1, 9.0, 1.0, 10.0), StepStats(1, 0, 1, 0, 0, 0.0, 1.0, 1.0)]
+    # the first proposal takes the prompt in (a draft model's prefill): not drafting, left out, after
+    # plain steps too
+    steps = [StepStats(1, 0, 1, 0, 0, 0.0, 1.0, 1.0), StepStats(1, 3, 4, 3, 1, 9.0, 1.0, 10.0)]
     steps.append(StepStats(1, 3, 4, 3, 3, 1.5, 1.0, 2.5))
-    assert CallTimes.from_steps(steps).drafting == [(3, 9.0), (3, 1.5)]
-    assert CallTimes.from_steps(steps, first_proposal_prefills=True).drafting == [(3, 1.5)]
+    assert CallTimes.from_steps(steps).drafting == [(3, 1.5)]
     assert run_step_times([], 3) == {"T_1": None, "T_v": None, "T_d": None}
 
 

@@ -126,16 +126,53 @@ def test_prompts_prefilled_a_chunk_at_a_time_between_steps_give_their_tokens_alo
         assert [r.output_token_ids for r in group] == expected[i], f"prompt {i}"
 
 
-def test_an_eagle_head_reads_the_hidden_states_of_every_chunk(tmp_path) -> None:
+def test_an_eagle_head_reads_the_hidden_states_of_every_chunk(tmp_path, monkeypatch) -> None:
     llm = _eagle(tmp_path)
     engine, width = llm.engine, len(PROMPTS[2])
+    observed, observe = [], engine.proposer.observe
+    monkeypatch.setattr(engine.proposer, "observe", lambda f: observed.append(f) or observe(f))
     engine.add(llm.make_sequences(PROMPTS[2], _params()[2], 2))
-    whole = engine.proposer.features[0, :width].clone()
     engine.reset()
     engine.begin_prefill(llm.make_sequences(PROMPTS[2], _params()[2], 2))
     for _ in range(3):
         engine.prefill_chunk(3)
-    torch.testing.assert_close(engine.proposer.features[0, :width], whole)
+    whole, chunked = observed
+    torch.testing.assert_close(chunked[0, :width], whole[0, :width])
+
+
+def test_a_long_prompt_joining_running_rows_is_fed_to_an_eagle_head_alone(tmp_path, monkeypatch) -> None:
+    """A long prompt that joins running rows further along than its own room is fed to the head apart
+    from them (before, every row was fed padded to its length: the head's cache overflowed), and every
+    row drafts what it drafts alone: the same tokens accepted."""
+    llm = _eagle(tmp_path)
+    running = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    joining = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [([3, 4, 5], running), ([7, 8, 9, 10], running), (list(range(2, 62)), joining)]
+    alone = []
+    for i, (prompt, params) in enumerate(prompts):
+        (s,) = llm.make_sequences(prompt, params, i)
+        llm.engine.run([s])
+        alone.append((s.output_token_ids, s.metrics.num_accepted))
+    engine = llm.engine
+    together = [llm.make_sequences(p, params, i)[0] for i, (p, params) in enumerate(prompts)]
+    engine.add(together[:2])
+    while min(len(s.output_token_ids) for s in together[:2]) < 25:  # past the joiner's 60 + 4 + k
+        engine.step()
+    head, fed = engine.proposer.head, []
+    forward = head.forward
+
+    def counted(ids, *args, **kwargs):
+        fed.append(ids.numel())
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(head, "forward", counted)
+    engine.add(together[2:])
+    engine.step()
+    # 59 positions of the long prompt, then one proposal: at most k + 1 positions of 3 rows, and
+    # 2 drafts of 3
+    assert sum(fed) <= 59 + 3 * 4 + 2 * 3
+    _run_out(engine)
+    assert [(s.output_token_ids, s.metrics.num_accepted) for s in together] == alone
 
 
 def test_a_chunked_prefill_outlives_the_batch_beside_it_and_abort_or_reset_ends_it() -> None:

@@ -35,14 +35,13 @@ class CallTimes:
     drafting: list[tuple[int, float]] = field(default_factory=list)
 
     @classmethod
-    def from_steps(cls, steps: list[StepStats], first_proposal_prefills: bool = False) -> CallTimes:
-        """Our engine's steps: each one's verification, and its drafting where it drafted. With
-        `first_proposal_prefills` (an EAGLE head, whose first proposal feeds it the target's features of
-        the whole prompt: its prefill, which a draft model makes before the first step, unclocked) the
-        first drafting is left out, so that T_d is the head's drafting alone for it too."""
+    def from_steps(cls, steps: list[StepStats]) -> CallTimes:
+        """Our engine's steps: each one's verification, and its drafting where it drafted. The first
+        drafting is left out, as HF's first calls are: a drafter takes the prompt in there (a draft
+        model prefills the rows that joined at its next proposal), so that T_d is drafting alone."""
         drafting = [(s.k, s.propose_s) for s in steps if s.k]
         target = [(s.num_query_tokens, s.verify_s) for s in steps]
-        return cls(target, drafting[1:] if first_proposal_prefills else drafting)
+        return cls(target, drafting[1:])
 
 
 def run_step_times(calls: list[CallTimes], k: int, tree: bool = False) -> dict[str, float | None]:

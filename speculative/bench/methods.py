@@ -102,7 +102,7 @@ class OursMethod(Method):
             sum(m.num_drafted for m in metrics),
             [sum(c) for c in zip(*(m.accepted_per_position for m in metrics))] if self.k else [],
             [sum(c) for c in zip(*(m.drafted_per_position for m in metrics))] if self.k else [],
-            CallTimes.from_steps(steps, first_proposal_prefills=self.llm.engine.hidden_layers is not None),
+            CallTimes.from_steps(steps),
             prefill_seconds=seconds - decode,
             decode_seconds=decode,
         )

@@ -509,11 +509,11 @@ NOTES = [
     "verification returns beside its logits (that cost is in the method's own T_v). Its T_d is the head's "
     "work per drafted token, feeding it the target's features of the tokens kept at the step before "
     "included, so a step costs k * T_d + T_v as a draft model's does and the bound holds unchanged. A "
-    "run's first proposal also feeds the head the whole prompt's features, its prefill (a draft model's "
-    "is made before the first step): T_d leaves that proposal out, as the bound leaves out every "
-    "prefill. The head runs on one rank (compiled methods: the target's calls compiled, tree "
-    "verifications too, and a greedy chain's or tree's whole drafting, one call of the head); HF has no "
-    "counterpart.",
+    "run's first proposal, where a draft model prefills the prompt (an EAGLE head is fed the prompt's "
+    "features as its row joins, the prefill's time), is left out of T_d for every drafter, as the "
+    "bound leaves out every prefill. The head runs on one rank (compiled methods: the target's calls "
+    "compiled, tree verifications too, and a greedy chain's or tree's whole drafting, one call of the "
+    "head); HF has no counterpart.",
 ]
 
 HF_STATIC_NOTE = (

@@ -16,7 +16,9 @@ become `features`: the kept ones are exactly those the next proposal needs. A pl
 proposal) adds its one feature behind the others.
 
 New rows get their features from the engine's prefill of their prompts (or, resumed, its forward
-over their contexts but the last token), handed over (`observe`) before `add_rows`.
+over their contexts but the last token), handed over (`observe`) before `add_rows`, which feeds the
+head every position of theirs but the root at once: in `features` they then stand as the rows a step
+left behind, one feature each, however long their prompts.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from speculative.kv_cache import KVCache
 from speculative.models.base import decode_steps
 from speculative.models.compiled import CompiledCausalLM
 from speculative.models.eagle import EagleHead
+from speculative.models.prefill import prefill_groups
 from speculative.proposers.base import Proposal
 from speculative.sampling import SampleStrategy
 
@@ -57,13 +61,42 @@ class EagleProposer:
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         features, self._observed = self._observed, None
-        cache = (self.compiled or self.head).new_cache(tokens.shape[0], tokens.shape[1])
+        cache, features = self._feed_new_rows(tokens, lengths, features)
         if self.cache is None or self.cache.batch_size == 0:
             self.cache, self.features = cache, features
         else:
             self.cache.append_rows(cache)
             width = max(self.features.shape[1], features.shape[1])
             self.features = torch.cat([_pad(self.features, width), _pad(features, width)])
+
+    def _feed_new_rows(self, tokens: Tensor, lengths: Tensor, features: Tensor) -> tuple[KVCache, Tensor]:
+        """A cache for new rows (tokens [B, L], lengths [B], their prefill's features [B, W, F]) fed every
+        position but the root (the context's second-to-last token), and the roots' features [B, 1, F].
+        Fed here rather than by the next proposal, the new rows do not widen the batch's `features`:
+        a long prompt that joins running rows is not fed padded beside them, each of them padded to
+        its length. On a CPU, rows of different lengths go in forwards of similar lengths
+        (`prefill_groups`)."""
+        model = self.compiled or self.head
+        fed = lengths - 2  # [B] positions 0 .. n - 3, those before the root
+        widths = fed.tolist()
+        groups = prefill_groups(widths) if tokens.device.type == "cpu" else [list(range(len(widths)))]
+        cache = None
+        for group in groups:  # the cache's rows: the groups' rows one after the other
+            part = model.new_cache(len(group), tokens.shape[1])
+            width = max(widths[i] for i in group)
+            if width:
+                index = torch.tensor(group, device=tokens.device)
+                first = torch.zeros(len(group), 1, dtype=torch.long, device=tokens.device)
+                self.head.forward(
+                    tokens[index, 1 : width + 1], features[index, :width], part, fed[index], first
+                )
+            if cache is None:
+                cache = part
+            else:
+                cache.append_rows(part)
+        order = torch.tensor([row for group in groups for row in group], device=tokens.device)
+        cache.select_rows(torch.argsort(order))  # back in the rows' order
+        return cache, features.gather(1, fed[:, None, None].expand(-1, 1, features.shape[2]))
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         self._proposed = num_tokens
