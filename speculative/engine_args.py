@@ -276,6 +276,17 @@ class EngineArgs:
         1, "1 (the whole draft on every rank) or --tensor-parallel-size (the draft split too)"
     )
     seed: int = arg(0, "seeds requests that have no seed of their own")
+    enable_prefix_caching: bool = arg(
+        False,
+        "keep the target's K/V of prompts and finished requests, so that a prompt that begins as an "
+        "earlier one did (a shared system prompt, a conversation's next turn) prefills only the rest "
+        "(native forward; not with precompiled buckets)",
+    )
+    prefix_cache_tokens: int = arg(
+        16384,
+        "--enable-prefix-caching: the most tokens whose K/V it keeps (each token 2 x layers x "
+        "kv_heads x head_dim values); the least recently used go first",
+    )
 
     @staticmethod
     def add_cli_args(

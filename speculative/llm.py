@@ -21,9 +21,11 @@ from speculative.distributed.mirror import LeaderEngine
 from speculative.engine.engine import Engine
 from speculative.engine.inputs import InputProcessor, PromptType
 from speculative.engine.outputs import CompletionOutput, RequestOutput
+from speculative.engine.prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_caching
 from speculative.engine.sequence import Sequence
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.fields import check
+from speculative.kv_cache import StaticKVCache
 from speculative.methods.acceptance import acceptance_rule
 from speculative.methods.registry import (
     BuildContext,
@@ -90,6 +92,11 @@ class LLM:
         `stream`, `resume` or its engine, not its models by hand. An error on any rank stops them
         all, and every later call raises a RuntimeError saying what happened.
     draft_tensor_parallel_size: 1 (the whole draft on every rank) or tensor_parallel_size.
+    enable_prefix_caching: keep the target's K/V of prompts and finished requests (engine/prefix_cache.py)
+        so that a prompt beginning as an earlier one did (a shared system prompt, a conversation's next
+        turn) prefills only the rest; on the native forward, not with `precompile` (a ValueError).
+    prefix_cache_tokens: the most tokens whose K/V it keeps (each 2 x layers x kv_heads x head_dim
+        elements of the model's dtype), in blocks of 16; the least recently used go first.
     """
 
     def __init__(
@@ -111,12 +118,15 @@ class LLM:
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
         draft_tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = False,
+        prefix_cache_tokens: int = 16384,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name != "self"}  # for other ranks
         speculative_config = _speculative_config(speculative_config, draft_model)
         check_quantization(quantization)
         ok = draft_compile is None or isinstance(draft_compile, bool)
         check(ok, "draft_compile", draft_compile, "None, True or False", owner="LLM")
+        check_prefix_caching(enable_prefix_caching, prefix_cache_tokens, precompile)
         parallel = ParallelConfig(tensor_parallel_size, draft_tensor_parallel_size)
         if speculative_config is None:
             refuse_draft_options(arguments)
@@ -173,6 +183,14 @@ class LLM:
         k = config.num_speculative_tokens if config else 0
         adaptive = bool(config and config.adaptive)
         limit = config.disable_by_batch_size if config else None
+        prefix_cache = None
+        if arguments["enable_prefix_caching"]:
+            prefix_cache = PrefixCache(arguments["prefix_cache_tokens"], PREFIX_BLOCK_SIZE)
+            if not isinstance(self.target.model.new_cache(1, 1), StaticKVCache):
+                raise ValueError(
+                    "LLM.enable_prefix_caching needs the native forward (model_impl 'native'); this "
+                    f"model ({type(self.target.model).__name__}) runs on another"
+                )
         self.engine = engine(
             self.target.model,
             built.proposer,
@@ -184,6 +202,7 @@ class LLM:
             adaptive=adaptive,
             disable_by_batch_size=limit,
             room=_room(config),
+            prefix_cache=prefix_cache,
         )
         if self.tensor_parallel is not None and adaptive:  # every rank drafts rank 0's choice
             self.engine.draft_length = RankZeroDraftLength(k, self.device, limit)
@@ -304,8 +323,16 @@ class LLM:
         metrics = sequences[0].metrics
         for r in sequences[1:]:
             metrics.merge(r.metrics)
+        first = sequences[0]
         return RequestOutput(
-            str(index), prompt, prompt_ids, completions, sequences[0].prompt_logprobs, True, metrics
+            str(index),
+            prompt,
+            prompt_ids,
+            completions,
+            first.prompt_logprobs,
+            True,
+            metrics,
+            first.num_cached_tokens,
         )
 
     def detokenize(self, ids: list[int], params: SamplingParams | None) -> str:

@@ -239,7 +239,7 @@ def test_a_prefill_into_an_empty_cache_attends_by_the_causal_rule_without_a_mask
     causal = native(ids, caches[0], num_tokens=num_tokens)
     assert calls == causal_layers
     calls.clear()
-    masked = native.forward_with(functools.partial(native.run, empty_cache=False), ids, caches[1], num_tokens)
+    masked = native.forward_with(functools.partial(native.run, causal_from=None), ids, caches[1], num_tokens)
     assert calls == [False] * len(causal_layers)
     for b, n in enumerate(num_tokens.tolist()):
         assert_close(causal[b, :n], masked[b, :n])
@@ -247,6 +247,37 @@ def test_a_prefill_into_an_empty_cache_attends_by_the_causal_rule_without_a_mask
     calls.clear()
     assert_close(native(nxt, caches[0]), native(nxt, caches[1]))
     assert not any(calls)  # onto a cache that holds tokens: the mask
+
+
+@pytest.mark.parametrize(("name", "split_layers"), [("qwen3", 3), ("qwen2_window", 1)])
+def test_a_long_query_after_cached_tokens_attends_in_two_parts_without_a_mask(
+    name, split_layers, monkeypatch
+):
+    """A forward of CAUSAL_SPLIT_MIN_QUERY+ tokens onto rows that all hold the same number of tokens
+    (a prompt prefilled after a cached prefix, a chunk of a chunked prefill) attends in two parts,
+    merged by their log-sum-exps, in each layer without a sliding window, and gives the logits of a
+    prefill of the whole; rows holding different numbers of tokens keep the mask."""
+    hf, native = models(name)
+    ids = tokens(2, 56, seed=11)
+    flash, calls = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, []
+
+    class Spy:
+        def __call__(self, *args, **kwargs):
+            calls.append(1)
+            return flash(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", Spy())
+    cache = native.new_cache(2, 64)
+    native(ids[:, :20], cache)
+    assert not calls
+    split = native(ids[:, 20:], cache)
+    assert len(calls) == 2 * split_layers  # the part before the queries, then the queries among themselves
+    assert_close(split, hf_logits(hf, ids)[:, 20:])
+    calls.clear()
+    ragged = native.new_cache(2, 64)
+    native(ids[:, :20], ragged, num_tokens=torch.tensor([20, 19]))
+    native(ids[:, 20:], ragged)
+    assert not calls
 
 
 def test_cache_overflow_raises():

@@ -52,6 +52,7 @@ from speculative.acceptance import AcceptanceRule, RejectionSampler
 from speculative.engine import logprobs as L
 from speculative.engine.batch import Batch
 from speculative.engine.draft_length import DraftLength
+from speculative.engine.prefix_cache import PrefixCache, PrefixMatch
 from speculative.engine.sequence import NoTokenAllowed, Sequence, StopStrings
 from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
@@ -107,6 +108,9 @@ class Engine:
     disable_by_batch_size: a step of at least this many rows decodes plainly (None: no such step).
     room: the most tokens a proposal's forwards add to a cache beyond the context (a tree's nodes,
         or what a drafter feeds while it grows one); default k.
+    prefix_cache: K/V of earlier prompts' and finished rows' prefixes (prefix_cache.py), which a new
+        prompt's prefill starts from (None: every prompt prefilled whole). The target's caches must
+        be StaticKVCaches.
     """
 
     def __init__(
@@ -121,8 +125,10 @@ class Engine:
         adaptive: bool = False,
         disable_by_batch_size: int | None = None,
         room: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target = target
+        self.prefix_cache = prefix_cache
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
         self.rule = rule if rule is not None else RejectionSampler()
@@ -243,7 +249,14 @@ class Engine:
                 "output tokens yet) that want no prompt_logprobs"
             )
         batch = self._new_batch(sequences, time.perf_counter(), eos_token_ids)
-        self.prefilling = PartialPrefill(batch, self.target.new_cache(1, batch.capacity))
+        partial = PartialPrefill(batch, self.target.new_cache(1, batch.capacity))
+        match = self._prefix_matches(batch, [0])[0]
+        if match is not None and match.num_tokens:  # the prefill starts after the prefix held
+            self._load_prefixes(batch, batch.lengths.new_zeros(1), partial.cache, [match], 1)
+            partial.done = match.num_tokens
+            if self.hidden_layers:
+                partial.features.append(match.features()[None])
+        self.prefilling = partial
 
     @torch.inference_mode()
     def prefill_chunk(self, max_tokens: int | None = None) -> list[Sequence] | None:
@@ -284,6 +297,9 @@ class Engine:
         self.prefilling = None
         self._want_logprobs(self.sequences + batch.sequences)
         features = torch.cat(partial.features, dim=1) if partial.features else None
+        if self.prefix_cache is not None:
+            own = None if features is None else features[0]
+            self.prefix_cache.store(batch.sequences[0].prompt_token_ids, partial.cache, 0, partial.done, own)
         cache, features, finished = self._first_tokens(batch, [0], [0], out, features, partial.cache)
         return self._join(batch, cache, features, finished)
 
@@ -363,6 +379,8 @@ class Engine:
         if features is not None:
             self.proposer.observe(features)
         commit = self._commit(batch, emitted, logits, drafted, first_token=False)  # the step's sync
+        if self.prefix_cache is not None and commit.finished:
+            self._store_finished(batch, commit.finished)
         self._settle(batch, self.cache, self.proposer, commit)
         seconds = time.perf_counter() - start
         if self.proposer is not None:
@@ -527,6 +545,17 @@ class Engine:
                 self.stop_strings.pop(id(s), None)
                 finished.append(s)
         return Commit(finished, accepted, drafted, max(n for n, _ in cuts))
+
+    def _store_finished(self, batch: Batch, finished: list[Sequence]) -> None:
+        """Give the prefix cache the K/V of the rows that finished (before they leave the cache): each
+        holds its context but the last token, so that a next turn, which repeats this one's prompt
+        and answer, starts from them."""
+        gone = {id(s) for s in finished}
+        for row, s in enumerate(batch.sequences):
+            if id(s) in gone:
+                context = s.prompt_token_ids + s.output_token_ids  # a stop string may have cut the tail
+                length = min(len(context), batch.host_lengths[row] - 1)
+                self.prefix_cache.store(context, self.cache, row, length)
 
     @staticmethod
     def _settle(batch: Batch, cache: KVCache, proposer: Proposer | None, commit: Commit) -> list[int] | None:
@@ -711,8 +740,11 @@ class Engine:
         (`prefill_groups`), not all padded to the longest; elsewhere, and when every position's logits
         are wanted, in one forward."""
         prompt_lengths = [batch.host_lengths[h] for h in heads]
+        matches = self._prefix_matches(batch, heads) if not all_logits else [None] * len(heads)
+        cached = [m.num_tokens if m is not None else 0 for m in matches]
+        fed = [n - c for n, c in zip(prompt_lengths, cached)]
         groups = (
-            prefill_groups(prompt_lengths)
+            prefill_groups(fed)
             if self.target.device.type == "cpu" and not all_logits
             else [list(range(len(heads)))]
         )
@@ -723,17 +755,25 @@ class Engine:
             index = to_device([heads[i] for i in group], torch.long, batch.tokens.device)
             lengths = batch.lengths[index]
             part = self.target.new_cache(len(group), batch.capacity)
-            width = max(prompt_lengths[i] for i in group)
+            width = max(fed[i] for i in group)
+            start, query = self._load_prefixes(batch, index, part, [matches[i] for i in group], width)
             out = self.target.forward(
-                batch.tokens[index, :width],
+                query,
                 part,
-                num_tokens=lengths,
-                logits_indices=None if all_logits else (lengths - 1)[:, None],
+                num_tokens=lengths - start,
+                logits_indices=None if all_logits else (lengths - start - 1)[:, None],
                 **extra,
             )
+            hidden = None
             if self.hidden_layers:
                 out, hidden = out
-                features.append(F.pad(hidden, (0, 0, 0, longest - width)))
+                hidden = _with_cached_features(hidden, [matches[i] for i in group], [fed[i] for i in group])
+                features.append(F.pad(hidden, (0, 0, 0, longest - hidden.shape[1])))
+            if self.prefix_cache is not None:
+                for row, i in enumerate(group):
+                    prompt = batch.sequences[heads[i]].prompt_token_ids
+                    own = None if hidden is None else hidden[row]
+                    self.prefix_cache.store(prompt, part, row, prompt_lengths[i], own)
             parts.append(out)
             if cache is None:
                 cache = part
@@ -744,6 +784,40 @@ class Engine:
             order[prompt] = row
         logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         return logits, (torch.cat(features) if features else None), cache, order
+
+    def _prefix_matches(self, batch: Batch, heads: list[int]) -> list[PrefixMatch | None]:
+        """Per prompt (batch rows `heads`), the prefix cache's blocks it begins with (None without a
+        prefix cache); each of the prompt's sequences records how many tokens they hold."""
+        if self.prefix_cache is None:
+            return [None] * len(heads)
+        matches = []
+        ends = heads[1:] + [len(batch.sequences)]
+        for head, end in zip(heads, ends):
+            prompt = batch.sequences[head].prompt_token_ids
+            match = self.prefix_cache.match(prompt, with_features=self.hidden_layers is not None)
+            for s in batch.sequences[head:end]:
+                s.num_cached_tokens = match.num_tokens
+            matches.append(match)
+        return matches
+
+    def _load_prefixes(
+        self, batch: Batch, index: Tensor, cache: KVCache, matches: list[PrefixMatch | None], width: int
+    ) -> tuple[Tensor | int, Tensor]:
+        """Into the empty `cache` of batch rows `index`, each row's matched prefix (its K/V, and the
+        lengths advanced past it). Returns where each row's prefill starts ([rows], or 0 where no row
+        has a prefix) and its query: the `width` prompt tokens from there, right-padded."""
+        starts = [m.num_tokens if m is not None else 0 for m in matches]
+        if not any(starts):
+            return 0, batch.tokens[index, :width]
+        for row, match in enumerate(matches):
+            if match is not None:
+                self.prefix_cache.load(match, cache, [row])
+        start = to_device(starts, torch.long, batch.tokens.device)
+        cache.advance(start, max(starts))
+        positions = (start[:, None] + torch.arange(width, device=start.device)).clamp(
+            max=batch.tokens.shape[1] - 1
+        )
+        return start, batch.tokens[index].gather(1, positions)
 
     def _prompt_logprobs(self, batch: Batch, heads: list[int], order: list[int], logits: Tensor) -> Tensor:
         """Fill in prompt_logprobs of the sequences that asked, from every prompt position's logits
@@ -776,3 +850,19 @@ def _fill_holes(kept: list[bool]) -> list[int]:
     stay = [i for i, k in enumerate(kept) if k]
     tail = [i for i in stay if i >= len(stay)][::-1]  # the rows past the new end fill the holes
     return [i if kept[i] else tail.pop() for i in range(len(stay))]
+
+
+def _with_cached_features(hidden: Tensor, matches: list[PrefixMatch | None], fed: list[int]) -> Tensor:
+    """The hidden states of a prefill's rows at every prompt position: each row's matched prefix's
+    (held in its blocks) before the `fed` positions its forward computed (hidden [rows, width, F]).
+    Returns [rows, longest prompt, F], right-padded; `hidden` itself where no row had a prefix."""
+    if all(m is None or not m.num_tokens for m in matches):
+        return hidden
+    rows = []
+    for row, (match, n) in enumerate(zip(matches, fed)):
+        own = hidden[row, :n]
+        rows.append(
+            own if match is None or not match.num_tokens else torch.cat([match.features().to(own), own])
+        )
+    longest = max(r.shape[0] for r in rows)
+    return torch.stack([F.pad(r, (0, 0, 0, longest - r.shape[0])) for r in rows])

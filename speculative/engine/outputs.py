@@ -160,7 +160,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The result of one prompt."""
+    """The result of one prompt. num_cached_tokens: its prompt's tokens that the prefix cache held
+    (their prefill skipped; 0 without prefix caching)."""
 
     request_id: str
     prompt: str | None
@@ -169,6 +170,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = True
     metrics: SpeculationMetrics = field(default_factory=SpeculationMetrics)
+    num_cached_tokens: int = 0
 
 
 def _add_at(counts: list[int], index: int, amount: int) -> None:

@@ -22,7 +22,8 @@ class Sequence:
     finish_reason: "stop", "length", "abort" (dropped before the end) or "error" (its own work
     raised; `error` says what: an error that begins "SamplingParams." is the request's own, its
     constraints having left no token allowed, NoTokenAllowed). start_time: when the engine admitted
-    it (time.perf_counter()).
+    it (time.perf_counter()). num_cached_tokens: its prompt's tokens whose K/V came from the prefix
+    cache rather than its prefill.
     """
 
     prompt_token_ids: list[int]
@@ -43,6 +44,7 @@ class Sequence:
     metrics: SpeculationMetrics = field(default_factory=SpeculationMetrics)
     error: str | None = None
     start_time: float = 0.0
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

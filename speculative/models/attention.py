@@ -23,7 +23,10 @@ The contract, for one decoder layer of one forward of `batch` rows of `q` query 
                  A forward into an empty cache (every row's queries at positions 0..q-1, no sliding
                  window, no tree) makes none: `attend` then takes None, the causal rule itself, which
                  a kernel applies without a mask in memory (SDPA's is_causal, which also skips the
-                 masked half of the scores; docs/internals.md#measured-choices)
+                 masked half of the scores; docs/internals.md#measured-choices). A forward of q >=
+                 CAUSAL_SPLIT_MIN_QUERY tokens into a cache whose rows all hold P tokens, 0 < P <= q
+                 (a long prompt prefilled after a short cached prefix) makes none either: `attend`
+                 takes CausalAfter(P) and attends in two parts (`causal_after`)
 
 A query always sees at least itself, so no row of a mask is empty. Slots past a row's length hold
 stale or padding K/V, which the mask hides (after a right-padded prefill into an empty cache, the
@@ -36,6 +39,7 @@ attribute (NativeCausalLM), FusedAttention unless set.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +48,21 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from speculative.models.packed import STATIC_ROWS_MAX
+
+# A query of q >= this many tokens into a cache whose rows all hold the same P <= q tokens attends in
+# two parts (causal_after) rather than under a mask: the causal part skips q^2 / 2 of the q (P + q)
+# scores a mask has the kernel compute, which pays where q is not small against P (at q = 256 after
+# P = 1,792 the two calls cost more: docs/internals.md#measured-choices); its host check costs a sync,
+# nothing beside a prefill-sized forward.
+CAUSAL_SPLIT_MIN_QUERY = 32
+
+
+@dataclass(frozen=True)
+class CausalAfter:
+    """attend's rule for a forward whose rows all hold `cached` tokens before its queries (at positions
+    cached..cached + q - 1; no sliding window, no tree): query i sees slots 0..cached + i."""
+
+    cached: int
 
 
 class AttentionBackend(Protocol):
@@ -138,6 +157,8 @@ class FusedAttention:
     def attend(
         self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Tensor, scale: float
     ) -> Tensor:
+        if isinstance(mask, CausalAfter):
+            return causal_after(query, key_cache, value_cache, mask.cached, scale)
         keys, values = key_cache[:, :, :span], value_cache[:, :, :span]
         if mask is None:
             return _causal(query, keys, values, scale)
@@ -199,6 +220,8 @@ class SdpaAttention:
     def attend(
         self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Tensor, scale: float
     ) -> Tensor:
+        if isinstance(mask, CausalAfter):
+            return causal_after(query, key_cache, value_cache, mask.cached, scale)
         keys, values = key_cache[:, :, :span], value_cache[:, :, :span]
         if mask is None:
             return _causal(query, keys, values, scale)
@@ -213,3 +236,36 @@ def _causal(query: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor
     return F.scaled_dot_product_attention(
         query, keys, values, is_causal=True, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
     )
+
+
+def causal_after(query: Tensor, key_cache: Tensor, value_cache: Tensor, cached: int, scale: float) -> Tensor:
+    """attend under CausalAfter(cached): query [batch, heads, q, head_dim] at positions cached..cached +
+    q - 1 against the layer's cache ([batch, kv_heads, max_length, head_dim]), query i seeing slots
+    0..cached + i. On a CPU in two parts, each without a mask: every query against the `cached` slots
+    before it, and the queries among themselves under SDPA's causal rule (which skips the masked half
+    of their scores), their softmaxes merged by their log-sum-exps; a mask would have the kernel score
+    every query against every slot. Elsewhere SDPA under a boolean mask of the rule."""
+    q = query.shape[2]
+    keys, values = key_cache[:, :, : cached + q], value_cache[:, :, : cached + q]
+    if query.device.type != "cpu":
+        visible = torch.ones(q, cached + q, dtype=torch.bool, device=query.device).tril(cached)
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=visible, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+        )
+    batch, heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    # before: no mask, so a KV head's query heads go as one longer query (the kernel that returns
+    # log-sum-exps has no grouped-query attention; this copies no keys)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * q, head_dim)
+    before, lse_before = flash(grouped, keys[:, :, :cached], values[:, :, :cached], 0.0, False, scale=scale)
+    before, lse_before = before.reshape(batch, heads, q, head_dim), lse_before.reshape(batch, heads, q)
+    among_keys, among_values = keys[:, :, cached:], values[:, :, cached:]
+    if heads != kv_heads:  # the causal part's keys: q of them, copied per query head
+        among_keys = among_keys.repeat_interleave(heads // kv_heads, dim=1)
+        among_values = among_values.repeat_interleave(heads // kv_heads, dim=1)
+    among, lse_among = flash(query, among_keys, among_values, 0.0, True, scale=scale)
+    top = torch.maximum(lse_before, lse_among)  # [batch, heads, q]
+    w_before, w_among = (lse_before - top).exp()[..., None], (lse_among - top).exp()[..., None]
+    out = (before.float() * w_before + among.float() * w_among) / (w_before + w_among)
+    return out.to(query.dtype)

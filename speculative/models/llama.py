@@ -40,7 +40,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.attention import AttentionBackend, FusedAttention
+from speculative.models.attention import CAUSAL_SPLIT_MIN_QUERY, AttentionBackend, CausalAfter, FusedAttention
 from speculative.models.cpu_tuning import SMALL_CALL_ROWS, small_call_threads
 from speculative.models.norms import RMSNorm, rms_norm
 from speculative.models.packed import PackedLinear, hold
@@ -420,7 +420,14 @@ class NativeCausalLM(nn.Module):
         """
         if hidden_layers is not None:
             self.check_hidden_layers(hidden_layers)
-        run = functools.partial(self.run, hidden_layers=hidden_layers, empty_cache=cache.host_max_length == 0)
+        cached = cache.host_max_length
+        uniform = cached == 0 or (
+            input_ids.shape[1] >= max(CAUSAL_SPLIT_MIN_QUERY, cached)
+            and bool((cache.lengths == cached).all())
+        )
+        run = functools.partial(
+            self.run, hidden_layers=hidden_layers, causal_from=cached if uniform else None
+        )
         return self.forward_with(run, input_ids, cache, num_tokens, logits_indices)
 
     def check_hidden_layers(self, hidden_layers: tuple[int, ...]) -> None:
@@ -550,7 +557,7 @@ class NativeCausalLM(nn.Module):
         slots: Tensor | None = None,  # [batch, q] int64, where the K/V are written; default positions
         tree_masks: dict[int | None, Tensor] | None = None,  # window -> [batch, 1, q, span] bool
         hidden_layers: tuple[int, ...] | None = None,  # see forward
-        empty_cache: bool = False,  # every row's queries are positions 0..q-1 (AttentionBackend: no mask)
+        causal_from: int | None = None,  # every row's queries are positions causal_from.. (no mask made)
     ) -> Tensor | tuple[Tensor, Tensor]:  # [batch, n, vocab] float32 (and [batch, q, h * hidden])
         """The forward as a function of tensors: what torch.compile compiles.
 
@@ -576,7 +583,7 @@ class NativeCausalLM(nn.Module):
             slots,
             tree_masks,
             wanted,
-            empty_cache,
+            causal_from,
         )
         hidden = hidden.view(batch, q, -1)
         logits = self.logits(hidden, logits_indices, self.model.norm.weight)
@@ -617,7 +624,7 @@ class NativeCausalLM(nn.Module):
         slots: Tensor | None,
         tree_masks: dict[int | None, Tensor] | None,
         wanted: tuple[int, ...] = (),  # layers whose input streams are kept
-        empty_cache: bool = False,  # run's
+        causal_from: int | None = None,  # run's
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """The decoder layers of `run` (its other arguments) over the residual stream `hidden`. Returns
         the stream after the last layer ([rows, hidden], before the final norm) and, for each i in
@@ -651,9 +658,9 @@ class NativeCausalLM(nn.Module):
             window = attn.sliding_window
             if window not in masks:
                 tree_mask = None if tree_masks is None else tree_masks[window]
-                causal = empty_cache and tree_mask is None and window is None  # attend's rule, no mask
+                causal = causal_from is not None and tree_mask is None and window is None  # no mask made
                 masks[window] = (
-                    None
+                    (None if causal_from == 0 else CausalAfter(causal_from))
                     if causal
                     else backend.mask(positions, key_positions, window, tree_mask, hidden.dtype)
                 )

@@ -141,6 +141,7 @@ def create_app(
             include_usage=body.include_usage,
             continuous_usage=body.continuous_usage,
             speculation_metrics=body.return_speculation_metrics,
+            prefix_caching=scheduler.engine.prefix_cache is not None,
         )
         return await _respond(scheduler, request, answer, prompts, params, bool(body.stream))
 
@@ -174,6 +175,7 @@ def create_app(
             first_choices=[
                 P.chat_choice(i, "", None, None, None, role=True, chunk=True) for i in range(params.n)
             ],
+            prefix_caching=scheduler.engine.prefix_cache is not None,
         )
         return await _respond(scheduler, request, answer, [ids], [params], bool(body.stream))
 
@@ -416,6 +418,7 @@ class _Answer:
     continuous_usage: bool = False
     speculation_metrics: bool = False
     first_choices: list[dict] = field(default_factory=list)
+    prefix_caching: bool = False
 
     def chunk(self, choices: list[dict], usage: dict | None = None, speculation: dict | None = None) -> str:
         body = P.response_object(
@@ -430,10 +433,15 @@ class _Answer:
         )
         return _event(body)
 
-    def usage_so_far(self, prompts: list[list[int]], generated: int) -> dict | None:
+    def usage(self, prompts: list[list[int]], generated: int, cached: list[int]) -> dict:
+        """The usage object: prompt and generated tokens, and where the server caches prefixes the
+        prompt tokens it found cached (`cached`, per prompt)."""
+        return P.usage(sum(map(len, prompts)), generated, sum(cached) if self.prefix_caching else None)
+
+    def usage_so_far(self, prompts: list[list[int]], generated: int, cached: list[int]) -> dict | None:
         """A text chunk's usage: the tokens so far where the request asked for it on every chunk
         (continuous_usage_stats), else None."""
-        return P.usage(sum(map(len, prompts)), generated) if self.continuous_usage else None
+        return self.usage(prompts, generated, cached) if self.continuous_usage else None
 
     def speculation(self, metrics: list[SpeculationMetrics | None]) -> dict | None:
         """The prompts' final metrics added up, in vLLM's names, when the request asked for them."""
@@ -463,7 +471,7 @@ async def _respond(
             await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
             if not collect.done() and await request.is_disconnected():
                 return Response(status_code=CLIENT_CLOSED)
-        choices, num_generated, metrics = collect.result()
+        choices, num_generated, metrics, cached = collect.result()
     finally:
         collect.cancel()
     body = P.response_object(
@@ -472,7 +480,7 @@ async def _respond(
         answer.created,
         answer.model,
         choices,
-        P.usage(sum(map(len, prompts)), num_generated),
+        answer.usage(prompts, num_generated, cached),
         speculation_metrics=answer.speculation(metrics),
     )
     return JSONResponse(body)
@@ -512,17 +520,19 @@ class _Choice:
 
 async def _collect(
     answer: _Answer, streams: list[RequestStream]
-) -> tuple[list[dict], int, list[SpeculationMetrics | None]]:
-    """Every update of the streams -> the rendered choices, the tokens generated, and each prompt's
-    final speculation metrics."""
+) -> tuple[list[dict], int, list[SpeculationMetrics | None], list[int]]:
+    """Every update of the streams -> the rendered choices, the tokens generated, each prompt's
+    final speculation metrics and its tokens the prefix cache held."""
     choices: dict[int, _Choice] = {}
     generated = [0] * len(streams)
+    cached = [0] * len(streams)
     metrics: list[SpeculationMetrics | None] = [None] * len(streams)
     async with aclosing(_merge(streams)) as updates:
         async for prompt, update in updates:
             if update.error is not None:
                 raise _failure(update.error)
             generated[prompt] = update.num_generated_tokens
+            cached[prompt] = update.num_cached_tokens
             metrics[prompt] = update.metrics or metrics[prompt]
             for delta in update.sequences:
                 choice = choices.setdefault(prompt * answer.n + delta.index, _Choice())
@@ -533,7 +543,7 @@ async def _collect(
                     choice.logprobs.extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-    return [answer.render(i, c, False) for i, c in sorted(choices.items())], sum(generated), metrics
+    return [answer.render(i, c, False) for i, c in sorted(choices.items())], sum(generated), metrics, cached
 
 
 async def _sse(
@@ -543,11 +553,11 @@ async def _sse(
     accepted several), the usage chunk when asked, then [DONE]. Whatever ends it early (the client
     leaving cancels it) aborts the request's unfinished sequences."""
     request.state.status = CLIENT_CLOSED
-    generated = [0] * len(streams)
+    generated, cached = [0] * len(streams), [0] * len(streams)
     metrics: list[SpeculationMetrics | None] = [None] * len(streams)
     async with aclosing(_merge(streams)) as updates:
         if answer.first_choices:
-            yield answer.chunk(answer.first_choices, answer.usage_so_far(prompts, 0))
+            yield answer.chunk(answer.first_choices, answer.usage_so_far(prompts, 0, cached))
         async for prompt, update in updates:
             if request.state.client_stalled.is_set():  # dropped by _Gate: end as if it had left
                 break
@@ -557,16 +567,17 @@ async def _sse(
                 yield _event(failure.body())
                 break
             generated[prompt] = update.num_generated_tokens
+            cached[prompt] = update.num_cached_tokens
             metrics[prompt] = update.metrics or metrics[prompt]
             choices = []
             for delta in update.sequences:
                 choices.append(answer.render(prompt * answer.n + delta.index, delta, True))
             if choices:
-                yield answer.chunk(choices, answer.usage_so_far(prompts, sum(generated)))
+                yield answer.chunk(choices, answer.usage_so_far(prompts, sum(generated), cached))
         else:
             speculation = answer.speculation(metrics)
             if answer.include_usage or speculation is not None:
-                yield answer.chunk([], P.usage(sum(map(len, prompts)), sum(generated)), speculation)
+                yield answer.chunk([], answer.usage(prompts, sum(generated), cached), speculation)
             request.state.status = 200
     yield "data: [DONE]\n\n"
 

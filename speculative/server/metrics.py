@@ -104,6 +104,12 @@ class ServerMetrics:
             "The engine thread's busy seconds: prefilling admitted requests, and stepping the batch.",
             ("phase",),
         )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (--enable-prefix-caching)."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache, their prefill skipped."
+        )
         self.num_drafts = counter("spec_decode_num_drafts", "Proposals that drafted at least one token.")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")

@@ -370,12 +370,17 @@ def invalid_request(error: Exception) -> APIError:
 # ---- responses ----
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with num_cached_tokens (a server with prefix caching), its
+    prompt_tokens_details.cached_tokens: the prompt tokens whose prefill the prefix cache saved."""
+    body = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
+    if num_cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return body
 
 
 def response_object(

@@ -74,7 +74,7 @@ class RequestUpdate:
 
     sequences: only the choices that gained something or finished. finished: every choice has.
     metrics: the request's speculation figures, on the final update. error: the engine failed the
-    request (the handler answers 500).
+    request (the handler answers 500). num_cached_tokens: its prompt's tokens the prefix cache held.
     """
 
     sequences: list[SequenceDelta]
@@ -83,6 +83,7 @@ class RequestUpdate:
     num_generated_tokens: int
     metrics: SpeculationMetrics | None = None
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -443,6 +444,7 @@ class Scheduler:
         elapsed = time.perf_counter() - start
         self.metrics.engine_seconds.labels(phase="prefill").inc(elapsed)
         if finished is not None:
+            self._count_cached([request])
             self._prefilling = None
             self._running.append(request)
             self._publish([request], elapsed)
@@ -475,7 +477,17 @@ class Scheduler:
             return
         elapsed = time.perf_counter() - start
         self.metrics.engine_seconds.labels(phase="prefill").inc(elapsed)
+        self._count_cached(requests)
         self._publish(requests, elapsed)
+
+    def _count_cached(self, requests: list[Request]) -> None:
+        """Count the prefilled requests' prompt tokens looked up in the prefix cache, and found."""
+        if self.engine.prefix_cache is None:
+            return
+        for request in requests:
+            first = request.sequences[0]
+            self.metrics.prefix_cache_queries.inc(len(first.prompt_token_ids))
+            self.metrics.prefix_cache_hits.inc(first.num_cached_tokens)
 
     def _publish(self, requests: list[Request], elapsed: float) -> None:
         """Hand each request what its sequences gained; retire the finished and failed ones."""
@@ -505,6 +517,7 @@ class Scheduler:
                     len(request.sequences[0].prompt_token_ids),
                     sum(len(r.output_token_ids) for r in request.sequences),
                     _metrics(request) if finished else None,
+                    num_cached_tokens=request.sequences[0].num_cached_tokens,
                 ),
             )
 

@@ -1,0 +1,93 @@
+"""Time to first token with and without prefix caching, on the demo pair (SmolLM2-135M-Instruct with
+its draft, float32, eager, greedy, batch 1). docs/server.md's prefix caching table comes from it.
+
+    python benchmarks/prefix_caching_ttft.py
+
+Conversations are replayed turn by turn, the model's own answers as the history: the first 12 of the
+bundled chat-multiturn set (its user turns, 64 new tokens a turn), and the 4 requests of about 2,000
+tokens of the chunked-prefill report's prompts (summaries of notes) with two follow-up questions (48
+new tokens). Every turn runs twice on one LLM in one process, the prefix cache set aside (no lookup,
+nothing kept) and then in use, so that both see the same machine; the two answers must be the same,
+and the second becomes the history. Prints, per turn, the prompt tokens, those found in the cache and
+the time to first token (median and range) of both, with the machine's CPU. About 4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from speculative import LLM, SamplingParams
+from speculative.bench.prompts import resolve_set
+from speculative.demo.smollm2 import demo_pair
+from speculative.machine import machine
+
+NOTES = (
+    Path(__file__).parents[1]
+    / "docs/benchmarks/results-serve-smollm2-epyc-zen4-f32-chunked-prefill/prompts.jsonl"
+)
+FOLLOW_UPS = ["Which point matters most, in one sentence?", "Write a title for these notes."]
+
+
+def main() -> None:
+    pair = demo_pair()
+    llm = LLM(str(pair.target), draft_model=str(pair.draft), dtype="float32", enable_prefix_caching=True)
+    cache, tokenizer = llm.engine.prefix_cache, llm.tokenizer
+    llm.generate(["warm up"], SamplingParams(max_tokens=8))
+
+    def turn(history: list[dict], max_tokens: int) -> tuple[int, int, float, float, str]:
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        llm.engine.prefix_cache = None
+        (without,) = llm.generate([{"prompt_token_ids": ids}], params)
+        llm.engine.prefix_cache = cache
+        (with_cache,) = llm.generate([{"prompt_token_ids": ids}], params)
+        if without.outputs[0].token_ids != with_cache.outputs[0].token_ids:
+            raise SystemExit(f"the answers differ with and without the prefix cache: {history}")
+        first = (without.metrics.first_token_s, with_cache.metrics.first_token_s)
+        return len(ids), with_cache.num_cached_tokens, *first, with_cache.outputs[0].text
+
+    rows = []
+    chats = [json.loads(line)["messages"] for line in resolve_set("chat-multiturn").read_text().splitlines()][
+        :12
+    ]
+    for messages in chats:
+        history: list[dict] = []
+        for number, message in enumerate(m for m in messages if m["role"] == "user"):
+            history.append(message)
+            *figures, text = turn(history, 64)
+            rows.append(("chat", number, *figures))
+            history.append({"role": "assistant", "content": text})
+    notes = [json.loads(line)["messages"] for line in NOTES.read_text().splitlines()]
+    for messages in [m for m in notes if len(json.dumps(m)) > 4000]:
+        history = list(messages)
+        for number in range(3):
+            *figures, text = turn(history, 48)
+            rows.append(("notes", number, *figures))
+            history.append({"role": "assistant", "content": text})
+            if number < 2:
+                history.append({"role": "user", "content": FOLLOW_UPS[number]})
+    print(machine())
+    for kind in ("chat", "notes"):
+        for number in range(3):
+            chosen = [r for r in rows if r[:2] == (kind, number)]
+            if chosen:
+                print(
+                    f"{kind} turn {number + 1}: {len(chosen)} turns, "
+                    + ", ".join(_column(chosen, i) for i in range(2, 6))
+                )
+    chat = [r for r in rows if r[0] == "chat"]
+    found, given = sum(r[3] for r in chat), sum(r[2] for r in chat)
+    print(f"chat: {found} of {given} prompt tokens found; {len(rows)} answers the same")
+
+
+def _column(rows: list[tuple], index: int) -> str:
+    name = ["prompt tokens", "found", "TTFT without (ms)", "with (ms)"][index - 2]
+    values = [r[index] * (1000 if index > 3 else 1) for r in rows]
+    return f"{name} {statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+
+if __name__ == "__main__":
+    main()

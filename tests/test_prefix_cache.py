@@ -1,0 +1,203 @@
+"""Prefix caching: a prompt that begins as an earlier one did prefills only the rest, from the K/V the
+cache kept, and gives what it gives without the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import noisy_copy, save_eagle_head_for, tiny_model
+
+from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.engine.prefix_cache import PrefixCache
+from speculative.kv_cache import StaticKVCache
+from speculative.precompile import PreCompileConfig
+
+SHARED = [(7 * i) % 90 + 2 for i in range(40)]  # a system prompt's worth of tokens
+PROMPTS = [SHARED + [5, 6, 7], SHARED + [9] * 12, SHARED[:35], SHARED + list(range(20, 44))]
+SETUPS = ["plain", "draft", "draft tree", "eagle"]
+
+
+def _llm(setup: str, tmp_path, **options) -> LLM:
+    target = tiny_model("llama", num_layers=2)
+    if setup == "plain":
+        return LLM(target, **options)
+    if setup == "eagle":
+        head = save_eagle_head_for(target, tmp_path / "eagle")
+        config = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+        return LLM(target, draft_model=head, speculative_config=config, **options)
+    tree = "dynamic" if setup == "draft tree" else None
+    config = SpeculativeConfig(num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6)
+    return LLM(target, draft_model=noisy_copy(target, 0.03), speculative_config=config, **options)
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, top_k=20, seed=3, n=2, max_tokens=8, ignore_eos=True),
+    ]
+
+
+def _texts(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_prompts_sharing_a_prefix_give_what_they_give_without_the_cache(setup, tmp_path) -> None:
+    """Alone and in one batch, the first time (the cache filling as they go) and again (every prompt
+    found but its last block or token): the same tokens as without the cache, and the same drafts
+    accepted."""
+    without = _llm(setup, tmp_path)
+    expected = _texts(without.generate(PROMPTS, _params()))
+    accepted = [o.metrics.num_accepted for o in without.generate(PROMPTS, _params())]
+    llm = _llm(setup, tmp_path, enable_prefix_caching=True)
+    first = [llm.generate([p], params)[0] for p, params in zip(PROMPTS, _params())]
+    assert _texts(first) == expected
+    assert [o.num_cached_tokens for o in first] == [0, 32, 32, 32]  # the first prompt's 2 whole blocks
+    again = llm.generate(PROMPTS, _params())
+    assert _texts(again) == expected
+    assert [o.metrics.num_accepted for o in again] == accepted
+    assert all(o.num_cached_tokens >= 32 for o in again)
+
+
+def test_a_prefill_feeds_only_what_the_cache_lacks(monkeypatch) -> None:
+    llm = LLM(tiny_model("llama", num_layers=2), enable_prefix_caching=True)
+    once = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([SHARED], once)  # 40 tokens: blocks of 16 keep 32
+    fed = []
+    forward = llm.engine.target.forward
+
+    def counted(ids, *args, **kwargs):
+        fed.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.target, "forward", counted)
+    (out,) = llm.generate([SHARED + [3] * 10], once)
+    assert out.num_cached_tokens == 32
+    assert fed == [18]  # 50 tokens, 32 of them found
+
+
+def test_a_cached_prefix_gives_the_log_probabilities_of_a_whole_prefill() -> None:
+    """The K/V found are the target's own: every generated token's log-probabilities (the first's
+    from the prefill's logits) match a whole prefill's to float rounding."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, ignore_eos=True)
+    prompt = SHARED + [3] * 10
+    (expected,) = LLM(tiny_model("llama", num_layers=2)).generate([prompt], params)
+    llm = LLM(tiny_model("llama", num_layers=2), enable_prefix_caching=True)
+    llm.generate([SHARED], params)
+    (out,) = llm.generate([prompt], params)
+    assert out.num_cached_tokens == 32
+    for got, want in zip(out.outputs[0].logprobs, expected.outputs[0].logprobs, strict=True):
+        assert got.keys() == want.keys()
+        for token in want:
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-5)
+
+
+def test_a_next_turn_starts_from_the_last_turns_answer(tmp_path) -> None:
+    """A finished request leaves its prompt and answer (all but the answer's last token) in the cache,
+    and a next turn that repeats both finds them."""
+    without = _llm("draft", tmp_path)
+    llm = _llm("draft", tmp_path, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    (first,) = llm.generate([SHARED[:20]], params)
+    turn = SHARED[:20] + first.outputs[0].token_ids + [4, 5, 6]  # 53 tokens
+    (second,) = llm.generate([turn], params)
+    assert second.num_cached_tokens == 48  # 49 tokens held: 3 whole blocks
+    assert second.outputs[0].token_ids == without.generate([turn], params)[0].outputs[0].token_ids
+
+
+def test_an_eagle_head_finds_only_blocks_with_hidden_states(tmp_path) -> None:
+    """A finished row's generated tokens have no hidden states kept (its head saw them step by step),
+    so a proposer that reads them finds the prompt's blocks only, and drafts as without the cache."""
+    without = _llm("eagle", tmp_path)
+    llm = _llm("eagle", tmp_path, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    (first,) = llm.generate([SHARED[:20]], params)
+    turn = SHARED[:20] + first.outputs[0].token_ids + [4, 5, 6]
+    (second,) = llm.generate([turn], params)
+    (alone,) = without.generate([turn], params)
+    assert second.num_cached_tokens == 16  # the prompt's one whole block
+    assert second.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert second.metrics.num_accepted == alone.metrics.num_accepted
+
+
+def test_a_chunked_prefill_starts_after_the_cached_prefix(tmp_path) -> None:
+    without = _llm("draft", tmp_path)
+    llm = _llm("draft", tmp_path, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm.generate([SHARED], SamplingParams(temperature=0.0, max_tokens=1))
+    prompt = SHARED + list(range(30, 50))  # 60 tokens, 32 held
+    sequences = llm.make_sequences(prompt, params)
+    engine = llm.engine
+    engine.begin_prefill(sequences)
+    assert engine.prefilling.tokens_left == 28
+    chunks = 0
+    while engine.prefill_chunk(8) is None:
+        chunks += 1
+    assert chunks == 3  # 8 + 8 + 8, then the last 4 join
+    while engine.sequences:
+        engine.step()
+    assert sequences[0].num_cached_tokens == 32
+    assert sequences[0].output_token_ids == without.generate([prompt], params)[0].outputs[0].token_ids
+
+
+def test_prompt_logprobs_are_computed_from_a_whole_prefill() -> None:
+    llm = LLM(tiny_model("llama", num_layers=2), enable_prefix_caching=True)
+    plain = LLM(tiny_model("llama", num_layers=2))
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    llm.generate([SHARED], params)
+    (out,) = llm.generate([SHARED + [3, 4]], params)
+    (expected,) = plain.generate([SHARED + [3, 4]], params)
+    assert out.num_cached_tokens == 0
+    assert len(out.prompt_logprobs) == len(expected.prompt_logprobs) == 42
+
+
+def _cache_of(tokens: int, value: float) -> StaticKVCache:
+    """One row of one layer holding `tokens` tokens, every K/V element `value` plus its position."""
+    cache = StaticKVCache(1, 1, 1, 64, 2, torch.float32, "cpu")
+    filled = value + torch.arange(64, dtype=torch.float32)[None, None, :, None].expand(1, 1, 64, 2)
+    for buffer in (*cache.keys, *cache.values):
+        buffer.copy_(filled)
+    cache.advance(tokens, tokens)
+    return cache
+
+
+def test_blocks_load_back_as_stored_and_leave_the_last_token_to_feed() -> None:
+    prefixes = PrefixCache(max_tokens=64, block_size=16)
+    tokens = list(range(100, 140))
+    prefixes.store(tokens, _cache_of(40, 1000.0), 0, 40)
+    assert prefixes.num_tokens == 32
+    assert prefixes.match(tokens[:33]).num_tokens == 32
+    assert prefixes.match(tokens[:32]).num_tokens == 16  # a prompt of 32 must feed its last token
+    assert prefixes.match([1] + tokens[1:33]).num_tokens == 0  # a block follows the very same tokens
+    assert prefixes.match(tokens, with_features=True).num_tokens == 0  # none were given
+    empty = StaticKVCache(1, 2, 1, 64, 2, torch.float32, "cpu")
+    prefixes.load(prefixes.match(tokens), empty, [1])
+    assert torch.equal(empty.keys[0][1, 0, :32, 0], 1000.0 + torch.arange(32.0))
+    assert not empty.keys[0][0].any()
+    assert (prefixes.queries, prefixes.hits) == (33 + 32 + 33 + 40 + 40, 32 + 16 + 32)
+
+
+def test_the_cache_keeps_its_bound_dropping_the_least_recently_used_first() -> None:
+    prefixes = PrefixCache(max_tokens=64, block_size=16)  # 4 blocks; past them, down to 3
+    a, b, c = ([base + i for i in range(33)] for base in (100, 200, 300))
+    prefixes.store(a, _cache_of(32, 0.0), 0, 32)
+    prefixes.store(b, _cache_of(32, 0.0), 0, 32)
+    assert prefixes.match(a).num_tokens == 32  # a is used after b
+    prefixes.store(c, _cache_of(32, 0.0), 0, 32)  # 6 blocks: b's two go, then a's last
+    assert prefixes.num_blocks == 3
+    assert [prefixes.match(t).num_tokens for t in (a, b, c)] == [16, 0, 32]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(model_impl="transformers"), "needs the native forward"),
+        (dict(precompile=PreCompileConfig(batch_size=1, prefill_length=[64])), "precompile"),
+        (dict(prefix_cache_tokens=8), "prefix_cache_tokens must be an int >= 16"),
+    ],
+)
+def test_prefix_caching_refuses_what_it_cannot_run(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model("llama", num_layers=2), enable_prefix_caching=True, **options)
