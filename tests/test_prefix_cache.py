@@ -172,6 +172,7 @@ def test_blocks_load_back_as_stored_and_leave_the_last_token_to_feed() -> None:
     assert prefixes.match(tokens[:32]).num_tokens == 16  # a prompt of 32 must feed its last token
     assert prefixes.match([1] + tokens[1:33]).num_tokens == 0  # a block follows the very same tokens
     assert prefixes.match(tokens, with_features=True).num_tokens == 0  # none were given
+    assert prefixes.peek(tokens[:33]) == 32  # what match would find, counted nowhere
     empty = StaticKVCache(1, 2, 1, 64, 2, torch.float32, "cpu")
     prefixes.load(prefixes.match(tokens), empty, [1])
     assert torch.equal(empty.keys[0][1, 0, :32, 0], 1000.0 + torch.arange(32.0))

@@ -178,6 +178,39 @@ def test_prefills_between_steps_stay_within_max_prefill_tokens(budget) -> None:
         Scheduler(llm, max_prefill_tokens=0)
 
 
+def test_a_prompt_the_prefix_cache_holds_counts_only_the_rest_against_max_prefill_tokens() -> None:
+    """Behind a running request, a 46-token prompt whose first 32 tokens the prefix cache holds costs
+    14 tokens of prefill: it goes in whole under a bound of 16 (counted whole, it went in chunks)."""
+    tokenizer = byte_tokenizer()
+    target = tiny_model("llama", vocab_size=257, eos_token_id=256, bos_token_id=256)
+    llm = LLM(target, tokenizer=tokenizer, enable_prefix_caching=True)
+    shared = [(7 * i) % 200 + 20 for i in range(40)]
+    llm.generate([{"prompt_token_ids": shared}], SamplingParams(temperature=0.0, max_tokens=1))
+    prompt = shared + [5, 6, 7, 8, 9, 10]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    engine, begin, added = llm.engine, llm.engine.begin_prefill, []
+    engine.begin_prefill = lambda sequences, *args: (added.append("chunks"), begin(sequences, *args))[1]
+
+    async def main():
+        scheduler = Scheduler(llm, max_num_seqs=8, max_prefill_tokens=16)
+        scheduler.start()
+        running = scheduler.submit(
+            [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), "a"
+        )
+        while not engine.sequences:
+            await asyncio.sleep(0.005)
+        done = await asyncio.wait_for(_collect(scheduler.submit(prompt, params, "b")), 60)
+        await asyncio.wait_for(_collect(running), 60)
+        await scheduler.shutdown(5)
+        return done
+
+    _, ids, updates = asyncio.run(main())
+    assert ids[0] == expected
+    assert updates[-1].num_cached_tokens == 32
+    assert not added  # prefilled whole, not begun in chunks
+
+
 def test_a_chunked_prefill_that_fails_or_is_aborted_loses_its_own_request_only() -> None:
     """Behind a running request, two long prompts go in chunks: the first's second chunk raises (it
     fails with that error), the second's client leaves after its first chunk (its rows never join);

@@ -800,6 +800,13 @@ class Engine:
             matches.append(match)
         return matches
 
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """How many of the prompt's tokens the prefix cache holds now (0 without one): what its
+        prefill would skip."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.peek(prompt, with_features=self.hidden_layers is not None)
+
     def _load_prefixes(
         self, batch: Batch, index: Tensor, cache: KVCache, matches: list[PrefixMatch | None], width: int
     ) -> tuple[Tensor | int, Tensor]:

@@ -104,19 +104,28 @@ class PrefixCache:
     def match(self, tokens: list[int], with_features: bool = False) -> PrefixMatch:
         """The longest run of held blocks that `tokens` begins with, leaving at least its last token
         out (a prefill must feed one token to sample from); with_features: only blocks that hold
-        hidden states. Counts the tokens in `queries` and those found in `hits`."""
-        size, node, found = self.block_size, self.root, []
+        hidden states. Marks them used; counts the tokens in `queries` and those found in `hits`."""
+        found = self._walk(tokens, with_features)
         self._clock += 1
-        for start in range(0, len(tokens) - 1 - size + 1, size):
+        for block in found:
+            block.used = self._clock
+        self.queries += len(tokens)
+        self.hits += len(found) * self.block_size
+        return PrefixMatch(found, len(found) * self.block_size)
+
+    def peek(self, tokens: list[int], with_features: bool = False) -> int:
+        """How many of `tokens` `match` would find now, counting and marking nothing."""
+        return len(self._walk(tokens, with_features)) * self.block_size
+
+    def _walk(self, tokens: list[int], with_features: bool) -> list[_Block]:
+        size, node, found = self.block_size, self.root, []
+        for start in range(0, len(tokens) - size, size):
             child = node.children.get(tuple(tokens[start : start + size]))
             if child is None or (with_features and child.features is None):
                 break
-            child.used = self._clock
             found.append(child)
             node = child
-        self.queries += len(tokens)
-        self.hits += len(found) * size
-        return PrefixMatch(found, len(found) * size)
+        return found
 
     def load(self, match: PrefixMatch, cache: StaticKVCache, rows: list[int]) -> None:
         """Write the matched K/V into slots [0, match.num_tokens) of each of `rows` of an empty cache

@@ -153,7 +153,8 @@ class Scheduler:
         last chunk; one such prompt at a time, the oldest waiting request, and before it nothing else
         enters the batch whole in that pause. With no row running (nobody waits on it) and for a
         request that wants prompt_logprobs (all its logits at once), the oldest waiting request is
-        prefilled whole whatever its length.
+        prefilled whole whatever its length. A prompt's tokens that the prefix cache holds are not
+        counted: their prefill is skipped.
     """
 
     def __init__(
@@ -406,7 +407,10 @@ class Scheduler:
             budget = None if budget is None else budget - chunk
         while self._waiting and len(self._waiting[0].sequences) <= room:
             request = self._waiting[0]
-            tokens = len(request.sequences[0].prompt_token_ids)
+            prompt = request.sequences[0].prompt_token_ids
+            tokens = len(prompt) - (
+                self.engine.cached_prefix(prompt) if request.params.prompt_logprobs is None else 0
+            )
             if budget is not None and tokens > budget:
                 if admitted or self._prefilling is not None:
                     break
