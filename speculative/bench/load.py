@@ -134,6 +134,14 @@ class LoadConfig:
         default=False, metadata={"engine": "compile", "help": "the servers run compiled (--compile)"}
     )
     temperature: float = field(default=0.0, metadata={"help": "0 is greedy"})
+    conversations: bool = field(
+        default=False,
+        metadata={
+            "help": "closed loop: each client holds a conversation, a chat record's user turns sent one "
+            "request each with the server's answers so far as the history, then the next record's "
+            "(a multi-turn prompt set: chat-multiturn)"
+        },
+    )
     seed: int = field(default=0, metadata={"engine": "seed", "help": "the servers' --seed"})
     serve_flags: list[str] = field(default_factory=list)
     draft_flags: list[str] = field(default_factory=list)
@@ -160,7 +168,7 @@ class LoadConfig:
 class RequestRecord:
     """One request, times in seconds since the benchmark's clock started: sent, each chunk with text
     (`chunks`) and the tokens it brought (`chunk_tokens`, from the usage every chunk holds), and the
-    end; `tokens` the completion tokens of its usage; `error` None if it completed."""
+    end; `tokens` the completion tokens of its usage; `error` None if it completed; `text` the answer."""
 
     sent: float
     chunks: list[float] = field(default_factory=list)
@@ -168,6 +176,7 @@ class RequestRecord:
     end: float = 0.0
     tokens: int = 0
     error: str | None = None
+    text: str = ""
 
 
 def serve_command(config: LoadConfig, server: str, target: str, draft: str | None, port: int) -> list[str]:
@@ -199,14 +208,17 @@ class Driver:
         self.client, self.prompts, self.config = client, prompts, config
         self.start = time.perf_counter() if start is None else start
         self.sent = 0  # requests sent so far: the next prompt is prompts[sent % len]
+        self.conversations = 0  # conversations begun: the next is prompts[conversations % len]
 
     def clock(self) -> float:
         return time.perf_counter() - self.start
 
-    def _request(self, max_tokens: int, spread: float) -> tuple[str, dict]:
-        """The next request's path and body: a chat record (its messages, or its text as a user turn) goes
-        to /v1/chat/completions, other prompts (text) to /v1/completions."""
-        record = self.prompts[self.sent % len(self.prompts)]
+    def _request(self, max_tokens: int, spread: float, messages: list[dict] | None = None) -> tuple[str, dict]:
+        """The next request's path and body: `messages` where given, else the next prompt's; a chat
+        record (its messages, or its text as a user turn) goes to /v1/chat/completions, other prompts
+        (text) to /v1/completions."""
+        chat = PromptRecord("", "", chat=True, messages=messages) if messages else None
+        record = chat or self.prompts[self.sent % len(self.prompts)]
         if spread:
             rng = random.Random(f"{self.config.seed}-{self.sent}")
             max_tokens = rng.randint(*token_range(max_tokens, spread))
@@ -223,13 +235,16 @@ class Driver:
             return "/v1/chat/completions", {"messages": messages, **body}
         return "/v1/completions", {"prompt": record.text, **body}
 
-    async def request(self, max_tokens: int, spread: float = 0.0) -> RequestRecord:
+    async def request(
+        self, max_tokens: int, spread: float = 0.0, messages: list[dict] | None = None
+    ) -> RequestRecord:
         """One streamed completion of max_tokens tokens (spread > 0: drawn from max_tokens * (1 -+
-        spread), module docstring); never raises (a failure is the record's error)."""
+        spread), module docstring), of `messages` (None: the next prompt); never raises (a failure is
+        the record's error)."""
         record = RequestRecord(sent=self.clock())
         done = False
         try:
-            path, body = self._request(max_tokens, spread)
+            path, body = self._request(max_tokens, spread, messages)
             async with self.client.stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     record.error = f"status {response.status_code}: {(await response.aread())[:200]!r}"
@@ -246,7 +261,9 @@ class Driver:
                         return record
                     choices = event.get("choices", [])
                     so_far = (event.get("usage") or {}).get("completion_tokens", record.tokens)
-                    if any(c.get("text") or c.get("delta", {}).get("content") for c in choices):
+                    text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
+                    if text:
+                        record.text += text
                         record.chunks.append(self.clock())
                         record.chunk_tokens.append(so_far - record.tokens)
                     record.tokens = so_far
@@ -261,13 +278,27 @@ class Driver:
     async def closed_loop(
         self, concurrency: int, requests: int, max_tokens: int, spread: float = 0.0
     ) -> list[RequestRecord]:
-        """`concurrency` clients sending `requests` requests (at least 2 each) back to back."""
+        """`concurrency` clients sending `requests` requests (at least 2 each) back to back; with
+        config.conversations each client's requests are a conversation's turns (LoadConfig)."""
         remaining = iter(range(max(requests, 2 * concurrency)))
         records: list[RequestRecord] = []
 
         async def client() -> None:
+            history: list[dict] = []
+            turns: list[dict] = []
             for _ in remaining:  # shared: each request is claimed by one client
-                records.append(await self.request(max_tokens, spread))
+                if not self.config.conversations:
+                    records.append(await self.request(max_tokens, spread))
+                    continue
+                if not turns:  # the next conversation: its system messages, then its user turns one by one
+                    messages = self.prompts[self.conversations % len(self.prompts)].messages or []
+                    self.conversations += 1
+                    history = [m for m in messages if m["role"] == "system"]
+                    turns = [m for m in messages if m["role"] == "user"]
+                history.append(turns.pop(0))
+                record = await self.request(max_tokens, spread, list(history))
+                history.append({"role": "assistant", "content": record.text})
+                records.append(record)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return records
@@ -507,6 +538,10 @@ def run_load(config: LoadConfig, target: str, draft: str | None, out: Path) -> d
     results.json, report.md and load.png written to `out` (created). Returns the results."""
     prompt_file = resolve_set(config.prompts) if config.prompts else default_sets(load_tokenizer(target))[0]
     prompts = load_jsonl(prompt_file)[: config.num_prompts]
+    if config.conversations and not all(any(m["role"] == "user" for m in p.messages or []) for p in prompts):
+        raise ValueError(
+            f"conversations takes chat records with user turns (chat-multiturn); {prompt_file} has others"
+        )
     results: dict = {
         "config": asdict(config),
         "machine": {**machine(), "cpu_features": cpu_features()},

@@ -178,7 +178,8 @@ def markdown(results: dict, plot: str) -> str:
         "# speculative bench-serve",
         f"`speculative serve` per server ({', '.join(results['servers'])}; draft: k={config['k']}, "
         f"adaptive: k up to {config['k']}), {config['dtype']}{', compiled' if config['compile'] else ''}; "
-        f"prompts from `{Path(results['prompts']).name}` ({config['num_prompts']} in turn), "
+        f"prompts from `{Path(results['prompts']).name}` ({config['num_prompts']} in turn"
+        f"{_conversations(config)}), "
         f"{_lengths(config)} (EOS ignored), temperature {config['temperature']}, streamed "
         f"over HTTP; {config['requests']} requests per level (at least 2 per client), "
         f"{_rounds(config)}.",
@@ -267,3 +268,10 @@ def write_load_outputs(results: dict, out: Path) -> dict[str, Path]:
     paths["json"].write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
     paths["report"].write_text(markdown(results, plot(results, paths["plot"])))
     return paths
+
+
+def _conversations(config: dict) -> str:
+    """The report's words for LoadConfig.conversations."""
+    if not config.get("conversations"):
+        return ""
+    return "; closed loop as conversations: a record's user turns, the answers as the history"

@@ -21,6 +21,7 @@ from speculative.bench.load import (
     drive_servers,
     pooled,
     pooled_counters,
+    run_load,
     serve_command,
     summarize,
 )
@@ -205,6 +206,38 @@ def test_chat_records_are_sent_as_chats_and_their_tokens_counted(served) -> None
     records = asyncio.run(send())
     assert [(r.error, r.tokens) for r in records] == [(None, 6), (None, 6)]
     assert all(len(r.chunks) == len(r.chunk_tokens) >= 1 and sum(r.chunk_tokens) == 6 for r in records)
+
+
+def test_conversations_send_each_turn_with_the_answers_so_far(served) -> None:
+    """With conversations, a closed-loop client sends a record's user turns one after another, each
+    with the system message and the server's answers so far, then the next record's."""
+    system = {"role": "system", "content": "Be brief."}
+    records = [
+        PromptRecord(f"c{i}", "", True, [system, *({"role": "user", "content": f"q{i}{t}"} for t in "ab")])
+        for i in range(2)
+    ]
+    sent = []
+
+    async def talk() -> list[RequestRecord]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=served.url, headers=headers, timeout=60) as client:
+            driver = Driver(client, records, LoadConfig(conversations=True))
+            send = driver._request
+            driver._request = lambda *args: (sent.append(args[2]), send(*args))[1]
+            return await driver.closed_loop(1, 4, max_tokens=5)
+
+    answers = asyncio.run(talk())
+    assert all(r.error is None and r.tokens == 5 and r.text for r in answers)
+    user = [[m["content"] for m in messages if m["role"] == "user"] for messages in sent]
+    assert user == [["q0a"], ["q0a", "q0b"], ["q1a"], ["q1a", "q1b"]]
+    assert sent[1] == [
+        system,
+        {"role": "user", "content": "q0a"},
+        {"role": "assistant", "content": answers[0].text},
+        {"role": "user", "content": "q0b"},
+    ]
+    with pytest.raises(ValueError, match="conversations takes chat records"):
+        run_load(LoadConfig(conversations=True, prompts="code"), "unused", None, Path("unused"))
 
 
 def test_requests_the_server_refuses_are_errors(served) -> None:
