@@ -276,11 +276,13 @@ class EngineArgs:
         1, "1 (the whole draft on every rank) or --tensor-parallel-size (the draft split too)"
     )
     seed: int = arg(0, "seeds requests that have no seed of their own")
-    enable_prefix_caching: bool = arg(
-        False,
+    enable_prefix_caching: bool | None = arg(
+        None,
         "keep the target's K/V of prompts and finished requests, so that a prompt that begins as an "
         "earlier one did (a shared system prompt, a conversation's next turn) prefills only the rest "
-        "(native forward; not with precompiled buckets)",
+        "(native forward; not with precompiled buckets), or with --no-enable-prefix-caching not",
+        action=argparse.BooleanOptionalAction,
+        default_text="on where `serve` runs the demo model, else off",
     )
     prefix_cache_tokens: int = arg(
         16384,
@@ -371,24 +373,30 @@ class EngineArgs:
         return dataclasses.replace(self, model=str(DEMO_DIR / "target"), draft_model=draft), True
 
     def demo_server_defaults(self) -> EngineArgs:
-        """These args with `serve`'s defaults for the demo model where the flags leave them open and they
-        speculate with a draft model's chains: --adaptive (the draft at its fixed k runs slower than plain
-        decoding under load) and, on a CPU with the native forward, --draft-compile (the draft's graphs
-        compile in the background while the server answers). Compiled, the draft's own chain is as long
-        as its prompt lookup's (-k as the draft declares it, instead of the one token it declares for
-        itself), which pays beside the eager target: docs/server.md, Under load."""
-        config = self.speculative_config()
+        """These args with `serve`'s defaults for the demo model where the flags leave them open: on
+        the native forward, --enable-prefix-caching (a chat's next turn prefills only its new message:
+        docs/server.md, Prefix caching); and where they speculate with a draft model's chains,
+        --adaptive (the draft at its fixed k runs slower than plain decoding under load) and, on a CPU
+        with the native forward, --draft-compile (the draft's graphs compile in the background while
+        the server answers). Compiled, the draft's own chain is as long as its prompt lookup's (-k as
+        the draft declares it, instead of the one token it declares for itself), which pays beside the
+        eager target: docs/server.md, Under load."""
+        prefix = self.enable_prefix_caching
+        if prefix is None:
+            prefix = self.model_impl != "transformers"
+        args = dataclasses.replace(self, enable_prefix_caching=prefix)
+        config = args.speculative_config()
         if config is None or config.method != "draft_model" or config.tree:
-            return self
-        adaptive = True if self.adaptive is None else self.adaptive
-        draft_compile = self.draft_compile
-        if draft_compile is None and self.device == "cpu" and self.model_impl != "transformers":
+            return args
+        adaptive = True if args.adaptive is None else args.adaptive
+        draft_compile = args.draft_compile
+        if draft_compile is None and args.device == "cpu" and args.model_impl != "transformers":
             draft_compile = True
-        k = self.num_speculative_tokens
-        if draft_compile and k is None and "num_assistant_tokens" not in self.options:
+        k = args.num_speculative_tokens
+        if draft_compile and k is None and "num_assistant_tokens" not in args.options:
             k = config.num_speculative_tokens
         return dataclasses.replace(
-            self, adaptive=adaptive, draft_compile=draft_compile, num_speculative_tokens=k
+            args, adaptive=adaptive, draft_compile=draft_compile, num_speculative_tokens=k
         )
 
     def check_speculative_flags(self) -> None:
@@ -433,6 +441,7 @@ class EngineArgs:
         ]
         return {
             **{name: getattr(self, name) for name in names},
+            "enable_prefix_caching": bool(self.enable_prefix_caching),
             "speculative_config": self.speculative_config(),
         }
 

@@ -213,7 +213,9 @@ class Driver:
     def clock(self) -> float:
         return time.perf_counter() - self.start
 
-    def _request(self, max_tokens: int, spread: float, messages: list[dict] | None = None) -> tuple[str, dict]:
+    def _request(
+        self, max_tokens: int, spread: float, messages: list[dict] | None = None
+    ) -> tuple[str, dict]:
         """The next request's path and body: `messages` where given, else the next prompt's; a chat
         record (its messages, or its text as a user turn) goes to /v1/chat/completions, other prompts
         (text) to /v1/completions."""

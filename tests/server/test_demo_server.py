@@ -1,6 +1,7 @@
 """`speculative serve` without --model: the demo model's draft chooses k per step (adaptive k), since at
 its fixed k it runs slower than plain decoding under load, and runs compiled (its graphs compiling in
-the background: tests/server/test_serve_draft_compile.py), unless the flags say otherwise. The demo
+the background: tests/server/test_serve_draft_compile.py), and prefixes are cached, unless the flags
+say otherwise. The demo
 model itself is not fetched here: its pair stands in for it (the toy pair's folders), and nothing
 compiles."""
 
@@ -47,6 +48,19 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "flags, cached",
+    [([], True), (["--no-enable-prefix-caching"], False), (["--model-impl", "transformers"], False)],
+)
+def test_the_demo_server_caches_prefixes_unless_told_otherwise(
+    demo_stand_in, compiles_nothing, flags, cached
+):
+    """On the native forward the demo server keeps prompts' K/V (a chat's next turn prefills only its
+    new message); a server of a given model does not unless asked."""
+    llm = app.serve_app(*cli.serve_args(flags)).state.scheduler.llm
+    assert (llm.engine.prefix_cache is not None) is cached
+
+
 @pytest.mark.parametrize("flags,adaptive,compiled,k,own", CASES)
 def test_the_demo_servers_draft_chooses_k_and_compiles_unless_told_otherwise(
     demo_stand_in, compiles_nothing, flags, adaptive, compiled, k, own
@@ -65,3 +79,4 @@ def test_a_server_of_a_given_model_keeps_its_k_and_its_eager_draft(model_dirs, c
     llm = app.serve_app(*cli.serve_args(flags)).state.scheduler.llm
     assert llm.speculative_config.adaptive is False
     assert not isinstance(llm.draft.model, CompiledCausalLM)
+    assert llm.engine.prefix_cache is None
