@@ -185,12 +185,12 @@ class LLM:
         limit = config.disable_by_batch_size if config else None
         prefix_cache = None
         if arguments["enable_prefix_caching"]:
-            prefix_cache = PrefixCache(arguments["prefix_cache_tokens"], PREFIX_BLOCK_SIZE)
-            if not isinstance(self.target.model.new_cache(1, 1), StaticKVCache):
+            if not isinstance(self.target.model.new_cache(1, 1), StaticKVCache):  # blocks of its buffers
                 raise ValueError(
                     "LLM.enable_prefix_caching needs the native forward (model_impl 'native'); this "
                     f"model ({type(self.target.model).__name__}) runs on another"
                 )
+            prefix_cache = PrefixCache(arguments["prefix_cache_tokens"], PREFIX_BLOCK_SIZE)
         self.engine = engine(
             self.target.model,
             built.proposer,

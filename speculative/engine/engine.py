@@ -30,7 +30,9 @@ Continuous batching: `add` prefills new sequences into caches of their own and t
 rows to the running batch (and its caches), `step` advances every running row, `abort` drops rows;
 a server's scheduler calls these between steps. A long prompt can instead be prefilled a chunk at a
 time between steps (`begin_prefill`, then `prefill_chunk` until it joins), so that the running rows
-wait for one chunk at a time rather than the whole prompt. `generate` is the same loop for one fixed
+wait for one chunk at a time rather than the whole prompt. With a prefix cache (prefix_cache.py) a
+prompt's prefill starts after the blocks of it the cache holds (their K/V copied into its row), and
+each prompt's and each finished row's K/V go into the cache. `generate` is the same loop for one fixed
 batch.
 """
 
@@ -252,8 +254,7 @@ class Engine:
         partial = PartialPrefill(batch, self.target.new_cache(1, batch.capacity))
         match = self._prefix_matches(batch, [0])[0]
         if match is not None and match.num_tokens:  # the prefill starts after the prefix held
-            self._load_prefixes(batch, batch.lengths.new_zeros(1), partial.cache, [match], 1)
-            partial.done = match.num_tokens
+            (partial.done,) = self._load_prefixes(partial.cache, [match])
             if self.hidden_layers:
                 partial.features.append(match.features()[None])
         self.prefilling = partial
@@ -756,7 +757,14 @@ class Engine:
             lengths = batch.lengths[index]
             part = self.target.new_cache(len(group), batch.capacity)
             width = max(fed[i] for i in group)
-            start, query = self._load_prefixes(batch, index, part, [matches[i] for i in group], width)
+            starts = self._load_prefixes(part, [matches[i] for i in group])
+            start, query = 0, batch.tokens[index, :width]
+            if any(starts):  # each row's query: its `width` prompt tokens after its prefix, right-padded
+                start = to_device(starts, torch.long, batch.tokens.device)
+                after = (start[:, None] + torch.arange(width, device=start.device)).clamp(
+                    max=batch.tokens.shape[1] - 1
+                )
+                query = batch.tokens[index].gather(1, after)
             out = self.target.forward(
                 query,
                 part,
@@ -807,24 +815,16 @@ class Engine:
             return 0
         return self.prefix_cache.peek(prompt, with_features=self.hidden_layers is not None)
 
-    def _load_prefixes(
-        self, batch: Batch, index: Tensor, cache: KVCache, matches: list[PrefixMatch | None], width: int
-    ) -> tuple[Tensor | int, Tensor]:
-        """Into the empty `cache` of batch rows `index`, each row's matched prefix (its K/V, and the
-        lengths advanced past it). Returns where each row's prefill starts ([rows], or 0 where no row
-        has a prefix) and its query: the `width` prompt tokens from there, right-padded."""
+    def _load_prefixes(self, cache: KVCache, matches: list[PrefixMatch | None]) -> list[int]:
+        """Into the empty `cache`, each row's matched prefix (None: none): its K/V, and the row's length
+        advanced past it. Returns each row's prefix length, where its prefill starts."""
         starts = [m.num_tokens if m is not None else 0 for m in matches]
-        if not any(starts):
-            return 0, batch.tokens[index, :width]
-        for row, match in enumerate(matches):
-            if match is not None:
-                self.prefix_cache.load(match, cache, [row])
-        start = to_device(starts, torch.long, batch.tokens.device)
-        cache.advance(start, max(starts))
-        positions = (start[:, None] + torch.arange(width, device=start.device)).clamp(
-            max=batch.tokens.shape[1] - 1
-        )
-        return start, batch.tokens[index].gather(1, positions)
+        if any(starts):
+            for row, match in enumerate(matches):
+                if match is not None:
+                    self.prefix_cache.load(match, cache, [row])
+            cache.advance(to_device(starts, torch.long, cache.lengths.device), max(starts))
+        return starts
 
     def _prompt_logprobs(self, batch: Batch, heads: list[int], order: list[int], logits: Tensor) -> Tensor:
         """Fill in prompt_logprobs of the sequences that asked, from every prompt position's logits

@@ -87,7 +87,7 @@ class PrefixCache:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
         if max_tokens < block_size:
-            raise ValueError(f"prefix_cache_tokens must be >= {block_size} (one block); got {max_tokens}")
+            raise ValueError(f"max_tokens must be >= block_size ({block_size}); got {max_tokens}")
         self.block_size = block_size
         self.max_blocks = max_tokens // block_size
         self.root = _Block(None, None)
