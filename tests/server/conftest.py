@@ -134,11 +134,9 @@ class Served:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="package")
-def served() -> Iterator[Served]:
-    target, draft, tokenizer = tiny_pair()
-    scheduler = Scheduler(speculative_llm(target, draft, tokenizer), max_num_seqs=32, max_waiting=128)
-    app = create_app(
+def tiny_app(scheduler: Scheduler, tokenizer: PreTrainedTokenizerFast):
+    """The app of the tests' servers: `scheduler`'s model as MODEL, API_KEY, the tiny model's limits."""
+    return create_app(
         scheduler,
         model_name=MODEL,
         tokenizer=tokenizer,
@@ -146,5 +144,11 @@ def served() -> Iterator[Served]:
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         max_model_len=MAX_MODEL_LEN,
     )
-    with running(app) as url:
+
+
+@pytest.fixture(scope="package")
+def served() -> Iterator[Served]:
+    target, draft, tokenizer = tiny_pair()
+    scheduler = Scheduler(speculative_llm(target, draft, tokenizer), max_num_seqs=32, max_waiting=128)
+    with running(tiny_app(scheduler, tokenizer)) as url:
         yield Served(url, scheduler, speculative_llm(target, draft, tokenizer), tokenizer)

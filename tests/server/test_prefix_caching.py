@@ -5,10 +5,9 @@ usage says how many prompt tokens were cached (OpenAI's prompt_tokens_details.ca
 from __future__ import annotations
 
 from speculative import LLM, SpeculativeConfig
-from speculative.server.app import create_app
 from speculative.server.scheduler import Scheduler
 
-from .conftest import API_KEY, MAX_MODEL_LEN, MAX_PROMPT_TOKENS, MODEL, Served, running, tiny_pair
+from .conftest import MODEL, Served, running, tiny_app, tiny_pair
 
 
 def test_a_next_turn_reports_its_cached_prompt_tokens_and_metrics_count_them(served) -> None:
@@ -21,15 +20,7 @@ def test_a_next_turn_reports_its_cached_prompt_tokens_and_metrics_count_them(ser
         enable_prefix_caching=True,
     )
     scheduler = Scheduler(llm, max_num_seqs=8, max_waiting=16)
-    app = create_app(
-        scheduler,
-        model_name=MODEL,
-        tokenizer=tokenizer,
-        api_key=API_KEY,
-        max_prompt_tokens=MAX_PROMPT_TOKENS,
-        max_model_len=MAX_MODEL_LEN,
-    )
-    with running(app) as url:
+    with running(tiny_app(scheduler, tokenizer)) as url:
         server = Served(url, scheduler, llm, tokenizer)
         client = server.client()
         messages = [
