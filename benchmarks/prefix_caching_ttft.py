@@ -1,15 +1,19 @@
-"""Time to first token with and without prefix caching, on the demo pair (SmolLM2-135M-Instruct with
-its draft, float32, eager, greedy, batch 1). docs/server.md's prefix caching table comes from it.
+"""Time to first token, and the draft's time at its first proposal, with and without prefix caching, on
+the demo pair (SmolLM2-135M-Instruct with its draft, float32, eager, greedy, batch 1). docs/server.md's
+prefix caching table comes from it.
 
     python benchmarks/prefix_caching_ttft.py
 
 Conversations are replayed turn by turn, the model's own answers as the history: the first 12 of the
 bundled chat-multiturn set (its user turns, 64 new tokens a turn), and the 4 requests of about 2,000
 tokens of the chunked-prefill report's prompts (summaries of notes) with two follow-up questions (48
-new tokens). Every turn runs twice on one LLM in one process, the prefix cache set aside (no lookup,
-nothing kept) and then in use, so that both see the same machine; the two answers must be the same,
-and the second becomes the history. Prints, per turn, the prompt tokens, those found in the cache and
-the time to first token (median and range) of both, with the machine's CPU. About 4 minutes on 2 cores.
+new tokens). Every turn runs three times on one LLM in one process, so that all see the same machine:
+without prefix caching (no lookup, nothing kept), with it for the target alone (the draft prefills
+its whole context at its first proposal), and with it for both; each of the last two keeps a cache of
+its own, so that each finds what the conversation's earlier turns left. The answers must be the same,
+and the last becomes the history. Prints, per turn, the prompt tokens, those found in the cache, the
+time to first token and the draft's time in the first drafting step (its prefill of the context
+there, then its drafts), medians and ranges, with the machine's CPU. About 6 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from speculative import LLM, SamplingParams
 from speculative.bench.prompts import resolve_set
 from speculative.demo.smollm2 import demo_pair
 from speculative.machine import machine
+from speculative.prefix_cache import PrefixCache
 
 NOTES = (
     Path(__file__).parents[1]
@@ -33,21 +38,34 @@ FOLLOW_UPS = ["Which point matters most, in one sentence?", "Write a title for t
 def main() -> None:
     pair = demo_pair()
     llm = LLM(str(pair.target), draft_model=str(pair.draft), dtype="float32", enable_prefix_caching=True)
-    cache, tokenizer = llm.engine.prefix_cache, llm.tokenizer
+    size = llm.engine.prefix_cache.max_blocks * llm.engine.prefix_cache.block_size
+    target_only, both, tokenizer = PrefixCache(size), PrefixCache(size), llm.tokenizer
     llm.generate(["warm up"], SamplingParams(max_tokens=8))
 
-    def turn(history: list[dict], max_tokens: int) -> tuple[int, int, float, float, str]:
+    def run(ids: list[int], params: SamplingParams, cache: PrefixCache | None, draft: bool):
+        llm.engine.use_prefix_cache(cache)
+        if not draft:
+            llm.engine.proposer.use_prefix_cache(None)
+        with llm.engine.recording_steps() as steps:
+            (out,) = llm.generate([{"prompt_token_ids": ids}], params)
+        drafting = next(step.propose_s for step in steps if step.k)
+        return out, out.metrics.first_token_s, drafting
+
+    def turn(history: list[dict], max_tokens: int) -> tuple:
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        llm.engine.prefix_cache = None
-        (without,) = llm.generate([{"prompt_token_ids": ids}], params)
-        llm.engine.prefix_cache = cache
-        (with_cache,) = llm.generate([{"prompt_token_ids": ids}], params)
-        if without.outputs[0].token_ids != with_cache.outputs[0].token_ids:
+        runs = [run(ids, params, *options) for options in ((None, False), (target_only, False), (both, True))]
+        if len({tuple(out.outputs[0].token_ids) for out, _, _ in runs}) > 1:
             raise SystemExit(f"the answers differ with and without the prefix cache: {history}")
-        first = (without.metrics.first_token_s, with_cache.metrics.first_token_s)
-        return len(ids), with_cache.num_cached_tokens, *first, with_cache.outputs[0].text
+        out = runs[-1][0]
+        return (
+            len(ids),
+            out.num_cached_tokens,
+            *(r[1] for r in runs),
+            *(r[2] for r in runs),
+            out.outputs[0].text,
+        )
 
     rows = []
     chats = [json.loads(line)["messages"] for line in resolve_set("chat-multiturn").read_text().splitlines()][
@@ -76,15 +94,27 @@ def main() -> None:
             if chosen:
                 print(
                     f"{kind} turn {number + 1}: {len(chosen)} turns, "
-                    + ", ".join(_column(chosen, i) for i in range(2, 6))
+                    + ", ".join(_column(chosen, i) for i in range(2, 10))
                 )
     chat = [r for r in rows if r[0] == "chat"]
     found, given = sum(r[3] for r in chat), sum(r[2] for r in chat)
     print(f"chat: {found} of {given} prompt tokens found; {len(rows)} answers the same")
 
 
+COLUMNS = [
+    "prompt tokens",
+    "found",
+    "TTFT without (ms)",
+    "target's cache",
+    "both",
+    "draft's first proposal without (ms)",
+    "target's cache",
+    "both",
+]
+
+
 def _column(rows: list[tuple], index: int) -> str:
-    name = ["prompt tokens", "found", "TTFT without (ms)", "with (ms)"][index - 2]
+    name = COLUMNS[index - 2]
     values = [r[index] * (1000 if index > 3 else 1) for r in rows]
     return f"{name} {statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 

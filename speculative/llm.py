@@ -21,7 +21,6 @@ from speculative.distributed.mirror import LeaderEngine
 from speculative.engine.engine import Engine
 from speculative.engine.inputs import InputProcessor, PromptType
 from speculative.engine.outputs import CompletionOutput, RequestOutput
-from speculative.engine.prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_caching
 from speculative.engine.sequence import Sequence
 from speculative.engine.state import SampleState, unpack_generator
 from speculative.fields import check
@@ -40,6 +39,7 @@ from speculative.models.loading import ModelImpl, load_model, quantize_model
 from speculative.models.quantization import check_quantization
 from speculative.models.tensor_parallel import check_model
 from speculative.precompile import PreCompileConfig
+from speculative.prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache, check_prefix_caching
 from speculative.sampling_params import SamplingParams
 
 
@@ -92,11 +92,13 @@ class LLM:
         `stream`, `resume` or its engine, not its models by hand. An error on any rank stops them
         all, and every later call raises a RuntimeError saying what happened.
     draft_tensor_parallel_size: 1 (the whole draft on every rank) or tensor_parallel_size.
-    enable_prefix_caching: keep the target's K/V of prompts and finished requests (engine/prefix_cache.py)
+    enable_prefix_caching: keep the target's K/V of prompts and finished requests (prefix_cache.py)
         so that a prompt beginning as an earlier one did (a shared system prompt, a conversation's next
-        turn) prefills only the rest; on the native forward, not with `precompile` (a ValueError).
+        turn) prefills only the rest; a draft model keeps its own K/V beside them; on the native
+        forward, not with `precompile` (a ValueError).
     prefix_cache_tokens: the most tokens whose K/V it keeps (each 2 x layers x kv_heads x head_dim
-        elements of the model's dtype), in blocks of 16; the least recently used go first.
+        elements of the model's dtype, and of the draft's), in blocks of 16; the least recently used
+        go first.
     """
 
     def __init__(

@@ -8,16 +8,19 @@ import torch
 from conftest import noisy_copy, save_eagle_head_for, tiny_model
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
-from speculative.engine.prefix_cache import PrefixCache
 from speculative.kv_cache import StaticKVCache
+from speculative.methods.draft_model import DraftModelConfig
 from speculative.precompile import PreCompileConfig
+from speculative.prefix_cache import PrefixCache
+from speculative.proposers import PrefixCachingProposer
+from speculative.sampling import SampleStrategy
 
 SHARED = [(7 * i) % 90 + 2 for i in range(40)]  # a system prompt's worth of tokens
 PROMPTS = [SHARED + [5, 6, 7], SHARED + [9] * 12, SHARED[:35], SHARED + list(range(20, 44))]
-SETUPS = ["plain", "draft", "draft tree", "eagle"]
+SETUPS = ["plain", "draft", "draft tree", "draft with lookup", "eagle"]
 
 
-def _llm(setup: str, tmp_path, **options) -> LLM:
+def _llm(setup: str, tmp_path, noise: float = 0.03, **options) -> LLM:
     target = tiny_model("llama", num_layers=2)
     if setup == "plain":
         return LLM(target, **options)
@@ -26,8 +29,11 @@ def _llm(setup: str, tmp_path, **options) -> LLM:
         config = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
         return LLM(target, draft_model=head, speculative_config=config, **options)
     tree = "dynamic" if setup == "draft tree" else None
-    config = SpeculativeConfig(num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6)
-    return LLM(target, draft_model=noisy_copy(target, 0.03), speculative_config=config, **options)
+    lookup = DraftModelConfig(prompt_lookup_min=1) if setup == "draft with lookup" else None
+    config = SpeculativeConfig(
+        num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6, options=lookup
+    )
+    return LLM(target, draft_model=noisy_copy(target, noise), speculative_config=config, **options)
 
 
 def _params() -> list[SamplingParams]:
@@ -105,6 +111,110 @@ def test_a_next_turn_starts_from_the_last_turns_answer(tmp_path) -> None:
     (second,) = llm.generate([turn], params)
     assert second.num_cached_tokens == 48  # 49 tokens held: 3 whole blocks
     assert second.outputs[0].token_ids == without.generate([turn], params)[0].outputs[0].token_ids
+
+
+def _two_turns(llm: LLM, first_prompt: list[int]) -> tuple[list[int], object]:
+    """A first turn, then a next one that repeats its prompt and answer; returns the next turn's
+    prompt and output."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    (first,) = llm.generate([first_prompt], params)
+    turn = first_prompt + first.outputs[0].token_ids + [4, 5, 6]
+    (second,) = llm.generate([turn], params)
+    return turn, second
+
+
+def test_a_draft_takes_in_only_what_the_cache_lacks_of_a_next_turn(tmp_path, monkeypatch) -> None:
+    """The draft's prefill of a next turn starts after the blocks that hold its K/V: the first turn's
+    prompt (given at its prefill) and what the first turn's row held when it finished."""
+    llm = _llm("draft", tmp_path, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    (first,) = llm.generate([SHARED[:20]], params)
+    turn = SHARED[:20] + first.outputs[0].token_ids + [4, 5, 6]  # 53 tokens
+    found = llm.engine.prefix_cache.match_draft(turn + [0]).num_tokens  # of the context its prefill sees
+    assert found == 48  # the prompt's block and two of the answer's
+    draft = llm.engine.proposer.model
+    fed = []
+    forward = draft.forward
+
+    def counted(ids, *args, **kwargs):
+        fed.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(draft, "forward", counted)
+    (second,) = llm.generate([turn], params)
+    assert (
+        fed[0] == 53 - found
+    )  # its prefill: the context (53 + 1 tokens) but the last, less the blocks found
+    assert (
+        second.outputs[0].token_ids
+        == _llm("draft", tmp_path).generate([turn], params)[0].outputs[0].token_ids
+    )
+
+
+def test_the_engine_hands_its_prefix_cache_to_a_draft_alone(tmp_path) -> None:
+    llm = _llm("draft with lookup", tmp_path, enable_prefix_caching=True)
+    assert isinstance(llm.engine.proposer, PrefixCachingProposer)
+    assert llm.engine.proposer.draft.prefix_cache is llm.engine.prefix_cache is not None
+    llm.engine.use_prefix_cache(None)  # set aside: neither looks up nor keeps anything
+    assert llm.engine.proposer.draft.prefix_cache is None
+    assert not isinstance(_llm("eagle", tmp_path).engine.proposer, PrefixCachingProposer)
+
+
+def _draft_blocks(llm: LLM) -> list[tuple[list[int], torch.Tensor]]:
+    """Every block that holds the draft's K/V: the tokens up to its end, and its K/V."""
+    found, stack = [], [(llm.engine.prefix_cache.root, [])]
+    while stack:
+        block, tokens = stack.pop()
+        for key, child in block.children.items():
+            if child.draft_kv is not None:
+                found.append((tokens + list(key), child.draft_kv))
+            stack.append((child, tokens + list(key)))
+    return found
+
+
+@pytest.mark.parametrize("setup", ["draft", "draft tree", "draft with lookup"])
+def test_the_draft_kv_kept_are_the_drafts_own_of_those_tokens(setup, tmp_path) -> None:
+    """Each block's draft K/V, given at a prefill that started from blocks found (the next turn's) or at
+    a row's end (after steps whose drafts, or a lookup's tokens, the cache held past the context), equal
+    the draft's K/V of the same tokens in one forward, to float rounding."""
+    llm = _llm(setup, tmp_path, noise=0.5, enable_prefix_caching=True)  # a draft that is often wrong
+    for length in range(17, 41, 3):  # rows that end at many points of a block
+        params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
+        llm.generate([[5, 6, 7, 8] * 5 + [length]], params)  # a lookup finds matches
+    _two_turns(llm, SHARED[:20])
+    blocks = _draft_blocks(llm)
+    assert len(blocks) >= 15
+    proposer = llm.engine.proposer
+    _assert_drafts_own(getattr(proposer, "draft", proposer).model, blocks)
+
+
+def _assert_drafts_own(draft, blocks: list[tuple[list[int], torch.Tensor]]) -> None:
+    """Each block's draft K/V equal the draft's K/V of its tokens in one forward of all up to its end."""
+    for tokens, kv in blocks:
+        cache = draft.new_cache(1, len(tokens) + 1)
+        draft.forward(torch.tensor([tokens]), cache, logits_indices=torch.zeros(1, 1, dtype=torch.long))
+        whole = torch.stack([b[0, :, len(tokens) - 16 : len(tokens)] for b in (*cache.keys, *cache.values)])
+        assert torch.allclose(kv, whole, rtol=1e-4, atol=1e-4), f"the block ending at token {len(tokens)}"
+
+
+def test_a_finished_row_gives_no_draft_kv_of_lookup_tokens_its_draft_did_not_propose(tmp_path) -> None:
+    """Where a row's last step kept a lookup's tokens, the draft cache holds the K/V of the draft's own
+    tokens at their positions: the row gives the prefix cache only what came before that step."""
+    llm = _llm("draft with lookup", tmp_path, noise=0.5, enable_prefix_caching=True)
+    proposer = llm.engine.proposer
+    context = [5, 6, 7, 8] * 7 + [5, 6, 7]  # 31 tokens: a lookup proposes 8, 5, 6
+    tokens = torch.zeros(1, 64, dtype=torch.long)
+    tokens[0, :31] = torch.tensor(context)
+    proposer.add_rows(tokens, torch.tensor([31]))
+    proposal = proposer.propose(tokens, torch.tensor([31]), 3, SampleStrategy.greedy(1, 96))
+    assert proposal.token_ids.tolist() == [[8, 5, 6]]
+    assert proposer._step[2].item() == 0  # the draft's own first token is not 8
+    tokens[0, 31:35] = torch.tensor([8, 5, 6, 7])  # the step keeps the lookup's three and a fourth
+    llm.engine.prefix_cache.store(tokens[0, :35].tolist(), llm.engine.target.new_cache(1, 64), 0, 34)
+    proposer.on_finish(tokens, torch.tensor([35]), torch.tensor([0]))
+    blocks = _draft_blocks(llm)
+    assert [len(t) for t, _ in blocks] == [16]  # not the block of slots 16-31, whose slot 31 the step wrote
+    _assert_drafts_own(proposer.draft.model, blocks)
 
 
 def test_an_eagle_head_finds_only_blocks_with_hidden_states(tmp_path) -> None:

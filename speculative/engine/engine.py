@@ -32,8 +32,8 @@ a server's scheduler calls these between steps. A long prompt can instead be pre
 time between steps (`begin_prefill`, then `prefill_chunk` until it joins), so that the running rows
 wait for one chunk at a time rather than the whole prompt. With a prefix cache (prefix_cache.py) a
 prompt's prefill starts after the blocks of it the cache holds (their K/V copied into its row), and
-each prompt's and each finished row's K/V go into the cache. `generate` is the same loop for one fixed
-batch.
+each prompt's and each finished row's K/V go into the cache (a draft model keeps its own K/V there
+too: PrefixCachingProposer). `generate` is the same loop for one fixed batch.
 """
 
 from __future__ import annotations
@@ -54,14 +54,20 @@ from speculative.acceptance import AcceptanceRule, RejectionSampler
 from speculative.engine import logprobs as L
 from speculative.engine.batch import Batch
 from speculative.engine.draft_length import DraftLength
-from speculative.engine.prefix_cache import PrefixCache, PrefixMatch
 from speculative.engine.sequence import NoTokenAllowed, Sequence, StopStrings
 from speculative.engine.stats import StepClock, StepStats
 from speculative.kv_cache import KVCache
 from speculative.models.base import LanguageModel
 from speculative.models.compiled import graphs_compiled
 from speculative.models.prefill import prefill_groups
-from speculative.proposers.base import FeatureProposer, LearningProposer, Proposal, Proposer
+from speculative.prefix_cache import PrefixCache, PrefixMatch, tokens_after
+from speculative.proposers.base import (
+    FeatureProposer,
+    LearningProposer,
+    PrefixCachingProposer,
+    Proposal,
+    Proposer,
+)
 from speculative.proposers.grammar import cut_to_grammar
 from speculative.sampling_params import SamplingParams
 from speculative.transfer import to_device
@@ -130,7 +136,6 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.target = target
-        self.prefix_cache = prefix_cache
         self.proposer = proposer
         self.k = num_speculative_tokens if proposer is not None else 0
         self.rule = rule if rule is not None else RejectionSampler()
@@ -141,6 +146,7 @@ class Engine:
         self.room = self.k if room is None or proposer is None else room
         # what a proposer that reads the target's hidden states wants of its forward (EagleProposer)
         self.hidden_layers = proposer.hidden_layers if isinstance(proposer, FeatureProposer) else None
+        self.use_prefix_cache(prefix_cache)
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
         self.prefilling: PartialPrefill | None = None  # a prompt prefilled a chunk at a time
@@ -149,6 +155,13 @@ class Engine:
         self.step_stats: list[StepStats] | None = None  # collected while `recording_steps` is open
         self._unobserved: tuple | None = None  # the last step's figures for draft_length (_close_period)
         self._admitting = 0.0  # seconds `add` took since the last step started (not that step's cost)
+
+    def use_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Prefill new prompts from `cache` and keep what they compute there (None: prefill every prompt
+        whole and keep nothing), and so does a proposer that can keep its own K/V there."""
+        self.prefix_cache = cache
+        if isinstance(self.proposer, PrefixCachingProposer):
+            self.proposer.use_prefix_cache(cache)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -254,7 +267,7 @@ class Engine:
         partial = PartialPrefill(batch, self.target.new_cache(1, batch.capacity))
         match = self._prefix_matches(batch, [0])[0]
         if match is not None and match.num_tokens:  # the prefill starts after the prefix held
-            (partial.done,) = self._load_prefixes(partial.cache, [match])
+            (partial.done,) = self.prefix_cache.load_rows(partial.cache, [match])
             if self.hidden_layers:
                 partial.features.append(match.features()[None])
         self.prefilling = partial
@@ -757,16 +770,12 @@ class Engine:
             lengths = batch.lengths[index]
             part = self.target.new_cache(len(group), batch.capacity)
             width = max(fed[i] for i in group)
-            starts = self._load_prefixes(part, [matches[i] for i in group])
-            start, query = 0, batch.tokens[index, :width]
-            if any(starts):  # each row's query: its `width` prompt tokens after its prefix, right-padded
-                start = to_device(starts, torch.long, batch.tokens.device)
-                after = (start[:, None] + torch.arange(width, device=start.device)).clamp(
-                    max=batch.tokens.shape[1] - 1
-                )
-                query = batch.tokens[index].gather(1, after)
+            starts = [0] * len(group)
+            if self.prefix_cache is not None:
+                starts = self.prefix_cache.load_rows(part, [matches[i] for i in group])
+            start = to_device(starts, torch.long, batch.tokens.device) if any(starts) else 0
             out = self.target.forward(
-                query,
+                tokens_after(batch.tokens[index], starts, width),
                 part,
                 num_tokens=lengths - start,
                 logits_indices=None if all_logits else (lengths - start - 1)[:, None],
@@ -814,17 +823,6 @@ class Engine:
         if self.prefix_cache is None:
             return 0
         return self.prefix_cache.peek(prompt, with_features=self.hidden_layers is not None)
-
-    def _load_prefixes(self, cache: KVCache, matches: list[PrefixMatch | None]) -> list[int]:
-        """Into the empty `cache`, each row's matched prefix (None: none): its K/V, and the row's length
-        advanced past it. Returns each row's prefix length, where its prefill starts."""
-        starts = [m.num_tokens if m is not None else 0 for m in matches]
-        if any(starts):
-            for row, match in enumerate(matches):
-                if match is not None:
-                    self.prefix_cache.load(match, cache, [row])
-            cache.advance(to_device(starts, torch.long, cache.lengths.device), max(starts))
-        return starts
 
     def _prompt_logprobs(self, batch: Batch, heads: list[int], order: list[int], logits: Tensor) -> Tensor:
         """Fill in prompt_logprobs of the sequences that asked, from every prompt position's logits

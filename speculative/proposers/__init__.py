@@ -1,6 +1,12 @@
 """Proposers: whatever proposes draft tokens, behind one interface."""
 
-from speculative.proposers.base import FeatureProposer, LearningProposer, Proposal, Proposer
+from speculative.proposers.base import (
+    FeatureProposer,
+    LearningProposer,
+    PrefixCachingProposer,
+    Proposal,
+    Proposer,
+)
 from speculative.proposers.cross_tokenizer import CrossTokenizerProposer
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.draft_tree import DraftTreeProposer
@@ -23,6 +29,7 @@ __all__ = [
     "FeatureProposer",
     "LearningProposer",
     "NgramProposer",
+    "PrefixCachingProposer",
     "Proposal",
     "Proposer",
     "SuffixProposer",

@@ -6,6 +6,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SampleStrategy
 
 
@@ -38,7 +39,7 @@ class Proposer(Protocol):
     context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
 
     What a proposer can do beyond this is declared by the protocols below (FeatureProposer,
-    LearningProposer), which the engine checks once, at construction.
+    LearningProposer, PrefixCachingProposer), which the engine checks once, at construction.
     """
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
@@ -94,4 +95,15 @@ class LearningProposer(Proposer, Protocol):
 
     def clear_cache(self) -> None:
         """Forget every past response (a benchmark's new pass over prompts it has answered)."""
+        ...
+
+
+@runtime_checkable
+class PrefixCachingProposer(Proposer, Protocol):
+    """A proposer whose state of a context (a draft model's K/V) the engine's prefix cache can keep
+    beside the target's, so that a prompt found there is not taken in whole by the drafter either."""
+
+    def use_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """From now on, start new rows from what `cache` holds of their contexts, and give it this
+        proposer's state of the contexts it takes in (blocks the target's K/V made); None: neither."""
         ...

@@ -14,6 +14,11 @@ after it runs their prefill, so that rows which join while speculation is off (a
 server under heavy load) cost the draft nothing. That proposal first feeds the running rows what
 plain steps left `behind`, then prefills the pending rows up to the same point (all but their last
 `missing` tokens) and puts them in their places.
+
+With the engine's prefix cache (`use_prefix_cache`), that prefill starts each row from the draft's K/V
+of the blocks the cache holds of its context, and gives the cache the draft's K/V of what it fed; a
+finished row gives it the K/V of its whole context that the draft cache holds (`on_finish`), so that
+the next turn of a conversation is not prefilled whole by the draft either.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from speculative.kv_cache import KVCache
+from speculative.kv_cache import KVCache, StaticKVCache
 from speculative.models.base import GreedyDecoding, LanguageModel, decode
 from speculative.models.prefill import prefill_groups
+from speculative.prefix_cache import PrefixCache, PrefixMatch, tokens_after
 from speculative.proposers.base import Proposal
 from speculative.proposers.grammar import GrammarWalk
 from speculative.sampling import SampleStrategy
@@ -47,6 +53,11 @@ class DraftModelProposer:
         self.pending: list[int] = []  # rows whose prefill waits for the next proposal (empty in the cache)
         self._bound: int | None = None  # a host bound of the cache's lengths (None before a proposal)
         self._short = False  # since a rewind, rows lack more than `behind` tokens (_refill feeds them)
+        self._roots: Tensor | None = None  # the rows' context lengths at the proposal being committed
+        self.prefix_cache: PrefixCache | None = None
+
+    def use_prefix_cache(self, cache: PrefixCache | None) -> None:
+        self.prefix_cache = cache
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         empty = self.model.new_cache(tokens.shape[0], 1)  # placeholders: _add_pending makes their room
@@ -78,20 +89,31 @@ class DraftModelProposer:
     def _prefill(self, tokens: Tensor, lengths: Tensor) -> tuple[KVCache, int]:
         """A new cache of the rows' contexts but their last tokens, and its host max length. On a CPU,
         rows of different lengths go in a few forwards of similar lengths (`prefill_groups`), not all
-        padded to the longest: a long prompt that joined beside short ones costs its own tokens."""
+        padded to the longest: a long prompt that joined beside short ones costs its own tokens. With a
+        prefix cache, each row starts after the draft's K/V the cache holds of its context."""
         fed = (lengths - 1).tolist()  # the prefill feeds all but the last token
-        rows = list(range(len(fed)))
-        groups = prefill_groups(fed) if tokens.device.type == "cpu" else [rows]
+        contexts, matches = None, [None] * len(fed)
+        if self.prefix_cache is not None:
+            contexts = [tokens[row, :n].tolist() for row, n in enumerate(fed)]
+            matches = [self.prefix_cache.match_draft(c) for c in contexts]
+        cached = [m.num_tokens if m is not None else 0 for m in matches]
+        rows, left = list(range(len(fed))), [n - c for n, c in zip(fed, cached)]
+        groups = prefill_groups(left) if tokens.device.type == "cpu" else [rows]
         cache = None
         for group in groups:  # the cache's rows: the groups' rows one after the other
             index = torch.tensor(group, device=tokens.device)
             part = self.model.new_cache(len(group), tokens.shape[1])
+            starts = self._load_prefixes(part, [matches[i] for i in group])
+            start = torch.tensor(starts, device=tokens.device) if any(starts) else 0
             self.model.forward(
-                tokens[index, : max(fed[i] for i in group)],
+                tokens_after(tokens[index], starts, max(fed[i] - c for i, c in zip(group, starts))),
                 part,
-                num_tokens=lengths[index] - 1,
+                num_tokens=lengths[index] - 1 - start,
                 logits_indices=torch.zeros_like(index)[:, None],
             )
+            if contexts and isinstance(part, StaticKVCache):
+                for row, i in enumerate(group):
+                    self.prefix_cache.attach_draft(contexts[i], part, row, fed[i])
             if cache is None:
                 cache = part
             else:
@@ -101,6 +123,13 @@ class DraftModelProposer:
             place = {row: i for i, row in enumerate(order)}
             cache.select_rows(torch.tensor([place[row] for row in rows], device=tokens.device))
         return cache, max(fed)
+
+    def _load_prefixes(self, part: KVCache, matches: list[PrefixMatch | None]) -> list[int]:
+        """Each row's cached prefix loaded into the new `part` (where the draft's caches can hold one);
+        returns where each row's prefill starts."""
+        if self.prefix_cache is None or not isinstance(part, StaticKVCache):
+            return [0] * len(matches)
+        return self.prefix_cache.load_rows(part, matches, draft=True)
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         if self._short:
@@ -121,7 +150,7 @@ class DraftModelProposer:
             token_ids, logits = self.model.greedy_decode(query, self.cache, num_tokens)
         else:
             token_ids, logits = decode(self.model, query, self.cache, num_tokens, strategy.next_tokens)
-        self.behind, self._proposed = 0, num_tokens
+        self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
         return Proposal(token_ids, strategy.draft_probs(logits))
 
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
@@ -181,9 +210,22 @@ class DraftModelProposer:
         self.behind = 0
 
     def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
-        pass
+        """With a prefix cache, give it the draft's K/V of the finished rows' contexts: what the cache
+        holds of them, less the step's drafts (a proposal's tokens past the context it was made from
+        need not be the context's)."""
+        if self.prefix_cache is None or not isinstance(self.cache, StaticKVCache):
+            return
+        held = self.cache.lengths[rows]
+        if self._proposed:
+            held = torch.minimum(held, self._roots[rows])
+        for row, n, length in zip(rows.tolist(), held.tolist(), lengths[rows].tolist()):
+            self.prefix_cache.attach_draft(tokens[row, :length].tolist(), self.cache, row, n)
 
     def select_rows(self, rows: Tensor) -> None:
+        if self._proposed:  # rows that finished in the step being committed leave first ...
+            self._roots = self._roots[rows]
+            if not rows.numel():  # ... and where none stays there is no commit: the next step may be plain
+                self._proposed = 0
         if not rows.numel():  # the batch emptied: the cache's buffers go with it, as the target's do
             self.cache, self.pending, self._bound, self._short = None, [], None, False
             return

@@ -67,7 +67,6 @@ class DraftTreeProposer(DraftModelProposer):
     def __init__(self, model: LanguageModel, shape: TreeShape, width: int, num_nodes: int) -> None:
         super().__init__(model)
         self.compiled_drafting = isinstance(model, CompiledDrafting)  # a whole tree in one compiled call
-        self._roots: Tensor | None = None  # the context lengths at the proposal being committed
         self.shape, self.width, self.num_nodes = shape, width, num_nodes
 
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
@@ -120,13 +119,6 @@ class DraftTreeProposer(DraftModelProposer):
             self.behind += 1
             self._tighten(max_length)
         self._proposed = 0
-
-    def select_rows(self, rows: Tensor) -> None:
-        super().select_rows(rows)
-        if self._proposed:  # rows that finished in the step being committed leave first ...
-            self._roots = self._roots[rows]
-            if not rows.numel():  # ... and where none stays there is no commit: the next step may be plain
-                self._proposed = 0
 
 
 def grow_tree(

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from speculative.prefix_cache import PrefixCache
 from speculative.proposers.base import Proposal
 from speculative.proposers.draft_model import DraftModelProposer
 from speculative.proposers.ngram import NgramProposer
@@ -88,7 +89,10 @@ class DraftWithLookupProposer:
         self.draft.rewind(valid)
 
     def on_finish(self, tokens: Tensor, lengths: Tensor, rows: Tensor) -> None:
-        pass
+        self.draft.on_finish(tokens, lengths, rows)
+
+    def use_prefix_cache(self, cache: PrefixCache | None) -> None:
+        self.draft.use_prefix_cache(cache)
 
     def select_rows(self, rows: Tensor) -> None:
         self.draft.select_rows(rows)

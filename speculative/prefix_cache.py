@@ -9,7 +9,10 @@ block holds every layer's keys and values of its tokens, [2 * layers, kv_heads, 
 (keys then values, as `StaticKVCache.keys + values`), and, for a proposer that reads the target's
 hidden states (an EAGLE head, a block drafter), those states at its tokens, [block_size, F], where
 they were computed (a prompt's prefill; a finished row's generated tokens have none, and a match for
-such a proposer stops at the first block without them).
+such a proposer stops at the first block without them). A draft model keeps its own K/V of a block's
+tokens there too ([2 * draft layers, draft kv_heads, block_size, draft head_dim], `attach_draft`),
+given to blocks the target's K/V made, so that a prompt found here is not prefilled whole by the
+draft either (`match_draft`, `load(..., draft=True)`).
 
 Blocks come from two places: each prompt's prefill (its full blocks), and each finished row's context
 (prompt and output, all but its last token, whose K/V the cache never holds). What they hold is the
@@ -19,7 +22,7 @@ chunked prefill's does): exact in what it computes, not bit for bit the same for
 
 Memory: at most `max_tokens` tokens' blocks; past that the least recently used blocks that no other
 block follows go first. One token costs 2 * layers * kv_heads * head_dim elements of the cache's
-dtype (SmolLM2-135M in float32: 46 KB).
+dtype (SmolLM2-135M in float32: 46 KB), and the same of the draft's where it keeps its K/V.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from torch import Tensor
 
 from speculative.kv_cache import StaticKVCache
+from speculative.transfer import to_device
 
 PREFIX_BLOCK_SIZE = 16  # tokens a block (vLLM's default): a prefix is found to within this many
 
@@ -52,7 +56,8 @@ def check_prefix_caching(enable: bool, max_tokens: int, precompile: object) -> N
 @dataclass(eq=False)
 class _Block:
     """One block: its K/V [2 * layers, kv_heads, block_size, head_dim], its hidden states [block_size,
-    F] or None, the blocks that follow it (by their tokens), its parent and when it was last used."""
+    F] or None, the draft's K/V or None, the blocks that follow it (by their tokens), its parent and
+    when it was last used."""
 
     kv: Tensor | None
     features: Tensor | None
@@ -60,6 +65,7 @@ class _Block:
     key: tuple[int, ...] = ()
     children: dict[tuple[int, ...], _Block] = field(default_factory=dict)
     used: int = 0
+    draft_kv: Tensor | None = None
 
 
 @dataclass
@@ -69,9 +75,10 @@ class PrefixMatch:
     blocks: list[_Block]
     num_tokens: int
 
-    def kv(self) -> Tensor:
-        """[2 * layers, kv_heads, num_tokens, head_dim]: the blocks' K/V one after the other."""
-        return torch.cat([b.kv for b in self.blocks], dim=2)
+    def kv(self, draft: bool = False) -> Tensor:
+        """[2 * layers, kv_heads, num_tokens, head_dim]: the blocks' K/V one after the other (draft: the
+        draft's, of a `match_draft`)."""
+        return torch.cat([b.draft_kv if draft else b.kv for b in self.blocks], dim=2)
 
     def features(self) -> Tensor | None:
         """[num_tokens, F]: the blocks' hidden states, or None where a block has none."""
@@ -105,10 +112,7 @@ class PrefixCache:
         """The longest run of held blocks that `tokens` begins with, leaving at least its last token
         out (a prefill must feed one token to sample from); with_features: only blocks that hold
         hidden states. Marks them used; counts the tokens in `queries` and those found in `hits`."""
-        found = self._walk(tokens, with_features)
-        self._clock += 1
-        for block in found:
-            block.used = self._clock
+        found = self._touch(self._walk(tokens, with_features))
         self.queries += len(tokens)
         self.hits += len(found) * self.block_size
         return PrefixMatch(found, len(found) * self.block_size)
@@ -117,25 +121,51 @@ class PrefixCache:
         """How many of `tokens` `match` would find now, counting and marking nothing."""
         return len(self._walk(tokens, with_features)) * self.block_size
 
-    def _walk(self, tokens: list[int], with_features: bool) -> list[_Block]:
+    def match_draft(self, tokens: list[int]) -> PrefixMatch:
+        """As `match`, of the blocks that hold the draft's K/V (uncounted: the target's prefill counted
+        the prompt)."""
+        found = self._touch(self._walk(tokens, draft=True))
+        return PrefixMatch(found, len(found) * self.block_size)
+
+    def _touch(self, found: list[_Block]) -> list[_Block]:
+        """Mark the blocks used now (the latest of them the last to be evicted)."""
+        self._clock += 1
+        for block in found:
+            block.used = self._clock
+        return found
+
+    def _walk(self, tokens: list[int], with_features: bool = False, draft: bool = False) -> list[_Block]:
         size, node, found = self.block_size, self.root, []
         for start in range(0, len(tokens) - size, size):
             child = node.children.get(tuple(tokens[start : start + size]))
-            if child is None or (with_features and child.features is None):
+            if child is None or _lacks(child, with_features, draft):
                 break
             found.append(child)
             node = child
         return found
 
-    def load(self, match: PrefixMatch, cache: StaticKVCache, rows: list[int]) -> None:
-        """Write the matched K/V into slots [0, match.num_tokens) of each of `rows` of an empty cache
-        (its lengths are the caller's to advance)."""
+    def load(self, match: PrefixMatch, cache: StaticKVCache, rows: list[int], draft: bool = False) -> None:
+        """Write the matched K/V (draft: the draft's) into slots [0, match.num_tokens) of each of `rows`
+        of an empty cache (its lengths are the caller's to advance)."""
         if not match.num_tokens:
             return
-        kv = match.kv().to(cache.keys[0].device)
+        kv = match.kv(draft).to(cache.keys[0].device)
         with torch.inference_mode():
             for buffer, part in zip((*cache.keys, *cache.values), kv):
                 buffer[rows, :, : match.num_tokens] = part
+
+    def load_rows(
+        self, cache: StaticKVCache, matches: list[PrefixMatch | None], draft: bool = False
+    ) -> list[int]:
+        """Into the empty `cache`, each row's match (None: none; draft: the draft's K/V), and the row's
+        length advanced past it. Returns each row's prefix length, where its prefill starts."""
+        starts = [m.num_tokens if m is not None else 0 for m in matches]
+        if any(starts):
+            for row, match in enumerate(matches):
+                if match is not None:
+                    self.load(match, cache, [row], draft)
+            cache.advance(to_device(starts, torch.long, cache.lengths.device), max(starts))
+        return starts
 
     def store(
         self,
@@ -177,6 +207,24 @@ class PrefixCache:
             self.num_blocks += 1
         self._evict()
 
+    def attach_draft(self, tokens: list[int], cache: StaticKVCache, row: int, num_tokens: int) -> None:
+        """Give the blocks held for the first `num_tokens` of `tokens` (whole blocks, up to the first
+        one not held) the draft's K/V of them, from `row` of the draft's `cache`, which holds them in
+        its first slots. Makes no block: a block is the target's first."""
+        size, node, blocks = self.block_size, self.root, []
+        for j in range(num_tokens // size):
+            node = node.children.get(tuple(tokens[j * size : (j + 1) * size]))
+            if node is None:
+                break
+            blocks.append((j, node))
+        lacking = [(j, b) for j, b in blocks if b.draft_kv is None]
+        if not lacking:
+            return
+        first, last = lacking[0][0], lacking[-1][0] + 1
+        kv = torch.stack([b[row, :, first * size : last * size] for b in (*cache.keys, *cache.values)])
+        for j, block in lacking:
+            block.draft_kv = kv[:, :, (j - first) * size : (j - first + 1) * size].clone()
+
     def _evict(self) -> None:
         """Drop the least recently used blocks that no block follows (a block whose last follower goes
         becomes one) until the blocks fit `max_blocks`, down to 7/8 of it, so that the next stores do
@@ -205,3 +253,18 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every block (the counters stay)."""
         self.root, self.num_blocks = _Block(None, None), 0
+
+
+def _lacks(block: _Block, features: bool, draft: bool) -> bool:
+    """Whether the block lacks what a match asks for: hidden states (features), the draft's K/V."""
+    return (features and block.features is None) or (draft and block.draft_kv is None)
+
+
+def tokens_after(tokens: Tensor, starts: list[int], width: int) -> Tensor:
+    """Each row's `width` tokens from its start (the tokens after its cached prefix), right-padded with
+    what follows: tokens [rows, capacity] -> [rows, width]."""
+    if not any(starts):
+        return tokens[:, :width]
+    start = to_device(starts, torch.long, tokens.device)
+    after = (start[:, None] + torch.arange(width, device=tokens.device)).clamp(max=tokens.shape[1] - 1)
+    return tokens.gather(1, after)
