@@ -2,27 +2,31 @@
 the demo pair (SmolLM2-135M-Instruct with its draft, float32, eager, greedy, batch 1). docs/server.md's
 prefix caching table comes from it.
 
-    python benchmarks/prefix_caching_ttft.py
+    python benchmarks/prefix_caching_ttft.py [--eagle3 speculative/demo/smollm2_eagle3]
 
 Conversations are replayed turn by turn, the model's own answers as the history: the first 12 of the
 bundled chat-multiturn set (its user turns, 64 new tokens a turn), and the 4 requests of about 2,000
 tokens of the chunked-prefill report's prompts (summaries of notes) with two follow-up questions (48
 new tokens). Every turn runs three times on one LLM in one process, so that all see the same machine:
-without prefix caching (no lookup, nothing kept), with it for the target alone (the draft prefills
-its whole context at its first proposal), and with it for both; each of the last two keeps a cache of
-its own, so that each finds what the conversation's earlier turns left. The answers must be the same,
-and the last becomes the history. Prints, per turn, the prompt tokens, those found in the cache, the
-time to first token and the draft's time in the first drafting step (its prefill of the context
-there, then its drafts), medians and ranges, with the machine's CPU. About 6 minutes on 2 cores.
+without prefix caching (no lookup, nothing kept), with it for the target alone, and with it for the
+drafter too; each of the last two keeps a cache of its own, so that each finds what the
+conversation's earlier turns left. For the draft, "the target alone" means the draft prefills its
+whole context at its first proposal; for an EAGLE-3 head (`--eagle3 PATH`), that the engine keeps no
+hidden states of the answers, so that a turn finds its last prompt only (the head reads the states
+of every position it is given). The answers must be the same, and the last becomes the history.
+Prints, per turn, the prompt tokens, those found in the cache, the time to first token and the
+drafter's time in the first drafting step (a draft's prefill of the context there, then its drafts),
+medians and ranges, with the machine's CPU. About 6 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
 
-from speculative import LLM, SamplingParams
+from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.bench.prompts import resolve_set
 from speculative.demo.smollm2 import demo_pair
 from speculative.machine import machine
@@ -36,15 +40,23 @@ FOLLOW_UPS = ["Which point matters most, in one sentence?", "Write a title for t
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--eagle3", metavar="PATH", help="an EAGLE-3 head for the demo target, not its draft")
+    args = parser.parse_args()
     pair = demo_pair()
-    llm = LLM(str(pair.target), draft_model=str(pair.draft), dtype="float32", enable_prefix_caching=True)
+    drafter = {"draft_model": str(pair.draft)}
+    if args.eagle3:
+        drafter = {"draft_model": args.eagle3, "speculative_config": SpeculativeConfig(method="eagle3")}
+    llm = LLM(str(pair.target), dtype="float32", enable_prefix_caching=True, **drafter)
     size = llm.engine.prefix_cache.max_blocks * llm.engine.prefix_cache.block_size
     target_only, both, tokenizer = PrefixCache(size), PrefixCache(size), llm.tokenizer
     llm.generate(["warm up"], SamplingParams(max_tokens=8))
 
-    def run(ids: list[int], params: SamplingParams, cache: PrefixCache | None, draft: bool):
+    def run(ids: list[int], params: SamplingParams, cache: PrefixCache | None, drafter_too: bool):
         llm.engine.use_prefix_cache(cache)
-        if not draft:
+        if not drafter_too and args.eagle3:
+            llm.engine.context_features = None
+        elif not drafter_too:
             llm.engine.proposer.use_prefix_cache(None)
         with llm.engine.recording_steps() as steps:
             (out,) = llm.generate([{"prompt_token_ids": ids}], params)
@@ -107,7 +119,7 @@ COLUMNS = [
     "TTFT without (ms)",
     "target's cache",
     "both",
-    "draft's first proposal without (ms)",
+    "drafter's first proposal without (ms)",
     "target's cache",
     "both",
 ]

@@ -7,12 +7,12 @@ in its prompt, keyed by its tokens, so that a block is found only after the very
 it (K/V depend on every earlier token) and two prompts share the blocks of their common prefix. A
 block holds every layer's keys and values of its tokens, [2 * layers, kv_heads, block_size, head_dim]
 (keys then values, as `StaticKVCache.keys + values`), and, for a proposer that reads the target's
-hidden states (an EAGLE head, a block drafter), those states at its tokens, [block_size, F], where
-they were computed (a prompt's prefill; a finished row's generated tokens have none, and a match for
-such a proposer stops at the first block without them). A draft model keeps its own K/V of a block's
-tokens there too ([2 * draft layers, draft kv_heads, block_size, draft head_dim], `attach_draft`),
-given to blocks the target's K/V made, so that a prompt found here is not prefilled whole by the
-draft either (`match_draft`, `load(..., draft=True)`).
+hidden states (an EAGLE head, a block drafter), those states at its tokens, [block_size, F]: from a
+prompt's prefill, and from the steps of a row the engine kept them for (engine/context_features.py);
+a match for such a proposer stops at the first block without them. A draft model keeps its own K/V
+of a block's tokens there too ([2 * draft layers, draft kv_heads, block_size, draft head_dim],
+`attach_draft`), given to blocks the target's K/V made, so that a prompt found here is not prefilled
+whole by the draft either (`match_draft`, `load(..., draft=True)`).
 
 Blocks come from two places: each prompt's prefill (its full blocks), and each finished row's context
 (prompt and output, all but its last token, whose K/V the cache never holds). What they hold is the
@@ -174,12 +174,21 @@ class PrefixCache:
         row: int,
         num_tokens: int,
         features: Tensor | None = None,
+        features_start: int = 0,
     ) -> None:
         """Keep the K/V of the first `num_tokens` of `tokens` (their whole blocks) from `row` of
-        `cache`, which holds them in its first slots; features: their hidden states [>= num_tokens, F]
-        or None. Blocks already held are only marked used (and given the features they lacked)."""
+        `cache`, which holds them in its first slots; features: hidden states [n, F] of positions
+        [features_start, features_start + n) or None, given to the blocks they cover whole. Blocks
+        already held are only marked used (and given the features they lacked)."""
         size, node = self.block_size, self.root
         self._clock += 1
+
+        def block_features(j: int) -> Tensor | None:
+            low = j * size - features_start
+            if features is None or low < 0 or low + size > features.shape[0]:
+                return None
+            return features[low : low + size].clone()
+
         full = first = num_tokens // size
         for j in range(full):
             child = node.children.get(tuple(tokens[j * size : (j + 1) * size]))
@@ -187,8 +196,8 @@ class PrefixCache:
                 first = j
                 break
             child.used = self._clock
-            if child.features is None and features is not None:
-                child.features = features[j * size : (j + 1) * size].clone()
+            if child.features is None:
+                child.features = block_features(j)
             node = child
         if first == full:
             return
@@ -197,7 +206,7 @@ class PrefixCache:
             key = tuple(tokens[j * size : (j + 1) * size])
             block = _Block(
                 kv[:, :, i * size : (i + 1) * size].clone(),
-                None if features is None else features[j * size : (j + 1) * size].clone(),
+                block_features(j),
                 node,
                 key,
                 used=self._clock,

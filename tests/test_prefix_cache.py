@@ -12,21 +12,24 @@ from speculative.kv_cache import StaticKVCache
 from speculative.methods.draft_model import DraftModelConfig
 from speculative.precompile import PreCompileConfig
 from speculative.prefix_cache import PrefixCache
-from speculative.proposers import PrefixCachingProposer
+from speculative.proposers import PrefixCachingProposer, Proposal
 from speculative.sampling import SampleStrategy
 
 SHARED = [(7 * i) % 90 + 2 for i in range(40)]  # a system prompt's worth of tokens
 PROMPTS = [SHARED + [5, 6, 7], SHARED + [9] * 12, SHARED[:35], SHARED + list(range(20, 44))]
-SETUPS = ["plain", "draft", "draft tree", "draft with lookup", "eagle"]
+SETUPS = ["plain", "draft", "draft tree", "draft with lookup", "eagle", "eagle tree"]
 
 
 def _llm(setup: str, tmp_path, noise: float = 0.03, **options) -> LLM:
     target = tiny_model("llama", num_layers=2)
     if setup == "plain":
         return LLM(target, **options)
-    if setup == "eagle":
+    if setup.startswith("eagle"):
         head = save_eagle_head_for(target, tmp_path / "eagle")
-        config = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
+        tree = "dynamic" if setup == "eagle tree" else None
+        config = SpeculativeConfig(
+            method="eagle", num_speculative_tokens=3, tree=tree, tree_width=2, tree_nodes=6
+        )
         return LLM(target, draft_model=head, speculative_config=config, **options)
     tree = "dynamic" if setup == "draft tree" else None
     lookup = DraftModelConfig(prompt_lookup_min=1) if setup == "draft with lookup" else None
@@ -160,14 +163,14 @@ def test_the_engine_hands_its_prefix_cache_to_a_draft_alone(tmp_path) -> None:
     assert not isinstance(_llm("eagle", tmp_path).engine.proposer, PrefixCachingProposer)
 
 
-def _draft_blocks(llm: LLM) -> list[tuple[list[int], torch.Tensor]]:
-    """Every block that holds the draft's K/V: the tokens up to its end, and its K/V."""
+def _blocks_with(llm: LLM, part: str) -> list[tuple[list[int], torch.Tensor]]:
+    """Every block that holds `part` ("draft_kv", "features"): the tokens up to its end, and the part."""
     found, stack = [], [(llm.engine.prefix_cache.root, [])]
     while stack:
         block, tokens = stack.pop()
         for key, child in block.children.items():
-            if child.draft_kv is not None:
-                found.append((tokens + list(key), child.draft_kv))
+            if getattr(child, part) is not None:
+                found.append((tokens + list(key), getattr(child, part)))
             stack.append((child, tokens + list(key)))
     return found
 
@@ -182,7 +185,7 @@ def test_the_draft_kv_kept_are_the_drafts_own_of_those_tokens(setup, tmp_path) -
         params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
         llm.generate([[5, 6, 7, 8] * 5 + [length]], params)  # a lookup finds matches
     _two_turns(llm, SHARED[:20])
-    blocks = _draft_blocks(llm)
+    blocks = _blocks_with(llm, "draft_kv")
     assert len(blocks) >= 15
     proposer = llm.engine.proposer
     _assert_drafts_own(getattr(proposer, "draft", proposer).model, blocks)
@@ -212,24 +215,64 @@ def test_a_finished_row_gives_no_draft_kv_of_lookup_tokens_its_draft_did_not_pro
     tokens[0, 31:35] = torch.tensor([8, 5, 6, 7])  # the step keeps the lookup's three and a fourth
     llm.engine.prefix_cache.store(tokens[0, :35].tolist(), llm.engine.target.new_cache(1, 64), 0, 34)
     proposer.on_finish(tokens, torch.tensor([35]), torch.tensor([0]))
-    blocks = _draft_blocks(llm)
+    blocks = _blocks_with(llm, "draft_kv")
     assert [len(t) for t, _ in blocks] == [16]  # not the block of slots 16-31, whose slot 31 the step wrote
     _assert_drafts_own(proposer.draft.model, blocks)
 
 
-def test_an_eagle_head_finds_only_blocks_with_hidden_states(tmp_path) -> None:
-    """A finished row's generated tokens have no hidden states kept (its head saw them step by step),
-    so a proposer that reads them finds the prompt's blocks only, and drafts as without the cache."""
+def test_an_eagle_heads_next_turn_finds_its_last_answer_too(tmp_path) -> None:
+    """The engine keeps the hidden states of a row's generated tokens for a proposer that reads them,
+    so that its finished row's blocks hold them and a next turn finds its prompt and answer."""
     without = _llm("eagle", tmp_path)
     llm = _llm("eagle", tmp_path, enable_prefix_caching=True)
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    (first,) = llm.generate([SHARED[:20]], params)
-    turn = SHARED[:20] + first.outputs[0].token_ids + [4, 5, 6]
-    (second,) = llm.generate([turn], params)
-    (alone,) = without.generate([turn], params)
-    assert second.num_cached_tokens == 16  # the prompt's one whole block
+    turn, second = _two_turns(llm, SHARED[:20])
+    (alone,) = without.generate([turn], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    assert second.num_cached_tokens == 48  # 49 tokens held: the prompt's block and two of the answer's
     assert second.outputs[0].token_ids == alone.outputs[0].token_ids
     assert second.metrics.num_accepted == alone.metrics.num_accepted
+    assert not llm.engine.context_features._records  # every finished row's record was taken
+
+
+def test_the_hidden_states_kept_are_the_targets_own_of_those_tokens(tmp_path, monkeypatch) -> None:
+    """A finished row's blocks hold the target's hidden states of its generated tokens as one forward
+    over them computes them, wherever its steps' kept tokens fell: an oracle drafter (the target's own
+    answer, its third draft wrong at every other step) keeps whole chains and cut ones, and the
+    answers end at several points of a block."""
+    llm = _llm("eagle", tmp_path, enable_prefix_caching=True)
+    plain = LLM(tiny_model("llama", num_layers=2))
+    proposer, context = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def oracle(tokens, lengths, num_tokens, strategy) -> Proposal:
+        propose(tokens, lengths, num_tokens, strategy)  # the head's own work, its drafts set aside
+        at = int(lengths[0])
+        drafts = (context[at : at + num_tokens] + [-1] * num_tokens)[:num_tokens]
+        if at % 2 and num_tokens >= 3:
+            drafts[2] = (drafts[2] + 1) % 96
+        return Proposal(torch.tensor([drafts]), None)
+
+    monkeypatch.setattr(proposer, "propose", oracle)
+    accepted = 0
+    for length, max_tokens in ((20, 30), (27, 25), (33, 31)):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        answer = plain.generate([SHARED[:length]], params)[0].outputs[0].token_ids
+        context[:] = SHARED[:length] + answer
+        (out,) = llm.generate([SHARED[:length]], params)
+        assert out.outputs[0].token_ids == answer
+        accepted += out.metrics.num_accepted
+    assert accepted >= 40
+    blocks = _blocks_with(llm, "features")
+    assert len(blocks) >= 7
+    target = llm.engine.target
+    for tokens, features in blocks:
+        cache = target.new_cache(1, len(tokens) + 1)
+        first = torch.zeros(1, 1, dtype=torch.long)
+        _, hidden = target.forward(
+            torch.tensor([tokens]), cache, logits_indices=first, hidden_layers=llm.engine.hidden_layers
+        )
+        assert torch.allclose(features, hidden[0, -16:], rtol=1e-4, atol=1e-4), (
+            f"the block ending at {len(tokens)}"
+        )
 
 
 def test_a_chunked_prefill_starts_after_the_cached_prefix(tmp_path) -> None:

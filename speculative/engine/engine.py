@@ -53,6 +53,7 @@ from torch import Tensor
 from speculative.acceptance import AcceptanceRule, RejectionSampler
 from speculative.engine import logprobs as L
 from speculative.engine.batch import Batch
+from speculative.engine.context_features import ContextFeatures
 from speculative.engine.draft_length import DraftLength
 from speculative.engine.sequence import NoTokenAllowed, Sequence, StopStrings
 from speculative.engine.stats import StepClock, StepStats
@@ -158,8 +159,13 @@ class Engine:
 
     def use_prefix_cache(self, cache: PrefixCache | None) -> None:
         """Prefill new prompts from `cache` and keep what they compute there (None: prefill every prompt
-        whole and keep nothing), and so does a proposer that can keep its own K/V there."""
+        whole and keep nothing), and so does a proposer that can keep its own K/V there. For a
+        proposer that reads hidden states, the rows that start from now on keep their contexts'
+        (context_features.py) for the blocks of their answers."""
         self.prefix_cache = cache
+        self.context_features = (
+            ContextFeatures(cache.block_size) if cache is not None and self.hidden_layers else None
+        )
         if isinstance(self.proposer, PrefixCachingProposer):
             self.proposer.use_prefix_cache(cache)
 
@@ -210,6 +216,8 @@ class Engine:
         self.batch, self.cache = None, None
         waiting = {id(s) for s in self.prefilling.batch.sequences} if self.prefilling is not None else set()
         self.stop_strings = {key: value for key, value in self.stop_strings.items() if key in waiting}
+        if self.context_features is not None:
+            self.context_features.clear()
         if self.proposer is not None:
             self.proposer.select_rows(torch.empty(0, dtype=torch.long, device=self.target.device))
 
@@ -392,7 +400,11 @@ class Engine:
             drafted = torch.zeros_like(batch.lengths)
         if features is not None:
             self.proposer.observe(features)
+        before = list(batch.host_lengths) if self.context_features is not None else None
         commit = self._commit(batch, emitted, logits, drafted, first_token=False)  # the step's sync
+        if before is not None:  # the hidden states of the tokens each row kept
+            kept = [after - was for after, was in zip(batch.host_lengths, before)]
+            self.context_features.extend(batch.sequences, features, kept)
         if self.prefix_cache is not None and commit.finished:
             self._store_finished(batch, commit.finished)
         self._settle(batch, self.cache, self.proposer, commit)
@@ -569,7 +581,9 @@ class Engine:
             if id(s) in gone:
                 context = s.prompt_token_ids + s.output_token_ids  # a stop string may have cut the tail
                 length = min(len(context), batch.host_lengths[row] - 1)
-                self.prefix_cache.store(context, self.cache, row, length)
+                kept = self.context_features.take(s) if self.context_features is not None else None
+                start, features = kept if kept is not None else (0, None)
+                self.prefix_cache.store(context, self.cache, row, length, features, start)
 
     @staticmethod
     def _settle(batch: Batch, cache: KVCache, proposer: Proposer | None, commit: Commit) -> list[int] | None:
@@ -663,6 +677,8 @@ class Engine:
             if not s.finished:
                 s.finish_reason = reason
             self.stop_strings.pop(id(s), None)
+        if self.context_features is not None:
+            self.context_features.drop(sequences)
         if self.prefilling is not None:
             partial = self.prefilling.batch
             keep = [i for i, s in enumerate(partial.sequences) if id(s) not in gone]
@@ -737,6 +753,8 @@ class Engine:
             features = None if features is None else features[index]
         first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
         commit = self._commit(batch, first, logits, None, first_token=True)
+        if self.context_features is not None and features is not None:
+            self.context_features.begin(sequences, features)
         kept = self._settle(batch, cache, None, commit)
         if features is not None and kept is not None:
             features = features[kept]
