@@ -233,6 +233,21 @@ def test_an_eagle_heads_next_turn_finds_its_last_answer_too(tmp_path) -> None:
     assert not llm.engine.context_features._records  # every finished row's record was taken
 
 
+def test_a_resumed_eagle_row_keeps_the_hidden_states_of_its_answer(tmp_path) -> None:
+    """A row paused and resumed (its cache rebuilt from its tokens) still leaves the hidden states of
+    its whole answer, so that a next turn finds it."""
+    llm = _llm("eagle", tmp_path, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    sequences = llm.make_sequences(SHARED[:20], params)
+    run = llm.engine.generate(sequences, chunk_steps=3)
+    next(run)
+    run.close()  # paused after its prefill and two steps
+    assert 0 < len(sequences[0].output_token_ids) < 30
+    llm.engine.run(sequences)
+    (second,) = llm.generate([SHARED[:20] + sequences[0].output_token_ids + [4, 5, 6]], params)
+    assert second.num_cached_tokens == 48
+
+
 def test_the_hidden_states_kept_are_the_targets_own_of_those_tokens(tmp_path, monkeypatch) -> None:
     """A finished row's blocks hold the target's hidden states of its generated tokens as one forward
     over them computes them, wherever its steps' kept tokens fell: an oracle drafter (the target's own

@@ -4,11 +4,11 @@ states of its generated tokens too, so that a conversation's next turn finds its
 its last prompt.
 
 A row's record starts at its prompt's first position past the prompt's whole blocks (those went into
-the prefix cache with their states at the prefill) and grows by each step's states of the tokens it
-kept: a step's query holds the row's last context token and its drafts, so the states of its first n
-positions, where the row kept n tokens, are those of context positions the target has now seen in
-order. The state of a row's last token is never known (the next step computes it), as the cache never
-holds its K/V.
+the prefix cache with their states at the prefill; a resumed row's record starts there too, from the
+states of its rebuilt context) and grows by each step's states of the tokens it kept: a step's query
+holds the row's last context token and its drafts, so the states of its first n positions, where the
+row kept n tokens, are those of context positions the target has now seen in order. The state of a
+row's last token is never known (the next step computes it), as the cache never holds its K/V.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ class ContextFeatures:
         self.block_size = block_size
         self._records: dict[int, _Record] = {}
 
-    def begin(self, sequences: list[Sequence], features: Tensor) -> None:
-        """After the prefill and first token of `sequences` (features [B, >= prompt, F]: each row's
-        states at its prompt positions): start the record of each that did not finish."""
-        for row, s in enumerate(sequences):
+    def begin(self, sequences: list[Sequence], features: Tensor, known: list[int]) -> None:
+        """After the prefill and first token of `sequences`, or their caches rebuilt to resume them
+        (features [B, width, F]: row b's states at its first known[b] context positions): start the
+        record of each that did not finish."""
+        for row, (s, end) in enumerate(zip(sequences, known)):
             if not s.finished:
-                prompt = len(s.prompt_token_ids)
-                start = prompt // self.block_size * self.block_size
-                self._records[id(s)] = _Record(start, [features[row, start:prompt].clone()])
+                start = len(s.prompt_token_ids) // self.block_size * self.block_size
+                self._records[id(s)] = _Record(start, [features[row, start:end].clone()])
 
     def extend(self, sequences: list[Sequence], features: Tensor, kept: list[int]) -> None:
         """After a step: row b kept kept[b] tokens, and features [B, q, F] are the step's states along

@@ -253,6 +253,8 @@ class Engine:
             self._want_logprobs(self.sequences + sequences)
             if any(s.output_token_ids for s in sequences):
                 (cache, features), finished = self._rebuild_cache(batch), []
+                if self.context_features is not None and features is not None:
+                    self.context_features.begin(sequences, features, [n - 1 for n in batch.host_lengths])
             else:
                 cache, features, finished = self._prefill(batch)
             return self._join(batch, cache, features, finished)
@@ -754,7 +756,7 @@ class Engine:
         first = batch.strategy.next_tokens(logits[:, 0], batch.context())[:, None]  # [B, 1]
         commit = self._commit(batch, first, logits, None, first_token=True)
         if self.context_features is not None and features is not None:
-            self.context_features.begin(sequences, features)
+            self.context_features.begin(sequences, features, [len(s.prompt_token_ids) for s in sequences])
         kept = self._settle(batch, cache, None, commit)
         if features is not None and kept is not None:
             features = features[kept]
