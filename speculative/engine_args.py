@@ -251,8 +251,9 @@ class EngineArgs:
         None,
         "quantization of the target's and the draft's projections (CPU, native forward): int8, int4 "
         "weight-only (int4: bfloat16 models), w8a8 int8 weights and activations (llama.cpp's Q8_0 "
-        "arithmetic; builds a C++ kernel on first use)",
-        choices=("int8", "int4", "w8a8"),  # models/quantization.py QUANTIZATIONS (no torch import here)
+        "arithmetic), w4a8 4-bit weights and int8 activations (llama.cpp's Q4_1 arithmetic); w8a8 and "
+        "w4a8 build a C++ kernel on first use",
+        choices=("int8", "int4", "w8a8", "w4a8"),  # models/quantization.py QUANTIZATIONS (no torch import)
     )
     compile: bool = arg(
         False,

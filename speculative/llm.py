@@ -75,8 +75,9 @@ class LLM:
     precompile: a PreCompileConfig: prompts are padded to its prefill buckets (a prompt longer than
         every bucket is a ValueError naming the largest), and each of its standalone (batch_size,
         prefill_length) shapes is run once here, compiled when `compile`.
-    quantization: None, "int8", "int4" (vLLM's names: weight-only) or "w8a8" (int8 weights and
-        activations, llama.cpp's Q8_0 arithmetic): quantization of the target's and the draft's
+    quantization: None, "int8", "int4" (vLLM's names: weight-only), "w8a8" (int8 weights and
+        activations, llama.cpp's Q8_0 arithmetic) or "w4a8" (4-bit weights in llama.cpp's Q4_1 scheme,
+        int8 activations: its Q4_1 arithmetic): quantization of the target's and the draft's
         projections after loading (models/quantization.py; CPU and the native forward only, int4 for
         bfloat16 models only, a ValueError otherwise). Output is exactly the quantized
         target's own, as always: the draft's quantization changes only how often drafts are accepted.

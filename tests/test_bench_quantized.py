@@ -63,7 +63,7 @@ def write_gguf(path: Path, tensors: dict[str, tuple[int, int, gguf.GGMLQuantizat
 def test_quantize_command_and_cache_key(tmp_path: Path) -> None:
     command = quantize_command(Path("/l/build/bin/llama-quantize"), Path("a.gguf"), Path("b.gguf"), "Q8_0", 2)
     assert command == ["/l/build/bin/llama-quantize", "a.gguf", "b.gguf", "Q8_0", "2"]
-    assert QUANT_TYPES == {"int8": "Q8_0", "int4": "Q4_1", "w8a8": "Q8_0"}
+    assert QUANT_TYPES == {"int8": "Q8_0", "int4": "Q4_1", "w8a8": "Q8_0", "w4a8": "Q4_1"}
     model = tmp_path / "target"
     model.mkdir()
     (model / "config.json").write_text("{}")
@@ -127,7 +127,12 @@ def test_a_given_target_gguf_must_be_of_the_runs_type(tmp_path: Path) -> None:
     untyped = write_gguf(tmp_path / "untyped.gguf", more_q8)  # no general.file_type: most bytes decide
     assert gguf_type(untyped) == "Q8_0"
     assert [expected_gguf_type(d, q) for d, q in [("float32", None), ("bfloat16", None)]] == ["F32", "BF16"]
-    assert [expected_gguf_type("bfloat16", q) for q in ("int8", "int4", "w8a8")] == ["Q8_0", "Q4_1", "Q8_0"]
+    assert [expected_gguf_type("bfloat16", q) for q in ("int8", "int4", "w8a8", "w4a8")] == [
+        "Q8_0",
+        "Q4_1",
+        "Q8_0",
+        "Q4_1",
+    ]
     assert check_gguf_type(q4, "Q4_1") == q4
     with pytest.raises(ValueError, match=r"--llama-cpp-target-gguf .*q4_1\.gguf is a Q4_1 GGUF.* Q8_0"):
         check_gguf_type(q4, "Q8_0")

@@ -242,7 +242,8 @@ def test_compiled_int8_matmul_is_a_reduction_over_the_int8_weight(monkeypatch, w
 
 def test_bad_values_are_clear_errors() -> None:
     target = tiny_model("llama")
-    with pytest.raises(ValueError, match=r"quantization must be None, 'int8', 'int4' or 'w8a8'; got 'fp8'"):
+    allowed = r"None, 'int8', 'int4', 'w8a8' or 'w4a8'"
+    with pytest.raises(ValueError, match=rf"quantization must be {allowed}; got 'fp8'"):
         LLM(target, quantization="fp8")
     with pytest.raises(ValueError, match="quantization='int8' needs the native forward"):
         LLM(target, quantization="int8", model_impl="transformers")

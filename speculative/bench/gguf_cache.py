@@ -10,16 +10,17 @@ and refuses one it does not know (the demo pair's). For a tokenizer.json whose p
 `ByteLevel` (GPT-2's regex split, then bytes) this module tells it "gpt-2", which is that pre-tokenizer;
 any other unknown one is still refused. llama.cpp's own code is not changed.
 
-Quantized GGUFs (`speculative bench --quantization int8 | int4 | w8a8`): `quantized_gguf_file(checkout, build,
-model, quantization, cache_dir)` runs the checkout's own `llama-quantize` (DIR/build/bin) on the f32
-conversion (lossless for a float32 or bfloat16 checkpoint, so nothing is rounded twice, whatever the
-run's dtype), with llama.cpp's default choices for that type, once per (model path, GGUF type, model
-files' modification time), and caches the result beside the conversions. Our weight-only quantizations
-map to the llama.cpp types of the same kind (QUANT_TYPES): int8, symmetric absmax per output channel,
-to Q8_0 (symmetric absmax, blocks of 32), and so does w8a8 (int8's weights; its activations are
-quantized as Q8_0's dot products quantize them); int4, asymmetric (scale and zero) in groups of 64, to Q4_1
-(asymmetric, scale and minimum, blocks of 32), also the format SmolLM2-135M-Instruct's GGUF ships in:
-llama-quantize's Q4_1 of a float32 copy dequantized from that file is that file's tensors again.
+Quantized GGUFs (`speculative bench --quantization int8 | int4 | w8a8 | w4a8`): `quantized_gguf_file(checkout,
+build, model, quantization, cache_dir)` runs the checkout's own `llama-quantize` (DIR/build/bin) on the f32
+conversion (lossless for a float32 or bfloat16 checkpoint, so nothing is rounded twice, whatever the run's
+dtype), with llama.cpp's default choices for that type, once per (model path, GGUF type, model files'
+modification time), and caches the result beside the conversions. Our weight-only quantizations map to the
+llama.cpp types of the same kind (QUANT_TYPES): int8, symmetric absmax per output channel, to Q8_0 (symmetric
+absmax, blocks of 32), and so does w8a8 (int8's weights; its activations are quantized as Q8_0's dot products
+quantize them); int4, asymmetric (scale and zero) in groups of 64, to Q4_1 (asymmetric, scale and minimum,
+blocks of 32), and so does w4a8 (Q4_1's own scheme, with int8 activations as Q4_1's dot products have them),
+also the format SmolLM2-135M-Instruct's GGUF ships in: llama-quantize's Q4_1 of a float32 copy dequantized
+from that file is that file's tensors again.
 
 `gguf_type(path)` says what a GGUF file holds (its general.file_type: "F32", "BF16", "Q8_0", "Q4_1",
 ...) and `check_gguf_type` refuses a file given for a run of another precision. They read the file with
@@ -38,7 +39,7 @@ from types import ModuleType
 
 OUTTYPES = {"float32": "f32", "bfloat16": "bf16"}  # the bench's --dtype -> the converter's --outtype
 # the bench's --quantization -> llama-quantize's type
-QUANT_TYPES = {"int8": "Q8_0", "int4": "Q4_1", "w8a8": "Q8_0"}
+QUANT_TYPES = {"int8": "Q8_0", "int4": "Q4_1", "w8a8": "Q8_0", "w4a8": "Q4_1"}
 DEFAULT_CACHE = Path.home() / ".cache" / "speculative" / "gguf"
 
 

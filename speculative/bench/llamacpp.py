@@ -20,12 +20,12 @@ greedily (temperature 0, top-k 1, the sampler chain cut to those two) for exactl
 (`ignore_eos`), and the generated ids come back (`return_tokens`). Batch 1 only: `--parallel 1`
 decodes one sequence at a time.
 
-With `speculative bench --quantization int8 | int4 | w8a8` the servers run GGUFs of the llama.cpp type of the
-same kind (gguf_cache.QUANT_TYPES: Q8_0, Q4_1), quantized from the f32 conversions by the checkout's
-own `llama-quantize`, which must then be built beside llama-server (the KV caches stay in the bench's
-dtype). `--llama-cpp-target-gguf PATH` gives the target's GGUF ready-made instead (a published file,
-e.g. the one our float copy was dequantized from); its type must be the run's (check_gguf_type), and
-the draft is still converted (and quantized).
+With `speculative bench --quantization int8 | int4 | w8a8 | w4a8` the servers run GGUFs of the llama.cpp type
+of the same kind (gguf_cache.QUANT_TYPES: Q8_0, Q4_1), quantized from the f32 conversions by the checkout's
+own `llama-quantize`, which must then be built beside llama-server (the KV caches stay in the bench's dtype).
+`--llama-cpp-target-gguf PATH` gives the target's GGUF ready-made instead (a published file, e.g. the one our
+float copy was dequantized from); its type must be the run's (check_gguf_type), and the draft is still
+converted (and quantized).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ class LlamaCppMethod(Method):
 class LlamaCppSetup:
     """What the llama.cpp methods need: the checkout and build folder, the pair (local folders) and their
     dtypes (the bench's), k, threads per server, the context, and where the GGUF files are cached;
-    `quantization` ("int8", "int4", "w8a8" or None) picks the GGUF type (gguf_cache.QUANT_TYPES) and
+    `quantization` ("int8", "int4", "w8a8", "w4a8" or None) picks the GGUF type (gguf_cache.QUANT_TYPES) and
     `target_gguf` a ready target GGUF of that type (else the target is converted like the draft)."""
 
     checkout: str

@@ -98,10 +98,10 @@ class BenchConfig:
     llama_cpp: a llama.cpp checkout whose folder `llama_cpp_build` holds bin/llama-server (llamacpp.py);
         None skips the llama.cpp methods. The pair must then be local folders (converted to GGUF once,
         cached in `gguf_cache`, gguf_cache.py).
-    quantization: None, "int8", "int4" or "w8a8": ours runs target and draft quantized
-        (LLM(quantization=...); int4: bfloat16 models), llama.cpp GGUFs of the matching type made by
-        the checkout's llama-quantize (int8 and w8a8: Q8_0, int4: Q4_1; gguf_cache.QUANT_TYPES). HF's methods
-        run the float models, labelled so, and stay the identical column's reference; the EAGLE
+    quantization: None, "int8", "int4", "w8a8" or "w4a8": ours runs target and draft quantized
+        (LLM(quantization=...); int4: bfloat16 models), llama.cpp GGUFs of the matching type made by the
+        checkout's llama-quantize (int8 and w8a8: Q8_0, int4 and w4a8: Q4_1; gguf_cache.QUANT_TYPES). HF's
+        methods run the float models, labelled so, and stay the identical column's reference; the EAGLE
         methods skip (a head needs an unquantized target).
     llama_cpp_target_gguf: a ready GGUF for llama.cpp's target instead of converting `model` (e.g. the
         file a float copy was dequantized from); its type must be the run's (F32, BF16, Q8_0, Q4_1),
@@ -192,8 +192,8 @@ class BenchConfig:
         metadata={
             "engine": "quantization",
             "help": "compare quantized weights: ours runs target and draft quantized (int4: bfloat16 "
-            "models; w8a8: int8 activations too), llama.cpp GGUFs its llama-quantize makes (int8 and "
-            "w8a8: Q8_0, int4: Q4_1); HF stays unquantized",
+            "models; w8a8 and w4a8: int8 activations too), llama.cpp GGUFs its llama-quantize makes "
+            "(int8 and w8a8: Q8_0, int4 and w4a8: Q4_1); HF stays unquantized",
         },
     )
     llama_cpp_target_gguf: str | None = field(
@@ -691,6 +691,8 @@ def quantization_note(quantization: str, hf_dtype: str) -> str:
             "int4": "weight-only, asymmetric, a scale and zero per group",
             "w8a8": "int8 weights symmetric per output channel, times activations quantized to int8 "
             "per blocks of 32 inside each matmul",
+            "w4a8": "4-bit weights in Q4_1's scheme (a float16 scale and minimum a block of 32), the "
+            "lm_head w8a8, times activations quantized to int8 per blocks of 32 inside each matmul",
         }[quantization]
         + f"); llama.cpp runs {QUANT_TYPES[quantization]} GGUFs made by its own llama-quantize with its "
         "default choices for that type from the f32 conversion (or the given --llama-cpp-target-gguf). "

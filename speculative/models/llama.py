@@ -58,6 +58,10 @@ from speculative.tree import tree_ancestors, tree_query
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # NativeCausalLM.quantize's default: quantize the lm_head too (see the README's Quantization section).
 QUANTIZE_LM_HEAD = True
+# The lm_head's quantization under a model's, where they differ: llama.cpp's 4-bit types keep the
+# output matrix at 8 bits or more (the demo's shipped Q4_1 GGUF: its tied embedding is Q8_0), as the
+# next token's choice is the most sensitive matmul of all.
+LM_HEAD_QUANTIZATION = {"w4a8": "w8a8"}
 # Attention spans are rounded up to a multiple of this (the causal mask hides the positions past each
 # row's length) where a new span costs: a compiled forward (CompiledCausalLM; a CUDA graph per shape)
 # and an eager one on CUDA, where SDPA's cuDNN backend makes a plan for each new shape: without the
@@ -179,10 +183,10 @@ class NativeCausalLM(nn.Module):
     layout, so state_dict() and load_state_dict() see the HF names and shapes. Loading a state dict
     or moving the model (`.to`) lays the weights out again; so does a forward after an in-place
     change of a weight.
-    `quantize("int8" | "int4" | "w8a8")` quantizes the projections in place (CPU); see there.
+    `quantize("int8" | "int4" | "w8a8" | "w4a8")` quantizes the projections in place (CPU); see there.
     """
 
-    quantization: str | None = None  # None, "int8", "int4" or "w8a8": what quantize() was given
+    quantization: str | None = None  # None, "int8", "int4", "w8a8" or "w4a8": what quantize() was given
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -274,7 +278,9 @@ class NativeCausalLM(nn.Module):
         norms and biases stay as they are. "int8": weight-only, per output channel, symmetric;
         "int4": weight-only, group-wise asymmetric (groups of 64 along in_features, or 32), bfloat16
         models only in practice (torch's int4 CPU kernel is vectorized for bfloat16 alone); "w8a8":
-        int8's weights, the matmuls' activations quantized to int8 per blocks of 32 (models/w8a8.py).
+        int8's weights, the matmuls' activations quantized to int8 per blocks of 32; "w4a8": the same
+        activations, 4-bit weights in llama.cpp's Q4_1 scheme (models/int8_activations.py), its lm_head
+        w8a8 (LM_HEAD_QUANTIZATION).
         The float weights are freed (their nn.Linear `weight` parameters become None), so memory
         drops; an lm_head tied to the embeddings keeps the embedding, so quantizing it adds its int8
         copy. CPU only.
@@ -288,8 +294,10 @@ class NativeCausalLM(nn.Module):
             raise ValueError(f"quantization runs on CPU only; the model is on {self.device}")
         lm_head = QUANTIZE_LM_HEAD if lm_head is None else lm_head
         for packed in self.packed_linears():
-            if packed is not self._lm_head or lm_head:
+            if packed is not self._lm_head:
                 packed.quantize(quantization)
+            elif lm_head:
+                packed.quantize(LM_HEAD_QUANTIZATION.get(quantization, quantization))
         self._prepacked = [p for p in self._prepacked if p.quantization is None]
         self._note_versions()
         self.quantization = quantization

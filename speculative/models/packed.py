@@ -11,11 +11,11 @@ W as stored, faster still (models/gemv.py), and float32 calls of a few rows know
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
 
-A PackedLinear can be quantized (`quantize("int8" | "int4" | "w8a8")`, models/quantization.py): it
-then holds the int8 (or int4-packed) weight and its scales instead of the float weight, which it frees
-along with the nn.Linear weights. w8a8 calls, eager and compiled, are models/w8a8.py's kernel. Other
-eager calls: torch's int4 kernel; in bfloat16 torch's int8 kernel (up to
-INT8_KERNEL_MAX_ROWS rows); otherwise (float32, where torch's int8 kernel is a scalar loop) W
+A PackedLinear can be quantized (`quantize("int8" | "int4" | "w8a8" | "w4a8")`, models/quantization.py):
+it then holds the int8 (or 4-bit packed) weight and its scales instead of the float weight, which it
+frees along with the nn.Linear weights. w8a8 and w4a8 calls, eager and compiled, are
+models/int8_activations.py's kernels. Other eager calls: torch's int4 kernel; in bfloat16 torch's int8
+kernel (up to INT8_KERNEL_MAX_ROWS rows); otherwise (float32, where torch's int8 kernel is a scalar loop) W
 converted a chunk of rows at a time into a buffer that stays in cache, and multiplied
 (_dequantized_mm). Compiled int8 calls of one row (and in float32 of up to REDUCTION_MAX_ROWS) are
 `F.linear(x, q.float()) * scales`, which models/gemv.py rewrites into a reduction that loads the int8
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from speculative.models import int8_activations as activations
 from speculative.models import quantization as quant
-from speculative.models import w8a8
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 _AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"  # ATen's (and inductor's) vector ISA
@@ -137,8 +137,9 @@ class PackedLinear(nn.Module):
     the calls that are not compiled one-row calls: `stale()` tells when the weights changed since, and
     `pack()` makes it again.
 
-    Quantized (`quantize`), it holds `qweight` (int8 [out, in], or int4 packed uint8 [out, in / 2]) and
-    `scales` ([out]) or `scales_and_zeros` ([in / group, out, 2]) in the float weight's dtype; `weight`
+    Quantized (`quantize`), it holds `qweight` (int8 [out, in], or 4-bit packed uint8 [out, in / 2]) and
+    `scales` ([out]; float32 for w8a8) or `scales_and_zeros` ([in / group, out, 2]) in the float weight's
+    dtype, or w4a8's `scales_and_mins` ([out, 2, in / 32] float16); `weight`
     and `prepacked` are None, and each nn.Linear's `weight` parameter is None (its bias stays): the
     float weights are freed unless something else holds them. `stale()` is then always False (nothing
     follows the parameters any more) and `pack()` raises.
@@ -149,7 +150,7 @@ class PackedLinear(nn.Module):
     it with `hold`, outside their state_dict and their registered submodules.
     """
 
-    quantization: str | None = None  # None, "int8", "int4" or "w8a8" (either of an unfit shape: "int8")
+    quantization: str | None = None  # None, "int8", "int4", "w8a8" or "w4a8" (any of an unfit shape: "int8")
     group_size: int | None = None  # int4: the group size along in_features
 
     def __init__(self, linears: Sequence[nn.Linear]) -> None:
@@ -205,7 +206,8 @@ class PackedLinear(nn.Module):
         (models/quantization.py) and free the float weights: this layer's, its prepacked copy, and the
         nn.Linears' `weight` parameters (set to None; a tied lm_head's embedding stays the
         embedding's). int4 of a shape torch's int4 kernel does not take (out % 16, in % 32) is int8, and
-        so is w8a8 (int8 weights, activations quantized on the fly: models/w8a8.py) of in % 32. CPU only."""
+        so are w8a8 and w4a8 (int8 or Q4_1 weights, activations quantized on the fly:
+        models/int8_activations.py) of in % 32. CPU only."""
         quant.check_quantization(quantization)
         if self.quantization is not None:
             raise RuntimeError(f"this PackedLinear is already quantized ({self.quantization})")
@@ -213,11 +215,14 @@ class PackedLinear(nn.Module):
             raise ValueError(f"quantization runs on CPU only; this weight is on {self.weight.device}")
         out_features, in_features = self.weight.shape
         group_size = quant.int4_group_size(out_features, in_features) if quantization == "int4" else None
-        if quantization == "w8a8" and in_features % w8a8.BLOCK == 0:
-            w8a8.load()
-            self.qweight, scales = quant.quantize_int8(self.weight)
-            self.scales = scales.float()
-            self.quantization = "w8a8"
+        if quantization in ("w8a8", "w4a8") and in_features % activations.BLOCK == 0:
+            activations.load(quantization)
+            if quantization == "w8a8":
+                self.qweight, scales = quant.quantize_int8(self.weight)
+                self.scales = scales.float()
+            else:
+                self.qweight, self.scales_and_mins = quant.quantize_q4_1(self.weight)
+            self.quantization = quantization
         elif group_size is not None:
             packed, scales, zeros = quant.quantize_int4(self.weight, group_size)
             self.qweight, self.scales_and_zeros = quant.pack_int4(packed, scales, zeros)
@@ -234,7 +239,7 @@ class PackedLinear(nn.Module):
 
     def tensors(self) -> list[Tensor]:
         """The tensors this layer holds (weights, biases, prepacked copy, quantized weight and scales)."""
-        names = ("weight", "bias", "prepacked", "qweight", "scales", "scales_and_zeros")
+        names = ("weight", "bias", "prepacked", "qweight", "scales", "scales_and_zeros", "scales_and_mins")
         return [t for t in (getattr(self, name, None) for name in names) if t is not None]
 
     def _weights_version(self) -> int:
@@ -256,8 +261,10 @@ class PackedLinear(nn.Module):
             and (x.requires_grad or self.linears[0].weight.requires_grad)
         ):
             return self._differentiable(x, residual)
-        if self.quantization == "w8a8":  # eager and compiled: the kernel's op
-            return w8a8.linear(x, self.qweight, self.scales, self.bias, residual)
+        if self.quantization == "w8a8":  # eager and compiled: the kernels' ops
+            return activations.w8a8_linear(x, self.qweight, self.scales, self.bias, residual)
+        if self.quantization == "w4a8":
+            return activations.w4a8_linear(x, self.qweight, self.scales_and_mins, self.bias, residual)
         if self.quantization is not None:
             # dynamo's tracing, not is_compiling(): that flag is process-wide, set in every thread while
             # one compiles (an eager call beside a background compile would take the compiled branch)

@@ -1,7 +1,7 @@
-"""Quantization of the native forward's projections, on CPU: int8 and int4 weight-only, and w8a8.
+"""Quantization of the native forward's projections, on CPU: int8 and int4 weight-only, w8a8 and w4a8.
 
-`LLM(..., quantization="int8" | "int4" | "w8a8")` quantizes the target's and the draft's q/k/v, o, gate/up
-and down projections (and the lm_head, see `NativeCausalLM.quantize`) after loading; the
+`LLM(..., quantization="int8" | "int4" | "w8a8" | "w4a8")` quantizes the target's and the draft's q/k/v,
+o, gate/up and down projections (and the lm_head, see `NativeCausalLM.quantize`) after loading; the
 embeddings, norms and biases stay as they are, and so do the activations: a quantized matmul is
 x @ dequantized(W).T computed in the model's dtype (float32 accumulation), with W read as int8 (or
 int4) from memory. Output stays exactly the quantized target's: speculative decoding is lossless with
@@ -30,8 +30,10 @@ min + 8 * scale, q = round((w - min) / scale)), with q computed from the scales 
 to the model's dtype, so that dequantization reproduces the nearest representable weights.
 
 "w8a8" keeps int8's weights and quantizes the activations too, per blocks of 32 values, inside the
-matmul (models/w8a8.py: a C++ kernel built on first use); the activations outside the matmuls stay in
-the model's dtype. Layers whose in_features is not a multiple of 32 are "int8".
+matmul (models/int8_activations.py: a C++ kernel built on first use); the activations outside the
+matmuls stay in the model's dtype. "w4a8" does the same with 4-bit weights in llama.cpp's Q4_1 scheme
+(`quantize_q4_1`), on every CPU and in every dtype (its kernel computes in float32). Layers whose
+in_features is not a multiple of 32 are "int8" under either.
 """
 
 from __future__ import annotations
@@ -41,14 +43,15 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-QUANTIZATIONS = ("int8", "int4", "w8a8")
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
+Q4_BLOCK = 32  # weights of a row that share a Q4_1 scale and minimum
 INT4_GROUP_SIZES = (64, 32)  # the first that divides a layer's in_features is its group size
 
 
 def check_quantization(quantization: object, name: str = "quantization") -> str | None:
-    """`quantization` if it is None, "int8", "int4" or "w8a8"; a ValueError naming `name` otherwise."""
+    """`quantization` if it is None or one of QUANTIZATIONS; a ValueError naming `name` otherwise."""
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"{name} must be None, 'int8', 'int4' or 'w8a8'; got {quantization!r}")
+        raise ValueError(f"{name} must be None, 'int8', 'int4', 'w8a8' or 'w4a8'; got {quantization!r}")
     return quantization
 
 
@@ -89,6 +92,24 @@ def pack_int4(q: Tensor, scales: Tensor, zeros: Tensor) -> tuple[Tensor, Tensor]
     packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
     return packed, scales_and_zeros
+
+
+def quantize_q4_1(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """llama.cpp's Q4_1 over blocks of Q4_BLOCK weights along in (in % Q4_BLOCK == 0): weight [out, in]
+    -> (qweight [out, in / 2] uint8, scales_and_mins [out, 2, in / Q4_BLOCK] float16: each row's block
+    scales, then its block minimums), weight ~= q *
+    scale + minimum in each block, q in [0, 15] the nearest level to the weight given the float16
+    scale ((max - min) / 15) and minimum as rounded; byte j of a block's 16 holds its weight j in the low
+    four bits and its weight j + 16 in the high four (Q4_1's layout)."""
+    out_features, in_features = weight.shape
+    w = weight.detach().float().reshape(out_features, in_features // Q4_BLOCK, Q4_BLOCK)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)  # [out, blocks]
+    scales, minimums = ((high - low) / 15).half(), low.half()
+    inverse = torch.where(scales > 0, 1 / scales.float(), torch.zeros_like(low))
+    q = torch.round((w - minimums.float()[..., None]) * inverse[..., None]).clamp_(0, 15).to(torch.uint8)
+    half = Q4_BLOCK // 2
+    packed = (q[..., :half] | (q[..., half:] << 4)).reshape(out_features, in_features // 2)
+    return packed.contiguous(), torch.stack([scales, minimums], dim=1).contiguous()
 
 
 @runtime_checkable

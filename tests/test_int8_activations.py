@@ -1,0 +1,236 @@
+"""quantization="w8a8" and "w4a8": int8 or Q4_1 (4-bit) weights times activations quantized per blocks
+of 32 (models/int8_activations.py). Each kernel computes the block-wise integer arithmetic it states,
+each row's results are bitwise those of a one-row call (what keeps speculation exact), Q4_1 weights
+dequantized to float are quantized back to themselves (the demo's GGUF), greedy speculative output is
+the quantized target's own (eager and compiled), layers of other widths stay int8, and a kernel that
+cannot be built is a clear error. Tiny in-process models; the kernels are built once per machine
+(about a minute)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import noisy_copy, tiny_model
+from torch import Tensor
+from torch.utils import cpp_extension
+
+from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.models import int8_activations as activations
+from speculative.models import quantization as q
+from speculative.models.llama import NativeCausalLM
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 3, [3, 4, 5] * 6 + [8]]
+BLOCK = activations.BLOCK
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    activations.load()
+
+
+def quantized_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernels' quantization of x [rows, in], in float64: per block of 32 (d = absmax / 127, round
+    half to even) -> (xq [rows, blocks, 32] integers, d [rows, blocks])."""
+    rows, in_features = x.shape
+    blocks = x.double().reshape(rows, in_features // BLOCK, BLOCK)
+    absmax = blocks.abs().amax(-1)
+    inverse = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
+    return torch.round(blocks * inverse[..., None]), absmax / 127
+
+
+def q4_values(qweight: Tensor) -> Tensor:
+    """quantize_q4_1's packed qweight [out, in / 2] -> its levels [out, blocks, 32] (int64)."""
+    out_features = qweight.shape[0]
+    packed = qweight.reshape(out_features, -1, BLOCK // 2).long()
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
+
+
+def q4_dequantized(qweight: Tensor, scales_and_mins: Tensor) -> Tensor:
+    """The float weight [out, in] a Q4_1 weight stands for: level * scale + minimum, block by block."""
+    scales, minimums = scales_and_mins.float().unbind(1)  # [out, blocks] each
+    weights = q4_values(qweight) * scales[..., None] + minimums[..., None]
+    return weights.reshape(qweight.shape[0], -1)
+
+
+def reference(quantization: str, x: Tensor, weights: tuple[Tensor, Tensor]) -> Tensor:
+    """The arithmetic int8_activations.cpp states, in float64: exact integer dot products per block,
+    scaled by d and the weight row's scale (w8a8), or by d and the block's scale, plus the block's
+    minimum times d times the sum of its int8 activations (w4a8)."""
+    xq, d = quantized_activations(x)
+    if quantization == "w8a8":
+        qweight, scales = weights
+        levels = qweight.reshape(qweight.shape[0], -1, BLOCK).double()
+        sums = torch.einsum("rbi,obi->rob", xq, levels)  # exact: integers below 2**53
+        return (sums * d[:, None, :]).sum(-1) * scales.double()
+    qweight, scales_and_mins = weights
+    scales, minimums = scales_and_mins.double().unbind(1)  # [out, blocks]
+    sums = torch.einsum("rbi,obi->rob", xq, q4_values(qweight).double())
+    block_sums = d * xq.sum(-1)  # [rows, blocks]
+    return (sums * scales[None] * d[:, None, :]).sum(-1) + block_sums @ minimums.T
+
+
+def quantized(quantization: str, weight: Tensor) -> tuple[Tensor, Tensor]:
+    if quantization == "w8a8":
+        qweight, scales = q.quantize_int8(weight)
+        return qweight, scales.float()
+    return q.quantize_q4_1(weight)
+
+
+def linear(quantization: str, x: Tensor, weights: tuple[Tensor, Tensor], *extra) -> Tensor:
+    return {"w8a8": activations.w8a8_linear, "w4a8": activations.w4a8_linear}[quantization](
+        x, *weights, *extra
+    )
+
+
+def float_weight(quantization: str, weights: tuple[Tensor, Tensor]) -> Tensor:
+    if quantization == "w8a8":
+        return weights[0].float() * weights[1][:, None]
+    return q4_dequantized(*weights)
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 64, 300), (5, 576, 97), (9, 96, 16)])
+def test_the_kernel_computes_its_block_wise_integer_arithmetic(quantization, rows, in_features, out_features):
+    generator = torch.Generator().manual_seed(rows)
+    weights = quantized(quantization, torch.randn(out_features, in_features, generator=generator))
+    x = torch.randn(rows, in_features, generator=generator)
+    x[0, :32] = 0  # a block of zeros: scale 0, no NaN
+    bias = torch.randn(out_features, generator=generator)
+    residual = torch.randn(rows, out_features, generator=generator)
+    got = linear(quantization, x, weights, bias, residual)
+    want = reference(quantization, x, weights) + bias.double() + residual.double()
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    # and near the float matmul: activations of 8 bits per block of 32 (a broken block scale is not)
+    exact = x @ float_weight(quantization, weights).T + bias + residual
+    assert (got - exact).norm() <= 0.02 * exact.norm()
+
+
+def test_q4_1_packs_two_levels_a_byte_as_llama_cpp_does() -> None:
+    """Byte j of a block holds its weight j in the low four bits and its weight j + 16 in the high
+    four; a block's scale is (max - min) / 15 and its minimum the least weight."""
+    weight = torch.arange(32.0)[None] * 0.5 - 3  # levels 0..31 / 2: scale 31 / 30, minimum -3
+    packed, scales_and_mins = q.quantize_q4_1(weight)
+    assert packed.shape == (1, 16) and packed.dtype == torch.uint8
+    assert scales_and_mins.shape == (1, 2, 1) and scales_and_mins.dtype == torch.float16
+    assert scales_and_mins[0, :, 0].tolist() == [torch.tensor(15.5 / 15).half().item(), -3.0]
+    levels = q4_values(packed)[0, 0]
+    assert levels[0] == 0 and levels[31] == 15 and torch.equal(packed[0] & 15, levels[:16].to(torch.uint8))
+    assert torch.equal(packed[0] >> 4, levels[16:].to(torch.uint8))
+
+
+def test_q4_1_weights_dequantized_to_float_are_quantized_back_to_themselves() -> None:
+    """The demo target is dequantized from a Q4_1 GGUF: w4a8 must run that file's own weights again."""
+    generator = torch.Generator().manual_seed(3)
+    out_features, blocks = 24, 6
+    levels = torch.randint(0, 16, (out_features, blocks, BLOCK), generator=generator)
+    levels[..., 0], levels[..., 7] = 0, 15  # Q4_1 of any block spans the levels 0 to 15
+    scales = (torch.rand(out_features, blocks, generator=generator) * 0.01 + 1e-4).half()
+    minimums = (-torch.rand(out_features, blocks, generator=generator) * 0.1).half()
+    packed = (levels[..., :16] | (levels[..., 16:] << 4)).to(torch.uint8).reshape(out_features, -1)
+    original = (packed, torch.stack([scales, minimums], dim=1))
+    again = q.quantize_q4_1(q4_dequantized(*original))
+    assert torch.equal(again[0], original[0]) and torch.equal(again[1], original[1])
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+def test_each_rows_result_is_bitwise_its_one_row_call_at_any_thread_count(quantization: str) -> None:
+    """A verification of k + 1 rows must give each row what a one-row decoding step gives it, or
+    greedy speculative decoding would not be the target's own (a per-tensor activation scale, as
+    torch's dynamic quantized linear uses, fails this)."""
+    generator = torch.Generator().manual_seed(0)
+    weights = quantized(quantization, torch.randn(203, 160, generator=generator))
+    x = torch.randn(11, 160, generator=generator) * torch.logspace(-2, 2, 11)[:, None]
+    together = linear(quantization, x, weights)
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            for row in range(11):
+                assert torch.equal(linear(quantization, x[row : row + 1], weights)[0], together[row])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+def test_bfloat16_calls_compute_in_float32(quantization: str) -> None:
+    generator = torch.Generator().manual_seed(1)
+    weights = quantized(quantization, torch.randn(40, 64, generator=generator))
+    x = torch.randn(3, 64, generator=generator).bfloat16()
+    bias = torch.randn(40, generator=generator).bfloat16()
+    got = linear(quantization, x, weights, bias)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, linear(quantization, x.float(), weights, bias.float()).bfloat16())
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_speculative_greedy_output_is_the_quantized_targets_own(family: str, quantization: str) -> None:
+    target = tiny_model(family)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = LLM(target, dtype="float32", quantization=quantization)
+    speculative = LLM(
+        target,
+        draft_model=noisy_copy(target, 0.02),
+        dtype="float32",
+        quantization=quantization,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    outputs = speculative.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    assert sum(o.metrics.num_accepted for o in outputs) > 0
+    assert plain.target.model.quantization == speculative.draft.model.quantization == quantization
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+def test_layers_whose_width_is_not_a_multiple_of_32_are_int8(quantization: str) -> None:
+    native = NativeCausalLM.from_hf(tiny_model("llama", hidden_size=48))  # MLP 96: down_proj in 96
+    native.quantize(quantization)
+    layer = native._layers[0]
+    assert (layer.qkv.quantization, layer.gate_up.quantization, layer.down.quantization) == (
+        "int8",
+        "int8",
+        quantization,
+    )
+    assert native.quantization == quantization
+
+
+def test_w4a8_keeps_the_lm_head_at_8_bits() -> None:
+    native = NativeCausalLM.from_hf(tiny_model("llama"))
+    native.quantize("w4a8")
+    assert native._layers[0].qkv.quantization == "w4a8" and native._lm_head.quantization == "w8a8"
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+def test_a_kernel_that_cannot_be_built_is_a_clear_error(monkeypatch, quantization: str) -> None:
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension 'speculative_int8_activations'")
+
+    monkeypatch.setattr(activations, "_loaded", False)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    with pytest.raises(
+        RuntimeError, match=rf"quantization='{quantization}' builds a C\+\+ kernel.*pip install ninja"
+    ):
+        LLM(tiny_model("llama"), dtype="float32", quantization=quantization)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+def test_compiled_greedy_output_is_the_eager_quantized_targets_own(quantization: str) -> None:
+    """Compiled graphs call the kernels as opaque ops, one-token steps and verifications alike."""
+    target = tiny_model("llama", hidden_size=64, num_layers=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = [[3, 4, 5] * 6 + [8]]
+    eager = LLM(target, dtype="float32", quantization=quantization)
+    want = eager.generate(prompt, params)[0].outputs[0].token_ids
+    compiled = LLM(
+        target,
+        dtype="float32",
+        quantization=quantization,
+        compile=True,
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+    )
+    output = compiled.generate(prompt, params)[0]
+    assert output.outputs[0].token_ids == want
+    assert 0 < output.metrics.num_drafted < 3 * output.metrics.num_steps  # verifications and plain steps
