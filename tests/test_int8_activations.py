@@ -17,6 +17,7 @@ from torch.utils import cpp_extension
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.models import int8_activations as activations
 from speculative.models import quantization as q
+from speculative.models.attention import QueryByQueryAttention
 from speculative.models.llama import NativeCausalLM
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 3, [3, 4, 5] * 6 + [8]]
@@ -234,3 +235,22 @@ def test_compiled_greedy_output_is_the_eager_quantized_targets_own(quantization:
     output = compiled.generate(prompt, params)[0]
     assert output.outputs[0].token_ids == want
     assert 0 < output.metrics.num_drafted < 3 * output.metrics.num_steps  # verifications and plain steps
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+def test_a_verifications_logits_are_bitwise_the_one_token_steps(quantization: str) -> None:
+    """With quantized activations an ulp of difference in a query's attention moves values across a
+    rounding step, so a verification must give each of its tokens bitwise what plain decoding's
+    one-token steps give (QueryByQueryAttention); SDPA over the 5 queries at once does not."""
+    native = NativeCausalLM.from_hf(tiny_model("llama", hidden_size=128, num_layers=3))
+    native.quantize(quantization)
+    assert isinstance(native.attention_backend, QueryByQueryAttention)
+    prompt, new = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]], [20, 21, 22, 23, 24]
+    with torch.inference_mode():
+        steps_cache = native.new_cache(1, 32)
+        native.forward(torch.tensor(prompt), steps_cache)
+        steps = torch.cat([native.forward(torch.tensor([[token]]), steps_cache)[:, -1] for token in new])
+        block_cache = native.new_cache(1, 32)
+        native.forward(torch.tensor(prompt), block_cache)
+        block = native.forward(torch.tensor([new]), block_cache)[0]
+    assert torch.equal(steps, block)

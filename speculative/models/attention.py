@@ -196,6 +196,59 @@ class FusedAttention:
         return out.view(batch, heads, q, head_dim).to(query.dtype)
 
 
+class QueryByQueryAttention(FusedAttention):
+    """FusedAttention, except that an eager call under a mask (a decoding step, a verification, a
+    tree) has each query of each row attend alone, one SDPA call each, to exactly the keys it sees: a
+    slice of the cache where they are its first slots (a chain, a row of a padded batch), else gathered
+    in slot order (a tree's ancestors, a sliding window). A query's result is then bitwise the same
+    whatever the other queries and rows of the call: SDPA's few-row kernel otherwise rounds a query's
+    scores differently with the number of queries beside it (about 1e-5 of the logits on
+    SmolLM2-135M-Instruct in float32). That is harmless in float32, but where the matmuls quantize
+    their activations (w8a8, w4a8: models/int8_activations.py) such a difference moves values across a
+    rounding step, and greedy speculative output then parted from plain decoding within a few tokens.
+    Prefills (mask None, CausalAfter) and compiled graphs are FusedAttention's. The model's
+    attention_backend once it is quantized so (NativeCausalLM.quantize); a verification of 5 tokens
+    makes 5 calls a layer instead of 1."""
+
+    def attend(
+        self, query: Tensor, key_cache: Tensor, value_cache: Tensor, span: int, mask: Tensor, scale: float
+    ) -> Tensor:
+        if mask is None or isinstance(mask, CausalAfter) or torch.compiler.is_dynamo_compiling():
+            return super().attend(query, key_cache, value_cache, span, mask, scale)
+        gqa = query.shape[1] != key_cache.shape[1]
+        plan = self._plan(mask)
+        out = None if len(plan) == 1 else torch.empty_like(query)
+        for b, i, seen in plan:
+            if isinstance(seen, int):  # its first slots: a view
+                keys, values = key_cache[b : b + 1, :, :seen], value_cache[b : b + 1, :, :seen]
+            else:
+                keys, values = key_cache[b : b + 1, :, seen], value_cache[b : b + 1, :, seen]
+            one = query if out is None else query[b : b + 1, :, i : i + 1]
+            result = F.scaled_dot_product_attention(one, keys, values, scale=scale, enable_gqa=gqa)
+            if out is None:  # one row, one query: a decoding step
+                return result
+            out[b, :, i] = result[0, :, 0]
+        return out
+
+    def _plan(self, mask: Tensor) -> list[tuple[int, int, int | Tensor]]:
+        """Per (row, query) of the additive mask [batch, 1, q, span]: the number of first slots it sees
+        where those are all it sees, else the slots it sees. Made once for the mask, which every layer
+        of a forward (of one window size) shares."""
+        cached = getattr(self, "_last", None)
+        if cached is not None and cached[0] is mask:
+            return cached[1]
+        visible = (mask[:, 0] == 0).cpu()  # [batch, q, span]
+        counts = visible.sum(-1)
+        plan: list[tuple[int, int, int | Tensor]] = []
+        for b in range(visible.shape[0]):
+            for i in range(visible.shape[1]):
+                seen = int(counts[b, i])
+                prefix = bool(visible[b, i, :seen].all())
+                plan.append((b, i, seen if prefix else visible[b, i].nonzero().squeeze(1).to(mask.device)))
+        self._last = (mask, plan)
+        return plan
+
+
 class SdpaAttention:
     """scaled_dot_product_attention in every call, compiled CPU graphs too (where FusedAttention writes
     reductions), with a boolean mask (no additive one made). Selectable per model

@@ -40,7 +40,13 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.attention import CAUSAL_SPLIT_MIN_QUERY, AttentionBackend, CausalAfter, FusedAttention
+from speculative.models.attention import (
+    CAUSAL_SPLIT_MIN_QUERY,
+    AttentionBackend,
+    CausalAfter,
+    FusedAttention,
+    QueryByQueryAttention,
+)
 from speculative.models.cpu_tuning import SMALL_CALL_ROWS, small_call_threads
 from speculative.models.norms import RMSNorm, rms_norm
 from speculative.models.packed import PackedLinear, hold
@@ -62,6 +68,9 @@ QUANTIZE_LM_HEAD = True
 # output matrix at 8 bits or more (the demo's shipped Q4_1 GGUF: its tied embedding is Q8_0), as the
 # next token's choice is the most sensitive matmul of all.
 LM_HEAD_QUANTIZATION = {"w4a8": "w8a8"}
+# Quantizations that round the matmuls' activations, which makes a query's attention need to be bitwise
+# the same whatever the queries beside it (QueryByQueryAttention).
+ACTIVATION_QUANTIZATIONS = ("w8a8", "w4a8")
 # Attention spans are rounded up to a multiple of this (the causal mask hides the positions past each
 # row's length) where a new span costs: a compiled forward (CompiledCausalLM; a CUDA graph per shape)
 # and an eager one on CUDA, where SDPA's cuDNN backend makes a plan for each new shape: without the
@@ -301,6 +310,8 @@ class NativeCausalLM(nn.Module):
         self._prepacked = [p for p in self._prepacked if p.quantization is None]
         self._note_versions()
         self.quantization = quantization
+        if quantization in ACTIVATION_QUANTIZATIONS:  # exact speculation needs it (see there)
+            self.attention_backend = QueryByQueryAttention()
 
     @property
     def draft_vocabulary(self) -> Tensor | None:
