@@ -254,3 +254,22 @@ def test_a_verifications_logits_are_bitwise_the_one_token_steps(quantization: st
         native.forward(torch.tensor(prompt), block_cache)
         block = native.forward(torch.tensor([new]), block_cache)[0]
     assert torch.equal(steps, block)
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
+def test_a_prompt_decodes_bitwise_as_alone_in_a_batch_of_other_lengths(quantization: str) -> None:
+    """Prompts of several lengths prefilled and decoded together: each one's log-probabilities are
+    bitwise its own alone (prefilled beside prompts of its own length only, then attending query by
+    query), speculative or not."""
+    target = tiny_model("llama", hidden_size=128, num_layers=3)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [[3, 4, 5] * 6 + [8], [9, 10, 11, 12] * 3, [5, 6, 7, 30, 31], [40, 41] * 8]
+    for draft in (None, noisy_copy(target, 0.02)):
+        config = None if draft is None else SpeculativeConfig(num_speculative_tokens=3)
+        llm = LLM(
+            target, draft_model=draft, dtype="float32", quantization=quantization, speculative_config=config
+        )
+        alone = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+        together = [o.outputs[0] for o in llm.generate(prompts, params)]
+        for a, t in zip(alone, together):
+            assert a.token_ids == t.token_ids and a.logprobs == t.logprobs

@@ -26,6 +26,14 @@ def test_prefill_groups_cover_every_row_once_with_little_padding(lengths: list[i
     assert prefill_groups([50] * 7) == [list(range(7))]
 
 
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=40))
+def test_exact_prefill_groups_hold_rows_of_one_length_each(lengths: list[int]) -> None:
+    groups = prefill_groups(lengths, exact=True)
+    assert sorted(row for group in groups for row in group) == list(range(len(lengths)))
+    descending = sorted(set(lengths), reverse=True)
+    assert [{lengths[row] for row in group} for group in groups] == [{n} for n in descending]
+
+
 class LoggedModel:
     """Wraps a model and records the shape of every forward's input_ids."""
 

@@ -777,8 +777,10 @@ class Engine:
         matches = self._prefix_matches(batch, heads) if not all_logits else [None] * len(heads)
         cached = [m.num_tokens if m is not None else 0 for m in matches]
         fed = [n - c for n, c in zip(prompt_lengths, cached)]
+        # a target that rounds its activations (w8a8, w4a8) must prefill each prompt as it would alone
+        exact = getattr(self.target, "rounds_activations", False)
         groups = (
-            prefill_groups(fed)
+            prefill_groups(fed, exact)
             if self.target.device.type == "cpu" and not all_logits
             else [list(range(len(heads)))]
         )

@@ -314,6 +314,15 @@ class NativeCausalLM(nn.Module):
             self.attention_backend = QueryByQueryAttention()
 
     @property
+    def rounds_activations(self) -> bool:
+        """Whether its matmuls quantize their activations (w8a8, w4a8): a row's result must then be
+        bitwise what it would be alone, whatever the rows and queries beside it, or the activations'
+        rounding turns the difference into other tokens. Its decoding steps and verifications attend
+        query by query (QueryByQueryAttention), and the engine prefills its prompts only beside prompts
+        of their own length (prefill_groups' `exact`)."""
+        return self.quantization in ACTIVATION_QUANTIZATIONS
+
+    @property
     def draft_vocabulary(self) -> Tensor | None:
         """[draft vocab] int64: the token of each lm_head row (arange + d2t) where the lm_head covers
         only part of the vocabulary (restrict_vocabulary); None where it covers the whole of it."""

@@ -16,16 +16,23 @@ PREFILL_PADDING = 16
 MAX_PREFILL_GROUPS = 8
 
 
-def prefill_groups(lengths: Seq[int]) -> list[list[int]]:
+def prefill_groups(lengths: Seq[int], exact: bool = False) -> list[list[int]]:
     """The rows (indices into `lengths`, the prompts' lengths) of each prefill forward, longest first:
     rows of similar lengths share a forward, right-padded to the longest of them, so that little
-    compute goes to padding (module constants)."""
+    compute goes to padding (module constants). With `exact`, only rows of the same length do, so
+    that each row's prefill is bitwise what it would be alone (attention's kernel rounds a row
+    differently with the width it is padded to), whatever the number of forwards."""
     order = sorted(range(len(lengths)), key=lambda row: -lengths[row])
     groups: list[list[int]] = []
     for row in order:
         width = lengths[groups[-1][0]] if groups else 0
         padding = width - lengths[row]
-        if groups and (padding <= max(PREFILL_PADDING, width // 8) or len(groups) == MAX_PREFILL_GROUPS):
+        if exact:
+            if groups and padding == 0:
+                groups[-1].append(row)
+            else:
+                groups.append([row])
+        elif groups and (padding <= max(PREFILL_PADDING, width // 8) or len(groups) == MAX_PREFILL_GROUPS):
             groups[-1].append(row)
         else:
             groups.append([row])
