@@ -202,7 +202,7 @@ class QueryByQueryAttention(FusedAttention):
     slice of the cache where they are its first slots (a chain, a row of a padded batch), else gathered
     in slot order (a tree's ancestors, a sliding window). A query's result is then bitwise the same
     whatever the other queries and rows of the call: SDPA's few-row kernel otherwise rounds a query's
-    scores differently with the number of queries beside it (about 1e-5 of the logits on
+    scores differently with the number of queries beside it (logits up to 5e-5 apart on
     SmolLM2-135M-Instruct in float32). That is harmless in float32, but where the matmuls quantize
     their activations (w8a8, w4a8: models/int8_activations.py) such a difference moves values across a
     rounding step, and greedy speculative output then parted from plain decoding within a few tokens.
