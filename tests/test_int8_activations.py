@@ -15,6 +15,7 @@ from torch import Tensor
 from torch.utils import cpp_extension
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
+from speculative.models import cpu_kernels, few_rows
 from speculative.models import int8_activations as activations
 from speculative.models import quantization as q
 from speculative.models.attention import QueryByQueryAttention
@@ -206,9 +207,10 @@ def test_w4a8_keeps_the_lm_head_at_8_bits() -> None:
 @pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
 def test_a_kernel_that_cannot_be_built_is_a_clear_error(monkeypatch, quantization: str) -> None:
     def no_compiler(**kwargs):
-        raise RuntimeError("Error building extension 'speculative_int8_activations'")
+        raise RuntimeError("Error building extension 'speculative_cpu_kernels'")
 
-    monkeypatch.setattr(activations, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(few_rows, "_usable", None)  # float32 layers try the kernel first, then warn
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with pytest.raises(
         RuntimeError, match=rf"quantization='{quantization}' builds a C\+\+ kernel.*pip install ninja"

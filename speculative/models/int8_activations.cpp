@@ -25,20 +25,14 @@
 // as a fused multiply-add per lane; the 8 lanes are summed at the end. Without AVX2, scalar code does
 // the same arithmetic in the same order.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "linear_kernels.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using namespace speculative_kernels;
 
 // x [rows, in] -> q [rows, in] int8 in [-127, 127], d [rows, in / 32] and, where `sums` is given,
 // sums [rows, in / 32]: each block's d times the sum of its 32 int8 values
@@ -90,20 +84,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d
       }
     }
   }
-}
-
-#if defined(__AVX2__)
-// the sum of acc's 8 lanes: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
-inline float lane_sum(__m256 acc) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-inline float lane_sum(const float* lanes) {
-  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
 }
 
 // Without AVX2: the integer dot product of lane `lane` of a block (its values 4 lane .. 4 lane + 3),
@@ -220,65 +200,24 @@ inline void dot_rows_q4(const uint8_t* w, const at::Half* dw, const at::Half* mw
 
 constexpr int64_t kRows = 8;  // rows of x a weight row's blocks are loaded for at once
 
-// x [rows, in] float32 (+ bias [out]) (+ residual [rows, out]) checked and made contiguous, for `name`.
-struct Operands {
-  at::Tensor x, bias, residual;
-  int64_t rows, in, out;
-};
-
-Operands operands(const char* name, const at::Tensor& x, int64_t out, const c10::optional<at::Tensor>& bias,
-                  const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": x must be float32 [rows, in]");
-  TORCH_CHECK(x.size(1) % kBlock == 0, name, ": in_features must be a multiple of 32");
-  Operands o{x.contiguous(), at::Tensor(), at::Tensor(), x.size(0), x.size(1), out};
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == out, name, ": bias must be float32 [out]");
-    o.bias = bias->contiguous();
-  }
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->scalar_type() == at::kFloat && residual->dim() == 2 && residual->size(0) == o.rows &&
-                    residual->size(1) == out,
-                name, ": residual must be float32 [rows, out]");
-    o.residual = residual->contiguous();
-  }
-  return o;
-}
-
 // y [rows, out] of `o`: x quantized (quantize_rows; with block sums where `sums`), then for each output
 // n and each group of up to kRows rows, dot(n, R, rows' int8 values, their scales, their sums, dots)
 // writes the group's R dot products, each then row_scale(n, dot), plus bias and residual.
 template <typename Dot, typename Scale>
 at::Tensor run(const Operands& o, bool sums, Dot dot, Scale row_scale) {
-  const int64_t rows = o.rows, in = o.in, out = o.out, blocks = in / kBlock;
+  const int64_t rows = o.rows, in = o.in, blocks = in / kBlock;
   at::Tensor q = at::empty({rows, in}, o.x.options().dtype(at::kChar));
   at::Tensor d = at::empty({rows, blocks}, o.x.options());
   at::Tensor s = sums ? at::empty({rows, blocks}, o.x.options()) : at::Tensor();
   quantize_rows(o.x.data_ptr<float>(), rows, in, q.data_ptr<int8_t>(), d.data_ptr<float>(),
                 sums ? s.data_ptr<float>() : nullptr);
-  at::Tensor y = at::empty({rows, out}, o.x.options());
   const int8_t* qx = q.data_ptr<int8_t>();
   const float* dx = d.data_ptr<float>();
   const float* sx = sums ? s.data_ptr<float>() : nullptr;
-  const float* bp = o.bias.defined() ? o.bias.data_ptr<float>() : nullptr;
-  const float* rp = o.residual.defined() ? o.residual.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-    float dots[kRows];
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
-        const int64_t count = std::min(kRows, rows - r0);
-        dot(n, count, qx + r0 * in, dx + r0 * blocks, sx ? sx + r0 * blocks : nullptr, dots);
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t r = r0 + i;
-          float v = row_scale(n, dots[i]);
-          if (bp) v += bp[n];
-          if (rp) v += rp[r * out + n];
-          yp[r * out + n] = v;
-        }
-      }
-    }
-  });
-  return y;
+  const auto group = [=](int64_t n, int64_t r0, int64_t count, float* dots) {
+    dot(n, count, qx + r0 * in, dx + r0 * blocks, sx ? sx + r0 * blocks : nullptr, dots);
+  };
+  return outputs<kRows>(o, group, row_scale);
 }
 
 // dot_rows-like `kernel<R>` for `count` (1 .. kRows) rows, R a compile-time constant

@@ -17,27 +17,22 @@ Q8_0 and Q8_1), and each block's 32 products are summed exactly in integers by t
   in all, against Q4_1's same 5). A block's dot product is scale * d * (the integer dot product) +
   minimum * (d times the sum of the block's int8 activations).
 
-The kernels (int8_activations.cpp, beside this file) are a C++ extension built with
-torch.utils.cpp_extension the first time a model is quantized so (about a minute; kept in torch's
-extensions cache, so later processes load it at once); building needs a C++ compiler and ninja, both
-there wherever torch.compile works. They compute every row's results by the same instructions whatever
-the number of rows, so a verification's rows are bitwise a one-row step's and speculative decoding
-stays exact against the quantized target. Compiled graphs call them as opaque ops (their fake
-implementations give the shapes).
+The kernels (int8_activations.cpp, beside this file) are part of the project's C++ extension
+(models/cpu_kernels.py), built the first time a model is quantized so (about a minute, once a
+machine; it needs a C++ compiler and ninja). They compute every row's results by the same
+instructions whatever the number of rows, so a verification's rows are bitwise a one-row step's
+and speculative decoding stays exact against the quantized target. Compiled graphs call them as
+opaque ops (their fake implementations give the shapes).
 """
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
+from speculative.models import cpu_kernels
+
 BLOCK = 32  # activation values quantized together (a scale each): in_features must be a multiple
-_SOURCE = Path(__file__).with_name("int8_activations.cpp")
-_lock = threading.Lock()
-_loaded = False
 
 # The ops' schemas, in the namespace of models/packed.py's prepacked_linear; int8_activations.cpp
 # registers their CPU kernels when it is loaded.
@@ -62,36 +57,10 @@ def _(
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
-def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds
-    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":  # "AVX2" or "AVX512": the CPU has AVX2
-        flags += ["-mavx2", "-mfma", "-mf16c"]
-    return flags
-
-
 def load(quantization: str = "w8a8") -> None:
-    """Build (the first time on this machine) and load the kernels. RuntimeError naming what is missing
-    where they cannot be built (no C++ compiler, no ninja), and `quantization`, what asked for them."""
-    global _loaded
-    with _lock:
-        if _loaded:
-            return
-        from torch.utils import cpp_extension
-
-        try:
-            cpp_extension.load(
-                name="speculative_int8_activations",
-                sources=[str(_SOURCE)],
-                extra_cflags=_flags(),
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-            )
-        except (RuntimeError, OSError, ImportError) as error:
-            raise RuntimeError(
-                f"quantization={quantization!r} builds a C++ kernel on first use and could not: it needs a "
-                f"C++ compiler (g++) and ninja (`pip install ninja`). The build said: {error}"
-            ) from error
-        _loaded = True
+    """Build (the first time on this machine) and load the kernels (models/cpu_kernels.py).
+    RuntimeError naming what is missing where they cannot be built, and `quantization`."""
+    cpu_kernels.load(f"quantization={quantization!r}")
 
 
 def _in_float32(op, x: Tensor, weights: tuple[Tensor, Tensor], bias: Tensor | None, residual: Tensor | None):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from speculative.models import few_rows
 from speculative.models import int8_activations as activations
 from speculative.models import quantization as quant
 
@@ -195,6 +196,7 @@ class PackedLinear(nn.Module):
             else None
         )
         self.out_features = self.weight.shape[0]
+        self.few_rows = few_rows.usable(self.weight)  # float32 calls of at most few_rows.ROWS_MAX rows
         # the tensors whose in-place changes make the prepacked copy stale (inference tensors have none)
         self.versioned = tuple(t for t in (self.weight, self.bias) if t is not None and not t.is_inference())
         self._packed_version = self._weights_version()
@@ -233,6 +235,7 @@ class PackedLinear(nn.Module):
         # bfloat16 / float16: torch's vectorized int8 kernel reads 16 (AVX-512) columns at a time
         self._int8_kernel = self.quantization == "int8" and in_features % 16 == 0
         self.weight = self.prepacked = None
+        self.few_rows = False
         self.versioned = ()
         for linear in self.linears:
             linear.register_parameter("weight", None)
@@ -282,6 +285,13 @@ class PackedLinear(nn.Module):
                     return _linear_epilogue(y, self.bias, residual).to(x.dtype)
                 return torch.ops.speculative.prepacked_linear(x, residual, self.handle)
             return self._quantized(x, residual)
+        if (
+            not torch.compiler.is_dynamo_compiling()  # first: no guard on the rows in a compiled graph
+            and self.few_rows
+            and x.shape[0] <= few_rows.ROWS_MAX
+            and x.dtype == torch.float32
+        ):
+            return few_rows.linear(x, self.weight, self.bias, residual)
         if self.prepacked is not None:
             if torch.compiler.is_dynamo_compiling():
                 rows = x.shape[0]

@@ -26,6 +26,7 @@ from speculative.engine.outputs import Logprob, SpeculationMetrics
 from speculative.engine.sequence import Sequence
 from speculative.engine.stats import StepStats
 from speculative.llm import LLM
+from speculative.models import few_rows
 from speculative.models.cpu_tuning import SMALL_CALL_ROWS, tune
 from speculative.models.eagle import EagleHead
 from speculative.models.llama import NativeCausalLM
@@ -684,10 +685,11 @@ def kernel_calls(llm: LLM) -> tuple[KernelCall, ...]:
     """The calls that make every oneDNN kernel `llm`'s forwards meet under round_onednn_rows: each
     distinct kind of call (linear_calls) of every natively run model (target, draft, EAGLE head; not
     one split over ranks, whose forwards every rank must make) on each row count of
-    onednn_row_counts, on torch's threads, and where a model runs forwards of at most SMALL_CALL_ROWS
-    tokens on fewer threads (NativeCausalLM.small_call_threads), at those counts on those threads too
-    (a longer forward's last chunk, or its lm_head, meets them on torch's). One call per kernel, by
-    row count ascending (the most frequent counts first). Computes nothing."""
+    onednn_row_counts (but the few rows that models/few_rows.py's kernel takes), on torch's threads,
+    and where a model runs forwards of at most SMALL_CALL_ROWS tokens on fewer threads
+    (NativeCausalLM.small_call_threads), at those counts on those threads too (a longer forward's last
+    chunk, or its lm_head, meets them on torch's). One call per kernel, by row count ascending (the
+    most frequent counts first). Computes nothing."""
     if llm.tensor_parallel is not None:
         return ()
     models = []
@@ -705,6 +707,8 @@ def kernel_calls(llm: LLM) -> tuple[KernelCall, ...]:
             fewer = bool(small) and small < threads and rows <= SMALL_CALL_ROWS
             for linear, residual in linear_calls(model):
                 if linear.prepacked is None:  # not oneDNN's (quantized, not on a CPU)
+                    continue
+                if linear.few_rows and rows <= few_rows.ROWS_MAX:  # few_rows.py's kernel's, not oneDNN's
                     continue
                 for n in (small, threads) if fewer else (threads,):
                     weight, bias = linear.weight, linear.bias
