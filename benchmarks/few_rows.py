@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from forward_times import call_ms
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.bench.prompts import BUNDLED_DIR
@@ -43,23 +44,6 @@ def matmuls_ms(model, rows: int, reps: int = 5) -> float:
             for linear in model.packed_linears():
                 linear(inputs[linear.weight.shape[1]])
             times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def forward_ms(model, q: int, context: int, reps: int = 10) -> float:
-    """Median ms of a forward of q tokens after `context` cached ones (two calls discarded)."""
-    ids = torch.randint(0, model.vocab_size, (1, context + q), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(1, context + q)
-    times = []
-    with torch.inference_mode():
-        model.forward(ids[:, :context], cache, logits_indices=torch.zeros(1, 1, dtype=torch.long))
-        lengths = torch.full((1,), context)
-        for i in range(reps + 2):
-            start = time.perf_counter()
-            model.forward(ids[:, context:], cache)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-            cache.rollback(lengths, context)
     return statistics.median(times) * 1e3
 
 
@@ -90,9 +74,9 @@ def main() -> None:
     models = [target, drafted.target.model, draft]
     cases = {
         **{f"matmuls, {n} rows": lambda n=n: matmuls_ms(target, n) for n in (1, 2, 5, 8, 16, 32)},
-        "target forward, 1 token": lambda: forward_ms(target, 1, args.context),
-        "target forward, 5 tokens": lambda: forward_ms(target, 5, args.context),
-        "draft forward, 1 token": lambda: forward_ms(draft, 1, args.context),
+        "target forward, 1 token": lambda: call_ms(target, 1, 1, args.context, 10),
+        "target forward, 5 tokens": lambda: call_ms(target, 1, 5, args.context, 10),
+        "draft forward, 1 token": lambda: call_ms(draft, 1, 1, args.context, 10),
     }
     samples: dict[tuple[str, bool], list[float]] = {(case, on): [] for case in cases for on in (True, False)}
     outputs: dict[tuple[str, bool], list[list[int]]] = {}

@@ -26,6 +26,7 @@ import statistics
 import time
 
 import torch
+from forward_times import call_ms
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.bench.prompts import BUNDLED_DIR
@@ -75,23 +76,6 @@ def _quantized(dtype: str, mode: str):
     return model
 
 
-def call_ms(model, q: int, context: int, reps: int) -> float:
-    """Median ms of a forward of q tokens after `context` cached ones (two calls discarded)."""
-    ids = torch.randint(0, model.vocab_size, (1, context + q), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(1, context + q)
-    model.forward(ids[:, :context], cache, logits_indices=torch.zeros(1, 1, dtype=torch.long))
-    lengths = torch.full((1,), context)
-    times = []
-    with torch.inference_mode():
-        for i in range(reps + 2):
-            start = time.perf_counter()
-            model.forward(ids[:, context:], cache)
-            if i >= 2:
-                times.append(time.perf_counter() - start)
-            cache.rollback(lengths, context)
-    return statistics.median(times) * 1e3
-
-
 def forward(args: argparse.Namespace) -> None:
     models = {}
     for mode in args.modes.split(","):
@@ -102,10 +86,10 @@ def forward(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     for model in models.values():
         for q in (1, 5):
-            call_ms(model, q, args.context, 1)  # compiles
+            call_ms(model, 1, q, args.context, 1)  # compiles
     print(f"warm-up (compiling): {time.perf_counter() - start:.0f} s", flush=True)
     rounds = quiet_rounds(
-        lambda: {(key, q): call_ms(m, q, args.context, 10) for q in (1, 5) for key, m in models.items()},
+        lambda: {(key, q): call_ms(m, 1, q, args.context, 10) for q in (1, 5) for key, m in models.items()},
         args.rounds,
         args.others_limit,
     )
