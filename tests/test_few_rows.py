@@ -79,6 +79,7 @@ def test_packed_linear_gives_the_kernel_the_float32_calls_of_a_few_rows(monkeypa
     assert calls == [rows for rows in (1, 5, few_rows.ROWS_MAX) for _ in range(2)]
     assert not PackedLinear([torch.nn.Linear(64, 96).bfloat16()]).few_rows
     assert not PackedLinear([torch.nn.Linear(48, 96)]).few_rows  # in_features not a multiple of 32
+    assert not few_rows.usable(torch.randn(64, 96).T)  # not contiguous: each call would copy it
     layer.quantize("int8")
     assert not layer.few_rows
 

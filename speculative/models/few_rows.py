@@ -39,12 +39,14 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None) -
 
 def usable(weight: Tensor) -> bool:
     """Whether calls by `weight` ([out, in]) of at most ROWS_MAX rows take the kernel: float32 on CPU,
-    in a multiple of 32, the ISA AVX2 and the kernel built (the first call builds or loads it)."""
+    contiguous (else each call would copy it), in a multiple of 32, the ISA AVX2 and the kernel built
+    (the first call builds or loads it)."""
     global _usable
     if not (
         _AVX2_ONLY
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
+        and weight.is_contiguous()
         and weight.shape[1] % 32 == 0
     ):
         return False
