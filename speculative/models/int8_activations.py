@@ -18,8 +18,8 @@ Q8_0 and Q8_1), and each block's 32 products are summed exactly in integers by t
   minimum * (d times the sum of the block's int8 activations).
 
 The kernels (int8_activations.cpp, beside this file) are part of the project's C++ extension
-(models/cpu_kernels.py), built the first time a model is quantized so (about a minute, once a
-machine; it needs a C++ compiler and ninja). They compute every row's results by the same
+(models/cpu_kernels.py), built the first time a machine needs them (it needs a C++ compiler and
+ninja). They compute every row's results by the same
 instructions whatever the number of rows, so a verification's rows are bitwise a one-row step's
 and speculative decoding stays exact against the quantized target. Compiled graphs call them as
 opaque ops (their fake implementations give the shapes).

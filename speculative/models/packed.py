@@ -5,9 +5,10 @@ streaming the weights from memory, and which kernel streams them fastest depends
 dtype, the shape and the number of rows (the per-shape timings that chose what follows:
 docs/internals.md#measured-choices). On CPU, in float32 and bfloat16, a oneDNN prepacked copy serves
 every call, except one-row calls in a compiled graph, which inductor compiles into a reduction over
-W as stored, faster still (models/gemv.py), and float32 calls of a few rows known statically
-(STATIC_REDUCTION_MAX_ROWS: 2 or 3, and where oneDNN has AVX2 only up to STATIC_ROWS_MAX). Elsewhere
-(CUDA, other dtypes, no oneDNN), F.linear on W.
+W as stored, faster still (models/gemv.py), float32 calls of a few rows known statically
+(STATIC_REDUCTION_MAX_ROWS: 2 or 3, and where oneDNN has AVX2 only up to STATIC_ROWS_MAX), and, where
+it has AVX2 only, other float32 calls of up to few_rows.ROWS_MAX rows, which the project's own kernel
+takes (models/few_rows.py). Elsewhere (CUDA, other dtypes, no oneDNN), F.linear on W.
 Each layer's q/k/v projections are one PackedLinear, and so are its gate/up projections: one matmul
 instead of three or two.
 
@@ -135,8 +136,8 @@ class PackedLinear(nn.Module):
     in the old layout, and an in-place change of a parameter changes this layer too. A single
     nn.Linear (a tied lm_head's weight is also the embedding) is used as it is.
     On CPU, in float32 and bfloat16 (where oneDNN computes it), a oneDNN prepacked copy of W serves
-    the calls that are not compiled one-row calls: `stale()` tells when the weights changed since, and
-    `pack()` makes it again.
+    the calls that are not compiled one-row calls (nor, where `few_rows`, float32 calls of up to
+    few_rows.ROWS_MAX rows): `stale()` tells when the weights changed since, and `pack()` makes it again.
 
     Quantized (`quantize`), it holds `qweight` (int8 [out, in], or 4-bit packed uint8 [out, in / 2]) and
     `scales` ([out]; float32 for w8a8) or `scales_and_zeros` ([in / group, out, 2]) in the float weight's
