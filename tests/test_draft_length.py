@@ -182,6 +182,66 @@ def test_a_new_batch_size_starts_from_the_nearest_measured_one() -> None:
     assert chooser.counts[3].get(6, 0) + chooser.counts[3].get(0, 0) <= 2  # at most exploration steps
 
 
+def test_plain_decoding_is_measured_at_once_where_a_borrowed_curve_says_draft() -> None:
+    """Batch 16 starts from batch 4's step times, where drafting pays; at 16 a drafting step costs
+    twice a plain one per token drafted, and plain decoding wins. Its plain time is measured at the
+    second step, and drafting stops within a few steps (borrowed alone, the curve kept drafting on
+    for the 16 steps of an exploration interval)."""
+    chooser = _measured(4, lambda k: 10.0 + 1.0 * k, acceptance=0.7, batch_size=4)
+    assert chooser.choose(4) > 0
+    ks = []
+    for step in range(24):
+        k = chooser.choose(16)
+        ks.append(k)
+        accepted = [sum((row * 31 + i + step) % 10 < 7 for i in range(k)) for row in range(16)]
+        chooser.observe(16, k, 100.0 + 100.0 * k, accepted, [k] * 16)
+    assert ks[1] == 0
+    assert sum(k > 0 for k in ks) <= 4
+    assert ks[-16:] == [0] * 16
+
+
+def test_a_large_batch_met_one_step_at_a_time_does_not_switch_drafting_on_at_each_visit() -> None:
+    """A closed loop's tail: the batch shrinks a row a step, so batch 45 is met for one step at a time,
+    after a plain step of 46 rows. Its step times were borrowed from batch 1 (cheap drafts, accepted
+    0.8 of the time), its one drafting step was a switch (no sample of its time); batch 8 has since
+    measured plain decoding best. Each visit decodes plainly (on its borrowed curve it switched to
+    drafting at every visit, paying a drafter's intake each time)."""
+    chooser = _measured(4, lambda k: 10.0 + 0.5 * k, acceptance=0.8, batch_size=1)
+    chooser.observe(1, 0, 10.0, [0], [0])  # a plain step, as an exploration is
+
+    def visit_45() -> int:
+        k = chooser.choose(45)
+        seconds = 300.0 * (1 + k) + (500.0 if k else 0.0)  # compute-bound; a switch's intake
+        chooser.observe(45, k, seconds, [1] * 45, [k] * 45)
+        return k
+
+    assert visit_45() > 0  # on batch 1's curve
+    _measured(4, lambda k: 20.0 * (1 + k), acceptance=0.8, steps=200, batch_size=8, chooser=chooser)
+    assert chooser.choose(8) == 0
+    ks = []
+    for _ in range(10):
+        chooser.observe(46, 0, 300.0, [0] * 46, [0] * 46)
+        ks.append(visit_45())
+    assert ks == [0] * 10
+
+
+def test_a_switch_whose_intake_outweighs_what_drafting_saves_is_not_made() -> None:
+    """At batch 32 drafting one token gives 1.3x plain decoding's tokens a second, but the batch is met
+    one step at a time after plain steps of 33 rows, so that each visit would be a switch whose intake
+    (the drafter taking in every row's skipped tokens) costs ten plain steps. After the first such
+    switch has shown its cost, the visits decode plainly (at 1.3x >= _SWITCH_GAIN each one switched)."""
+    cost = lambda k: 100.0 + 30.0 * k  # noqa: E731
+    chooser = _measured(1, cost, acceptance=0.7, steps=100, batch_size=32)
+    assert chooser.history.count(1) > 80
+    ks = []
+    for _ in range(10):
+        chooser.observe(33, 0, 100.0, [0] * 33, [0] * 33)
+        k = chooser.choose(32)
+        ks.append(k)
+        chooser.observe(32, k, cost(k) + (1000.0 if k else 0.0), [1] * 32, [k] * 32)
+    assert ks == [1] + [0] * 9
+
+
 def test_a_first_step_that_prefills_the_drafter_does_not_switch_speculation_off() -> None:
     """The first drafting step also pays for the drafter's prefill of the prompt (a hundred times a
     step): the warm-up keeps the least of its measurements, and drafting, which pays, goes on."""

@@ -18,14 +18,28 @@ The step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain
 speculation switched off for batch sizes where it does not pay. After a plain step, drafting must
 promise _SWITCH_GAIN times plain decoding's tokens a second to be switched on (a drafter then takes in
 every token it skipped, a cost no step time holds), so that where the two are about even (a weak
-drafter, a large batch) the steps do not alternate between them, paying that cost each time. The first
+drafter, a large batch) the steps do not alternate between them, paying that cost each time; and what
+it saves over _EXPLORE plain steps' time must cover that intake for the batch's rows, at the latest
+switch's cost a row: where a batch shrinks a row a step (a closed loop's tail), each size drafting
+paid at switched it on for a step or two, each time paying the drafter's prefill of every remaining
+row, several plain steps' time. The first
 batch size starts by measuring max_k and 0, twice each, and keeps the least of the two (a first step
 also pays for first calls and, since rows join the drafter lazily, for its prefill of the prompts:
 counted in the mean, it switched speculation off for good at batch 1, where it doubles the speed) until
 the first measurement after the warm-up replaces it; a batch size met later starts from the step
 times of the nearest one measured, rescaled at its own first step and replaced k by k as it measures
 them: batches shrink a row at a time as rows finish, and probing max_k and 0 at each size costs more
-than it teaches.
+than it teaches. Where drafting looks best on such borrowed times, plain decoding's own time is
+measured at the size's second step (a plain step after drafting costs no switch): a curve borrowed
+from a smaller batch, where drafting costs relatively less, otherwise kept drafting on for an
+exploration interval where plain decoding won. And speculation's gain shrinks as the batch grows (a
+verification of k + 1 tokens a row costs ever more against a plain step once the forward is
+compute-bound, while the acceptance does not depend on the batch), so a step whose drafting rests on
+an estimate (plain decoding's or k's time not measured at its batch size) decodes plainly where a
+smaller batch size has plain decoding best on times measured there. Without it, a large batch size
+met one step at a time (a closed loop's tail, where the batch shrinks a row a step) switched drafting
+on at every visit on a curve borrowed from a small batch, each switch paying the drafter's intake, and
+never learned: a switch's step is no sample of its k's time (below).
 
 Now and then a neighbour of the best k, or plain decoding, whichever was measured least recently, is
 measured again so that the estimates follow the workload (without plain decoding among them, a plain
@@ -95,6 +109,7 @@ class DraftLength:
         self._plain_explore = (_EXPLORE, _EXPLORE)  # (interval, next step) where plain decoding is best
         self._plain_seconds = 0.0  # plain steps' time since the last exploration from them
         self._switch_cost = 0.0  # seconds: the latest switch's step time over its k's mean
+        self._intake = 0.0  # seconds a row: the latest switch's cost over its batch size
         self._share = _SWITCH_SHARE  # of the plain steps' time for explorations' switches (docstring)
         self._from_plain = False  # an exploration from plain decoding is under way
         self._steps = 0  # steps observed, of every batch size
@@ -126,8 +141,10 @@ class DraftLength:
                     return k
         rate = [self._rate(batch_size, k) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=rate.__getitem__)
-        if self._last_k == 0 and rate[best] < _SWITCH_GAIN * rate[0]:
+        if self._last_k == 0 and not self._pays_switch(batch_size, rate[best] / rate[0]):
             best = 0
+        if best and not {0, best} <= self._own(batch_size) and self._plain_below(batch_size):
+            best = 0  # an estimate against a smaller batch's measurements (module docstring)
         if self._from_plain:  # its measurements are in: did drafting win?
             self._share = _SWITCH_SHARE if best else max(self._share / 2, _SWITCH_SHARE_MIN)
             self._from_plain = False
@@ -136,6 +153,9 @@ class DraftLength:
         if best != last:
             interval, due = _EXPLORE, steps + _EXPLORE
         self.explore[batch_size] = (best, interval, due)
+        if best and steps and 0 in self.borrowed.get(batch_size, ()):
+            self._explored = 0  # plain decoding's time here is another size's: measure it, no switch to pay
+            return 0
         if best == 0:  # plain decoding's batch sizes share one schedule, in steps of every size
             interval, due = self._plain_explore
             if self._steps < due or self._plain_seconds * self._share < self._switch_cost:
@@ -153,6 +173,28 @@ class DraftLength:
         seen = self.seen.get(batch_size, {})  # empty at a batch size first met in an exploration
         self._explored = min(sorted(others), key=lambda k: seen.get(k, -1))  # the least recently measured
         return self._explored
+
+    def _pays_switch(self, batch_size: int, gain: float) -> bool:
+        """Whether drafting at `gain` times plain decoding's tokens a second is worth switching on after
+        plain steps: at least _SWITCH_GAIN, and what it saves over _EXPLORE plain steps' time at least
+        the drafter's intake of `batch_size` rows at the latest switch's cost a row (module docstring)."""
+        saved = (gain - 1.0) * _EXPLORE * self.step_time(batch_size, 0)
+        return gain >= _SWITCH_GAIN and saved >= self._intake * batch_size
+
+    def _own(self, batch_size: int) -> set[int]:
+        """The widths whose step times at `batch_size` were measured there (not borrowed)."""
+        return set(self.times.get(batch_size, ())) - self.borrowed.get(batch_size, set())
+
+    def _plain_below(self, batch_size: int) -> bool:
+        """Whether a smaller batch size has plain decoding best on step times measured there (plain
+        decoding's and at least one width's)."""
+        expected = [self.expected_tokens(k) for k in range(self.max_k + 1)]
+        for size in sorted(b for b in self.times if b < batch_size):
+            own, times = self._own(size), self.times[size]
+            drafting = [expected[k] / times[k] for k in own if 0 < k <= self.max_k]
+            if 0 in own and drafting and max(drafting) <= expected[0] / times[0]:
+                return True
+        return False
 
     def _rate(self, batch_size: int, k: int) -> float:
         """Tokens a second per row when asking for k drafts: E / t at the mean width k gave here (module
@@ -214,6 +256,7 @@ class DraftLength:
                 self._time(batch_size, k, seconds)
             elif self.times[batch_size]:
                 self._switch_cost = max(0.0, seconds - self.step_time(batch_size, k))
+                self._intake = self._switch_cost / batch_size
             if k == 0:
                 self._plain_seconds += seconds
             counts[k] = counts.get(k, 0) + 1
