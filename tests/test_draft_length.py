@@ -242,6 +242,16 @@ def test_a_switch_whose_intake_outweighs_what_drafting_saves_is_not_made() -> No
     assert ks == [1] + [0] * 9
 
 
+def test_a_batch_size_between_two_measured_ones_starts_from_the_line_between_them() -> None:
+    """Drafting pays at batch 1 and not at batch 64 (a closed loop's first level and its largest). Batch
+    31, nearer to 1, starts from step times between the two, where drafting does not pay (from batch
+    1's alone, it drafted through a closed loop's tail, one new size a step)."""
+    chooser = _measured(4, lambda k: 10.0 + 0.5 * k, acceptance=0.8, batch_size=1)
+    _measured(4, lambda k: 300.0 * (1 + k), acceptance=0.8, steps=100, batch_size=64, chooser=chooser)
+    assert chooser.choose(1) > 0 and chooser.choose(64) == 0
+    assert chooser.choose(31) == 0
+
+
 def test_a_first_step_that_prefills_the_drafter_does_not_switch_speculation_off() -> None:
     """The first drafting step also pays for the drafter's prefill of the prompt (a hundred times a
     step): the warm-up keeps the least of its measurements, and drafting, which pays, goes on."""

@@ -27,12 +27,13 @@ batch size starts by measuring max_k and 0, twice each, and keeps the least of t
 also pays for first calls and, since rows join the drafter lazily, for its prefill of the prompts:
 counted in the mean, it switched speculation off for good at batch 1, where it doubles the speed) until
 the first measurement after the warm-up replaces it; a batch size met later starts from the step
-times of the nearest one measured, rescaled at its own first step and replaced k by k as it measures
-them: batches shrink a row at a time as rows finish, and probing max_k and 0 at each size costs more
-than it teaches. Where drafting looks best on such borrowed times, plain decoding's own time is
-measured at the size's second step (a plain step after drafting costs no switch): a curve borrowed
-from a smaller batch, where drafting costs relatively less, otherwise kept drafting on for an
-exploration interval where plain decoding won. And speculation's gain shrinks as the batch grows (a
+times of those measured (between two, on the line between their times; beyond them, the nearest
+one's), rescaled at its own first step and replaced k by k as it measures them: batches shrink a
+row at a time as rows finish, and probing max_k and 0 at each size costs more than it teaches.
+Where drafting looks best on such borrowed times, plain decoding's own time is measured at the
+size's second step (a plain step after drafting costs no switch): a curve borrowed from a smaller
+batch, where drafting costs relatively less, otherwise kept drafting on for an exploration interval
+where plain decoding won. And speculation's gain shrinks as the batch grows (a
 verification of k + 1 tokens a row costs ever more against a plain step once the forward is
 compute-bound, while the acceptance does not depend on the batch), so a step whose drafting rests on
 an estimate (plain decoding's or k's time not measured at its batch size) decodes plainly where a
@@ -215,13 +216,25 @@ class DraftLength:
         self.accepted = [a * scale for a in self.accepted]
 
     def _borrow(self, batch_size: int) -> None:
-        """Start a new batch size from the step times of the nearest batch size that has measured at
-        least two k of its own (nothing when none has)."""
+        """Start a new batch size from the step times of the batch sizes that have measured at least two
+        k of their own (nothing when none has): between two such sizes, each k's time on the line
+        between theirs (drafting's cost against plain decoding's grows with the batch, so a size
+        between one where drafting pays and one where it does not is neither); beyond them, the nearest
+        one's times."""
         sources = [b for b, times in self.times.items() if len(set(times) - self.borrowed.get(b, set())) >= 2]
-        if sources:
-            nearest = min(sources, key=lambda b: (abs(b - batch_size), b))
-            self.times[batch_size] = dict(self.times[nearest])
-            self.borrowed[batch_size] = set(self.times[batch_size])
+        if not sources:
+            return
+        below = max((b for b in sources if b < batch_size), default=None)
+        above = min((b for b in sources if b > batch_size), default=None)
+        if below is None or above is None:
+            times = dict(self.times[above if below is None else below])
+        else:
+            low, high, share = self.times[below], self.times[above], (batch_size - below) / (above - below)
+            times = {k: low[k] + share * (high[k] - low[k]) for k in low.keys() & high.keys()}
+            if len(times) < 2:
+                times = dict(self.times[min((below, above), key=lambda b: (abs(b - batch_size), b))])
+        self.times[batch_size] = times
+        self.borrowed[batch_size] = set(times)
 
     def observe(
         self,
