@@ -20,9 +20,9 @@ promise _SWITCH_GAIN times plain decoding's tokens a second to be switched on (a
 every token it skipped, a cost no step time holds), so that where the two are about even (a weak
 drafter, a large batch) the steps do not alternate between them, paying that cost each time; and what
 it saves over _EXPLORE plain steps' time must cover that intake for the batch's rows, at the latest
-switch's cost a row: where a batch shrinks a row a step (a closed loop's tail), each size drafting
-paid at switched it on for a step or two, each time paying the drafter's prefill of every remaining
-row, several plain steps' time. The first
+switch's cost a row: where a batch shrinks a row a step (a closed loop's tail), every size where
+drafting paid switched it on for a step or two, each switch paying the drafter's prefill of every
+remaining row, several plain steps' time. The first
 batch size starts by measuring max_k and 0, twice each, and keeps the least of the two (a first step
 also pays for first calls and, since rows join the drafter lazily, for its prefill of the prompts:
 counted in the mean, it switched speculation off for good at batch 1, where it doubles the speed) until
@@ -30,17 +30,17 @@ the first measurement after the warm-up replaces it; a batch size met later star
 times of those measured (between two, on the line between their times; beyond them, the nearest
 one's), rescaled at its own first step and replaced k by k as it measures them: batches shrink a
 row at a time as rows finish, and probing max_k and 0 at each size costs more than it teaches.
-Where drafting looks best on such borrowed times, plain decoding's own time is measured at the
-size's second step (a plain step after drafting costs no switch): a curve borrowed from a smaller
-batch, where drafting costs relatively less, otherwise kept drafting on for an exploration interval
-where plain decoding won. And speculation's gain shrinks as the batch grows (a
-verification of k + 1 tokens a row costs ever more against a plain step once the forward is
-compute-bound, while the acceptance does not depend on the batch), so a step whose drafting rests on
-an estimate (plain decoding's or k's time not measured at its batch size) decodes plainly where a
-smaller batch size has plain decoding best on times measured there. Without it, a large batch size
-met one step at a time (a closed loop's tail, where the batch shrinks a row a step) switched drafting
-on at every visit on a curve borrowed from a small batch, each switch paying the drafter's intake, and
-never learned: a switch's step is no sample of its k's time (below).
+Where drafting looks best on such borrowed times, plain decoding's own time is measured at the size's
+second step (a plain step after drafting costs no switch): a curve borrowed from a smaller batch, where
+drafting costs relatively less, otherwise kept drafting on for an exploration interval where plain
+decoding won. And speculation's gain shrinks as the batch grows (a verification of k + 1 tokens a row
+costs ever more against a plain step once the forward is compute-bound, while the acceptance does not
+depend on the batch), so a step whose drafting rests on an estimate (plain decoding's or k's time not
+measured at its batch size) decodes plainly where a smaller batch size has plain decoding best on times
+measured there. Without it, a large batch size met one step at a time (a closed loop's tail, where the
+batch shrinks a row a step) switched drafting on at every visit on a curve borrowed from a small batch,
+each switch paying the drafter's intake, and never learned: a switch's step is no sample of its k's time
+(below).
 
 Now and then a neighbour of the best k, or plain decoding, whichever was measured least recently, is
 measured again so that the estimates follow the workload (without plain decoding among them, a plain
