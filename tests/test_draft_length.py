@@ -14,6 +14,7 @@ from test_distribution import LENGTH, SAMPLES, chi_square, exact_probs, pair, sa
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.engine import draft_length
 from speculative.engine.draft_length import DraftLength
+from speculative.methods import DraftModelConfig
 
 
 def _measured(
@@ -610,3 +611,53 @@ def test_steps_of_disable_by_batch_size_rows_are_plain_and_the_output_exact(
 def test_disable_by_batch_size_is_an_integer_of_at_least_two(limit) -> None:
     with pytest.raises(ValueError, match=r"disable_by_batch_size must be None or an integer >= 2"):
         SpeculativeConfig(disable_by_batch_size=limit)
+
+
+def test_a_drafting_steps_intake_of_joined_rows_is_kept_out_of_its_time() -> None:
+    """A drafting step whose drafter first took in rows that joined (a draft model's prefill of their
+    prompts, paid once a row whatever k) is a sample of its time less that intake: counted in, the k
+    measured at a batch's first drafting step, every row new, looked several times as dear and kept
+    plain decoding where drafting paid. A switch's cost keeps the intake."""
+    steps = [(4, 0.040), (4, 0.040), (0, 0.011), (0, 0.011), (4, 0.100), (4, 0.060), (4, 0.040)]
+    intakes = {5: 0.02, 6: 0.02}  # the switch (step 4, after plain steps) and the step after it
+    with_intake, without = DraftLength(4, adaptive=True), DraftLength(4, adaptive=True)
+    for step, (k, seconds) in enumerate(steps):
+        intake = intakes.get(step, 0.0)
+        with_intake.observe(8, k, seconds, [k] * 8, [k] * 8, intake=intake)
+        less = seconds if step == 4 else seconds - intake
+        without.observe(8, k, less, [k] * 8, [k] * 8)
+    assert with_intake.times[8][4] == pytest.approx(without.times[8][4])
+    assert with_intake.times[8][4] < 0.045
+    assert with_intake._switch_cost == pytest.approx(without._switch_cost)
+    assert with_intake._switch_cost > 0.05
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_the_engine_hands_adaptive_k_the_drafts_intake_of_joined_rows(lookup: bool) -> None:
+    """A draft model times its prefill of the rows that joined since its last proposal, and the engine
+    passes that to adaptive k with the step (0 for steps where no row joined)."""
+    target = tiny_model("llama", num_layers=2)
+    options = DraftModelConfig(prompt_lookup_min=2 if lookup else 0)
+    config = SpeculativeConfig(num_speculative_tokens=3, adaptive=True, options=options)
+    llm = LLM(target, draft_model=noisy_copy(target, 0.03), speculative_config=config)
+    engine = llm.engine
+    observed: list[tuple[int, float]] = []
+    observe = engine.draft_length.observe
+    engine.draft_length.observe = lambda *a, intake=0.0, **kw: (
+        observed.append((a[1], intake)) or observe(*a, intake=intake, **kw)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _forced(llm, [3] * 40)
+    engine.add(llm.make_sequences([5, 6, 7, 8, 9], params, 0))
+    engine.step()
+    intake = engine.proposer.intake_seconds
+    engine.step()
+    assert engine.proposer.intake_seconds == 0.0  # nobody joined since
+    engine.add(llm.make_sequences([3, 4, 10, 11], params, 1))
+    engine.step()
+    joined = engine.proposer.intake_seconds
+    while engine.sequences:
+        engine.step()
+    assert intake > 0.0 and joined > 0.0
+    assert observed[0] == (3, intake) and observed[2] == (3, joined)
+    assert all(seconds == 0.0 for _, seconds in observed[3:])

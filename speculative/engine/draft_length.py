@@ -64,7 +64,13 @@ A drafting step right after plain steps is not a sample of its k's time: its dra
 every token it skipped (a draft model also prefills the rows that joined meanwhile), a cost of
 switching, not of drafting; an exploration from plain decoding is therefore measured twice, the
 second time clean. Nor is a step that compiled a graph (a compiled model's first call of a shape,
-seconds where the step takes milliseconds): the engine passes no time for it.
+seconds where the step takes milliseconds): the engine passes no time for it. And a drafting step's time
+leaves out the drafter's intake of rows that joined since its last proposal (a draft model's prefill of
+their contexts, which the proposer times: IntakeTimingProposer): like the target's prefill of admitted
+rows, it is paid once a row whatever k; counted in, it made the k measured at a batch's first drafting
+step, where every row is new, look several times as dear, and a k that the explorations did not measure
+again kept that time, so that plain decoding stayed where drafting paid (docs/server.md#under-load). A
+switch's cost keeps it.
 
 A proposal can be narrower than the k asked: a draft with prompt lookup first drafts a chain of its
 own length (the demo's: 1) beside lookups that shrink with the batch (at 32 rows every proposal is one
@@ -244,11 +250,13 @@ class DraftLength:
         accepted: list[int],
         drafted: list[int],
         chosen: int | None = None,
+        intake: float = 0.0,
     ) -> None:
         """One step's figures: its k, the width of its proposal (the drafts verified a row: at most the
         k `chosen` for it, None: k), and its time (module docstring; None where the step compiled a
         graph: not a step of that k, which the chooser measures again), and per row the drafts accepted
-        and proposed."""
+        and proposed. `intake`: seconds of that time the drafter spent taking in rows that joined since
+        its last proposal, kept out of the k's time (module docstring) but not out of a switch's cost."""
         self.history.append(k)
         if not self.adaptive:
             return
@@ -266,7 +274,7 @@ class DraftLength:
             self.times.setdefault(batch_size, {})
             counts = self.counts.setdefault(batch_size, {})
             if not switched:
-                self._time(batch_size, k, seconds)
+                self._time(batch_size, k, max(seconds - intake, 0.0))
             elif self.times[batch_size]:
                 self._switch_cost = max(0.0, seconds - self.step_time(batch_size, k))
                 self._intake = self._switch_cost / batch_size

@@ -64,6 +64,7 @@ from speculative.models.prefill import prefill_groups
 from speculative.prefix_cache import PrefixCache, PrefixMatch, tokens_after
 from speculative.proposers.base import (
     FeatureProposer,
+    IntakeTimingProposer,
     LearningProposer,
     PrefixCachingProposer,
     Proposal,
@@ -147,6 +148,7 @@ class Engine:
         self.room = self.k if room is None or proposer is None else room
         # what a proposer that reads the target's hidden states wants of its forward (EagleProposer)
         self.hidden_layers = proposer.hidden_layers if isinstance(proposer, FeatureProposer) else None
+        self._timed_intake = isinstance(proposer, IntakeTimingProposer)  # its prefill of joined rows
         self.use_prefix_cache(prefix_cache)
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
@@ -379,6 +381,7 @@ class Engine:
         graphs = graphs_compiled()
         k = self.draft_length.choose(rows) if self.proposer is not None else 0
         draft_ids, draft_probs, parents = self._propose(batch, k)  # [B, j] (-1: none), [B, j, V], tree
+        intake = self.proposer.intake_seconds if k and self._timed_intake else 0.0
         clock.mark()
         last = batch.tokens.gather(1, batch.lengths[:, None] - 1)  # [B, 1]
         query = torch.cat([last, draft_ids.clamp(min=0)], dim=1)  # [B, j+1]
@@ -419,6 +422,7 @@ class Engine:
                 draft_ids.shape[1],
                 start,
                 seconds if timed else None,
+                intake,
                 commit.accepted,
                 commit.drafted,
             )
@@ -448,10 +452,10 @@ class Engine:
         with None (no next step: the batch ended) its own duration; no time (None) for a step that
         compiled a graph."""
         if self._unobserved is not None:
-            rows, chosen, width, start, seconds, accepted, drafted = self._unobserved
+            rows, chosen, width, start, seconds, intake, accepted, drafted = self._unobserved
             admitting, self._unobserved, self._admitting = self._admitting, None, 0.0
             period = seconds if now is None or seconds is None else now - start - admitting
-            self.draft_length.observe(rows, width, period, accepted, drafted, chosen=chosen)
+            self.draft_length.observe(rows, width, period, accepted, drafted, chosen=chosen, intake=intake)
 
     def _score(self, query: Tensor, parents: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The target's forward over the step's query [B, q] (a chain, or the tree `parents`): its

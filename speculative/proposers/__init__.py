@@ -2,6 +2,7 @@
 
 from speculative.proposers.base import (
     FeatureProposer,
+    IntakeTimingProposer,
     LearningProposer,
     PrefixCachingProposer,
     Proposal,
@@ -27,6 +28,7 @@ __all__ = [
     "EagleProposer",
     "EagleTreeProposer",
     "FeatureProposer",
+    "IntakeTimingProposer",
     "LearningProposer",
     "NgramProposer",
     "PrefixCachingProposer",

@@ -39,7 +39,8 @@ class Proposer(Protocol):
     context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
 
     What a proposer can do beyond this is declared by the protocols below (FeatureProposer,
-    LearningProposer, PrefixCachingProposer), which the engine checks once, at construction.
+    LearningProposer, PrefixCachingProposer, IntakeTimingProposer), which the engine checks once, at
+    construction.
     """
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
@@ -107,3 +108,16 @@ class PrefixCachingProposer(Proposer, Protocol):
         """From now on, start new rows from what `cache` holds of their contexts, and give it this
         proposer's state of the contexts it takes in (blocks the target's K/V made); None: neither."""
         ...
+
+
+@runtime_checkable
+class IntakeTimingProposer(Proposer, Protocol):
+    """A proposer that takes in the rows that joined since its last proposal within `propose` (a draft
+    model's prefill of their contexts) and says how long that took.
+
+    intake_seconds: host seconds the latest `propose` spent on it (0.0 where no row joined). Adaptive k
+    keeps it out of the step's time, as the engine keeps the target's prefill of admitted rows out: a
+    row's intake is paid once, whatever k (engine/draft_length.py).
+    """
+
+    intake_seconds: float

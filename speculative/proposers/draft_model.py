@@ -13,7 +13,8 @@ Rows join lazily: `add_rows` gives them empty rows in the cache (`pending`), and
 after it runs their prefill, so that rows which join while speculation is off (adaptive k = 0, a
 server under heavy load) cost the draft nothing. That proposal first feeds the running rows what
 plain steps left `behind`, then prefills the pending rows up to the same point (all but their last
-`missing` tokens) and puts them in their places.
+`missing` tokens) and puts them in their places; the seconds that took are its `intake_seconds`
+(IntakeTimingProposer), which adaptive k keeps out of the step's time.
 
 With the engine's prefix cache (`use_prefix_cache`), that prefill starts each row from the draft's K/V
 of the blocks the cache holds of its context, and gives the cache the draft's K/V of what it fed; a
@@ -22,6 +23,8 @@ the next turn of a conversation is not prefilled whole by the draft either.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import Tensor
@@ -51,6 +54,7 @@ class DraftModelProposer:
         self.behind = 0  # ... and before them, tokens the cache lacks after plain steps
         self._proposed = 0  # the width of the proposal being committed (0: none, a plain step)
         self.pending: list[int] = []  # rows whose prefill waits for the next proposal (empty in the cache)
+        self.intake_seconds = 0.0  # the latest proposal's prefill of pending rows (IntakeTimingProposer)
         self._bound: int | None = None  # a host bound of the cache's lengths (None before a proposal)
         self._short = False  # since a rewind, rows lack more than `behind` tokens (_refill feeds them)
         self._roots: Tensor | None = None  # the rows' context lengths at the proposal being committed
@@ -134,8 +138,11 @@ class DraftModelProposer:
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         if self._short:
             self._refill(tokens, lengths)
+        self.intake_seconds = 0.0
         if self.pending:
+            start = time.perf_counter()
             self._add_pending(tokens, lengths)
+            self.intake_seconds = time.perf_counter() - start
         greedy = strategy.all_greedy and self.greedy_decoding and not strategy.any_guided
         if greedy and self.behind:  # the compiled drafting then takes 1 or 2 tokens, whatever the plain steps
             self._catch_up(tokens, lengths)

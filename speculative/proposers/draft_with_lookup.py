@@ -54,6 +54,11 @@ class DraftWithLookupProposer:
         # proposed the lookup's tokens [B] bool, and how many leading tokens lookup and draft agree on [B]
         self._step: tuple[Tensor, Tensor, Tensor] | None = None
 
+    @property
+    def intake_seconds(self) -> float:
+        """The draft's prefill of joined rows in the latest proposal (IntakeTimingProposer)."""
+        return self.draft.intake_seconds
+
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
         self.draft.add_rows(tokens, lengths)
 
