@@ -661,3 +661,19 @@ def test_the_engine_hands_adaptive_k_the_drafts_intake_of_joined_rows(lookup: bo
     assert intake > 0.0 and joined > 0.0
     assert observed[0] == (3, intake) and observed[2] == (3, joined)
     assert all(seconds == 0.0 for _, seconds in observed[3:])
+
+
+def test_explorations_from_plain_decoding_find_a_longer_draft_that_pays_where_one_draft_does_not() -> None:
+    """At 16 rows one draft does not pay (a drafting step's fixed cost outweighs its gain) while four
+    do (1.26x plain decoding), but the warm-up measured k = 4 in steps that also paid the drafter's
+    first intake of the rows, so plain decoding looked best. Explorations from plain decoding measure
+    each drafting k in turn, find k = 4 and draft from then on (measuring k = 1 alone, plain decoding's
+    neighbour, they kept finding nothing, and plain decoding stayed for good)."""
+    rng, chooser, ks = random.Random(0), DraftLength(4, adaptive=True), []
+    for _ in range(3000):
+        k = chooser.choose(16)
+        rows = [next((i for i in range(k) if rng.random() >= 0.85), k) for _ in range(16)]
+        intake = 60.0 if k and len(ks) < 4 else 0.0  # the warm-up's steps of max_k
+        chooser.observe(16, k, 15.0 + (14.0 + 4.0 * k + intake if k else 0.0), rows, [k] * 16)
+        ks.append(k)
+    assert sum(k >= 3 for k in ks[-1000:]) > 950

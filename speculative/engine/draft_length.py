@@ -44,9 +44,14 @@ each switch paying the drafter's intake, and never learned: a switch's step is n
 
 Now and then a neighbour of the best k, or plain decoding, whichever was measured least recently, is
 measured again so that the estimates follow the workload (without plain decoding among them, a plain
-step's time from long ago kept speculation on at 32 rows, where it lost): after _EXPLORE steps at a
-batch size, then at intervals that double (up to _EXPLORE_MAX) while the best k stays the same, back
-to _EXPLORE when it changes. The batch sizes where plain decoding is best share one such schedule,
+step's time from long ago kept speculation on at 32 rows, where it lost); where plain decoding is
+best, each drafting k in turn, the least recently measured (of those never measured at the batch
+size, the best estimated): part of a drafting step's cost does not grow with k (the drafter's
+forward, the verification's), so one draft can lose where four win, and explorations that measured
+only k = 1, plain decoding's neighbour, kept plain decoding where a longer draft paid
+(docs/server.md#under-load). Explorations come after _EXPLORE steps at a batch size, then at
+intervals that double (up to _EXPLORE_MAX) while the best k stays the same, back to _EXPLORE when it
+changes. The batch sizes where plain decoding is best share one such schedule,
 counted in steps of every size: a server's batch size wanders as rows join and finish, and a schedule
 of each size's own would explore as often as there are sizes, each time from plain decoding, a switch.
 A switch costs what the drafter takes in (below): up to a prefill of every row's context, many plain
@@ -87,7 +92,7 @@ from __future__ import annotations
 from collections import deque
 
 _WARMUP = 2  # measurements of max_k and of 0 at each batch size before choosing
-_EXPLORE = 16  # steps at a batch size before a neighbour of the best k is measured again ...
+_EXPLORE = 16  # steps at a batch size before another k is measured again ...
 _EXPLORE_MAX = 256  # ... an interval that doubles up to this while the best k stays the same
 _DECAY = 0.98  # per step, for the acceptance counts
 _TIME_DECAY = 0.9  # per sample of a k at a batch size, for its moving mean
@@ -176,9 +181,13 @@ class DraftLength:
         else:
             interval = min(2 * interval, _EXPLORE_MAX)
             self.explore[batch_size] = (best, interval, steps + interval)
-        others = {k for k in (best - 1, best + 1, 0) if 0 <= k <= self.max_k} - {best}
+        if best:
+            others = {k for k in (best - 1, best + 1, 0) if 0 <= k <= self.max_k} - {best}
+        else:  # every drafting k in turn: one draft may not pay where more do
+            others = set(range(1, self.max_k + 1))
         seen = self.seen.get(batch_size, {})  # empty at a batch size first met in an exploration
-        self._explored = min(sorted(others), key=lambda k: seen.get(k, -1))  # the least recently measured
+        # the least recently measured; of those never measured here, the best estimated
+        self._explored = min(others, key=lambda k: (seen.get(k, -1), -rate[k], k))
         return self._explored
 
     def _pays_switch(self, batch_size: int, gain: float) -> bool:
