@@ -131,11 +131,12 @@ def _loaded_server(chooser: DraftLength, steps: int, acceptance: float, draft_ms
 
 
 def test_explorations_that_keep_finding_plain_decoding_best_fade_out() -> None:
-    """Where drafting keeps losing, each exploration from plain decoding that confirms it halves the
-    share of time explorations may spend on switches, down to _SWITCH_SHARE_MIN: over a long run they
-    cost a fraction of a percent (at a constant _SWITCH_SHARE: 2%, whatever the run's length)."""
+    """Where drafting keeps losing, each cycle of explorations from plain decoding (one of each drafting
+    k) that confirms it halves the share of time explorations may spend on switches, down to
+    _SWITCH_SHARE_MIN: over a long run they cost a fraction of a percent (at a constant _SWITCH_SHARE:
+    2%, whatever the run's length)."""
     rng, chooser = random.Random(0), DraftLength(4, adaptive=True)
-    _loaded_server(chooser, 3000, 0.3, 8.0, rng)
+    _loaded_server(chooser, 20000, 0.3, 8.0, rng)
     switching, total, ks = _loaded_server(chooser, 20000, 0.3, 8.0, rng)
     assert chooser._share == draft_length._SWITCH_SHARE_MIN
     assert switching / total < 0.004
@@ -236,7 +237,8 @@ def test_a_switch_whose_intake_outweighs_what_drafting_saves_is_not_made() -> No
     assert chooser.history.count(1) > 80
     ks = []
     for _ in range(10):
-        chooser.observe(33, 0, 100.0, [0] * 33, [0] * 33)
+        for _ in range(5):
+            chooser.observe(33, 0, 100.0, [0] * 33, [0] * 33)
         k = chooser.choose(32)
         ks.append(k)
         chooser.observe(32, k, cost(k) + (1000.0 if k else 0.0), [1] * 32, [k] * 32)
@@ -677,3 +679,63 @@ def test_explorations_from_plain_decoding_find_a_longer_draft_that_pays_where_on
         chooser.observe(16, k, 15.0 + (14.0 + 4.0 * k + intake if k else 0.0), rows, [k] * 16)
         ks.append(k)
     assert sum(k >= 3 for k in ks[-1000:]) > 950
+
+
+def _switching_run(
+    chooser: DraftLength, steps: int, batch_size: int, cost, acceptance: float, rng, switch: float = 70.0
+) -> list[int]:
+    """`steps` steps at `batch_size` rows: a step drafting k costs cost(k) ms, a switch from plain decoding
+    `switch` ms more (the drafter's intake); per-draft acceptance `acceptance`. Returns the k of each
+    step."""
+    ks, previous = [], chooser._last_k or 0
+    for _ in range(steps):
+        k = chooser.choose(batch_size)
+        rows = [next((i for i in range(k) if rng.random() >= acceptance), k) for _ in range(batch_size)]
+        seconds = cost(k) + (switch if k and not previous else 0.0)
+        chooser.observe(batch_size, k, seconds, rows, [k] * batch_size)
+        previous = k
+        ks.append(k)
+    return ks
+
+
+def _first_intake(max_k: int, cost):
+    """cost(k), with 60 ms more on the first two steps of max_k: the warm-up's, where the drafter also
+    takes in every row's prompt, so that max_k first looks dear."""
+    warmup = iter([60.0] * 2)
+    return lambda k: cost(k) + (next(warmup, 0.0) if k == max_k else 0.0)
+
+
+def test_explorations_from_plain_decoding_try_every_drafting_k_before_their_share_fades() -> None:
+    """Drafts accepted 0.95 of the time, a drafting step's cost mostly fixed (40 ms, 0.5 a draft, beside
+    plain decoding's 15): one, two and three drafts lose (0.64x, 0.93x, 0.98x plain decoding), four pay
+    1.19x, and the warm-up measured k = 4 with the drafter's first intake. The explorations from plain
+    decoding try k = 1, 2, 3 and 4 at one share of the time and find k = 4 within 400 steps. (Halving
+    the share after each exploration that lost, k = 4 came at a quarter of it, after 1,180 steps.)"""
+    rng, chooser = random.Random(0), DraftLength(4, adaptive=True)
+    cost = _first_intake(4, lambda k: 15.0 + (40.0 + 0.5 * k if k else 0.0))
+    ks = _switching_run(chooser, 1200, 16, cost, 0.95, rng, switch=30.0)
+    assert sum(k == 4 for k in ks[-500:]) > 475
+
+
+def test_drafting_that_pays_goes_on_after_one_plain_step_explored() -> None:
+    """One draft pays 1.15x plain decoding, found by an exploration from plain decoding whose switch cost
+    70 ms (more than 16 plain steps save at 1.15x). The explorations of plain decoding from drafting
+    are one plain step each, and drafting goes on after them: the drafter then takes in one token a
+    row more, no switch. (Charged a switch's intake, drafting stopped at the first such exploration
+    and waited for the next exploration from plain decoding: a fifth of the steps drafted.)"""
+    rng, chooser = random.Random(0), DraftLength(1, adaptive=True)
+    cost = _first_intake(1, lambda k: 15.0 + 9.0 * k)
+    ks = _switching_run(chooser, 2000, 16, cost, 0.85, rng)
+    assert sum(k == 1 for k in ks[-1000:]) > 950
+
+
+def test_the_share_of_explorations_is_back_where_the_load_moved_far_from_where_it_faded() -> None:
+    """At 64 rows drafting keeps losing and the share of time for explorations from plain decoding fades
+    to _SWITCH_SHARE_MIN; the load then falls to 16 rows, where drafting pays 1.6x. The share is back at
+    _SWITCH_SHARE there, and drafting found within a few hundred steps (at _SWITCH_SHARE_MIN the first
+    exploration waited 2,800 plain steps)."""
+    rng, chooser = random.Random(0), DraftLength(4, adaptive=True)
+    _switching_run(chooser, 20000, 64, lambda k: 20.0 + (30.0 + 8.0 * k if k else 0.0), 0.3, rng)
+    assert chooser._share == draft_length._SWITCH_SHARE_MIN
+    ks = _switching_run(chooser, 1500, 16, lambda k: 10.0 + (5.0 + 2.0 * k if k else 0.0), 0.85, rng)
+    assert sum(k > 0 for k in ks[-500:]) > 475

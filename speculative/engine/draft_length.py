@@ -15,14 +15,19 @@ also measured at rescales the other k's times by as much as it moved k's mean (k
 step's time from a slow minute made drafting look better for good), while a k measured after others
 (an exploration) moves its own time only, which is how the times' ratios are learned.
 The step drafts k = argmax_k E(k) / t_B(k) over 0..max_k, where k = 0 is a plain step:
-speculation switched off for batch sizes where it does not pay. After a plain step, drafting must
+speculation switched off for batch sizes where it does not pay. After plain steps, drafting must
 promise _SWITCH_GAIN times plain decoding's tokens a second to be switched on (a drafter then takes in
 every token it skipped, a cost no step time holds), so that where the two are about even (a weak
 drafter, a large batch) the steps do not alternate between them, paying that cost each time; and what
 it saves over _EXPLORE plain steps' time must cover that intake for the batch's rows, at the latest
 switch's cost a row: where a batch shrinks a row a step (a closed loop's tail), every size where
 drafting paid switched it on for a step or two, each switch paying the drafter's prefill of every
-remaining row, several plain steps' time. The first
+remaining row, several plain steps' time. Not after a single plain step between drafting steps (an
+exploration of plain decoding): the drafter then takes in one token a row more than a drafting step
+whose drafts were all rejected leaves it, no switch; charged the intake of a switch after hundreds of
+plain steps, drafting that paid 1.15x went back to plain decoding at the first such exploration and
+stayed there until the next exploration from it (docs/server.md#under-load). Nor does such a step's
+cost stand for a switch's. The first
 batch size starts by measuring max_k and 0, twice each, and keeps the least of the two (a first step
 also pays for first calls and, since rows join the drafter lazily, for its prefill of the prompts:
 counted in the mean, it switched speculation off for good at batch 1, where it doubles the speed) until
@@ -59,12 +64,17 @@ steps' time at a large batch, which an interval of _EXPLORE_MAX steps would pay 
 figures: docs/server.md#under-load). So that schedule also waits until the plain steps since its last
 exploration took 1 / share times the latest switch's extra cost (its step time over its k's
 mean there): explorations from plain decoding cost at most that share of the time, however dear a
-switch. The share starts at _SWITCH_SHARE and halves (down to _SWITCH_SHARE_MIN) each time such an
-exploration finds plain decoding still best, back to _SWITCH_SHARE when one finds drafting better: where
-drafting keeps losing (a weak drafter under load) the explorations' cost fades to a fraction of a
-percent, and a change of workload is still found, later. The acceptance an exploration from plain
-decoding measures outweighs what was measured before the plain steps (which would otherwise hold
-the estimate for a dozen explorations): a drafter that became worth running is run again after one.
+switch. The share starts at _SWITCH_SHARE and halves (down to _SWITCH_SHARE_MIN) each time a whole
+cycle of such explorations (one of each drafting k, as they take turns) finds plain decoding still
+best, back to _SWITCH_SHARE when one finds drafting better: where drafting keeps losing (a weak drafter
+under load) the explorations' cost fades to a fraction of a percent, and a change of workload is still
+found, later. (Halved after each exploration that lost, the share was an eighth by the last drafting k
+tried, so that a k that paid where fewer drafts did not waited the longest to be measured.) It is back
+at _SWITCH_SHARE, its schedule at _EXPLORE steps, once the batch size is more than twice or less than
+half the one where it last halved: what lost at 64 rows says little about 16. The acceptance an
+exploration from plain decoding measures outweighs what was measured before the plain steps (which
+would otherwise hold the estimate for a dozen explorations): a drafter that became worth running is
+run again after one.
 A drafting step right after plain steps is not a sample of its k's time: its drafter first takes in
 every token it skipped (a draft model also prefills the rows that joined meanwhile), a cost of
 switching, not of drafting; an exploration from plain decoding is therefore measured twice, the
@@ -123,12 +133,15 @@ class DraftLength:
         self._switch_cost = 0.0  # seconds: the latest switch's step time over its k's mean
         self._intake = 0.0  # seconds a row: the latest switch's cost over its batch size
         self._share = _SWITCH_SHARE  # of the plain steps' time for explorations' switches (docstring)
-        self._from_plain = False  # an exploration from plain decoding is under way
+        self._from_plain: int | None = None  # the k of an exploration from plain decoding under way
+        self._lost: set[int] = set()  # the drafting k such explorations found losing since the share moved
+        self._faded_at: int | None = None  # the batch size where the share last halved
         self._steps = 0  # steps observed, of every batch size
         self.history: deque[int] = deque(maxlen=1000)  # the k of the latest steps, for reports
         self._sums: dict[tuple[int, int], tuple[float, float]] = {}  # (B, k) -> decayed (seconds, samples)
         self._provisional: set[tuple[int, int]] = set()  # (B, k) whose time is still the warm-up's
         self._last_k: int | None = None  # the k of the step observed last
+        self._plain_run = 0  # plain steps observed since the last drafting step
         self._explored: int | None = None  # the k of the step being an exploration
         self._again: int | None = None  # an exploration to measure once more (it came after plain steps)
         self._last_sample: tuple[int, int] | None = None  # (B, k) of the latest step time taken
@@ -153,13 +166,21 @@ class DraftLength:
                     return k
         rate = [self._rate(batch_size, k) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=rate.__getitem__)
-        if self._last_k == 0 and not self._pays_switch(batch_size, rate[best] / rate[0]):
+        if self._plain_run > 1 and not self._pays_switch(batch_size, rate[best] / rate[0]):
             best = 0
         if best and not {0, best} <= self._own(batch_size) and self._plain_below(batch_size):
             best = 0  # an estimate against a smaller batch's measurements (module docstring)
-        if self._from_plain:  # its measurements are in: did drafting win?
-            self._share = _SWITCH_SHARE if best else max(self._share / 2, _SWITCH_SHARE_MIN)
-            self._from_plain = False
+        if self._from_plain is not None:  # its measurements are in: did drafting win?
+            self._lost = set() if best else self._lost | {self._from_plain}
+            if best:
+                self._share, self._faded_at = _SWITCH_SHARE, None
+            elif len(self._lost) == self.max_k:  # a whole cycle of drafting k lost
+                self._share, self._lost = max(self._share / 2, _SWITCH_SHARE_MIN), set()
+                self._faded_at = batch_size
+            self._from_plain = None
+        elif self._faded_at is not None and not self._faded_at / 2 <= batch_size <= 2 * self._faded_at:
+            self._share, self._lost, self._faded_at = _SWITCH_SHARE, set(), None  # a load far from the fade's
+            self._plain_explore = (_EXPLORE, min(self._plain_explore[1], self._steps + _EXPLORE))
         steps = sum(counts.values())
         last, interval, due = self.explore.get(batch_size, (best, _EXPLORE, _EXPLORE))
         if best != last:
@@ -174,7 +195,6 @@ class DraftLength:
                 return 0
             interval = min(2 * interval, _EXPLORE_MAX)
             self._plain_explore, self._plain_seconds = (interval, self._steps + interval), 0.0
-            self._from_plain = True
             self._discount_acceptance(batch_size)
         elif steps < due:
             return best
@@ -188,6 +208,8 @@ class DraftLength:
         seen = self.seen.get(batch_size, {})  # empty at a batch size first met in an exploration
         # the least recently measured; of those never measured here, the best estimated
         self._explored = min(others, key=lambda k: (seen.get(k, -1), -rate[k], k))
+        if not best:
+            self._from_plain = self._explored
         return self._explored
 
     def _pays_switch(self, batch_size: int, gain: float) -> bool:
@@ -272,6 +294,7 @@ class DraftLength:
         chosen = k if chosen is None else chosen
         self._steps += 1
         switched, self._last_k = k > 0 and self._last_k == 0, k
+        plain_run, self._plain_run = self._plain_run, (self._plain_run + 1 if k == 0 else 0)
         explored, self._explored = self._explored, None
         if switched and explored == chosen:
             self._again = chosen
@@ -284,7 +307,7 @@ class DraftLength:
             counts = self.counts.setdefault(batch_size, {})
             if not switched:
                 self._time(batch_size, k, max(seconds - intake, 0.0))
-            elif self.times[batch_size]:
+            elif self.times[batch_size] and plain_run > 1:  # after one plain step: no switch (docstring)
                 self._switch_cost = max(0.0, seconds - self.step_time(batch_size, k))
                 self._intake = self._switch_cost / batch_size
             if k == 0:
