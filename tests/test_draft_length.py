@@ -739,3 +739,21 @@ def test_the_share_of_explorations_is_back_where_the_load_moved_far_from_where_i
     assert chooser._share == draft_length._SWITCH_SHARE_MIN
     ks = _switching_run(chooser, 1500, 16, lambda k: 10.0 + (5.0 + 2.0 * k if k else 0.0), 0.85, rng)
     assert sum(k > 0 for k in ks[-500:]) > 475
+
+
+def test_after_a_drafting_step_an_estimated_k_is_measured_where_a_smaller_batch_decodes_plainly() -> None:
+    """At 32 rows one draft and plain decoding were measured, four drafts (which pay most) only estimated
+    from 16 rows' times, and 24 rows measured plain decoding best (a slow stretch). After drafting steps
+    the next one measures k = 4 there, no switch to pay, and drafting goes on (decoding plainly instead,
+    the rule after plain steps, waited for an exploration from plain decoding: 70 plain steps here, at
+    a server's batch size hundreds)."""
+    rng, cost = random.Random(0), lambda k: 20.0 + (4.0 + 4.0 * k if k else 0.0)  # ms at 32 rows
+    chooser = _measured(4, lambda k: 10.0 + 2.0 * k, acceptance=0.9, steps=100, batch_size=16)
+    chooser.choose(32)  # 32 rows start from 16's times
+    for k in (1, 0, 0, 1, 1):
+        chooser.observe(32, k, cost(k), [k] * 32, [k] * 32)
+    for k in (0, 0, 1, 1, 1):
+        chooser.observe(24, k, 15.0 + 30.0 * k, [0] * 24, [k] * 24)
+    assert 4 in chooser.borrowed[32] and chooser._plain_below(32)
+    ks = _switching_run(chooser, 300, 32, cost, 0.9, rng)
+    assert ks[0] == 4 and sum(k > 0 for k in ks) >= 295

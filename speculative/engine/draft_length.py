@@ -40,12 +40,15 @@ second step (a plain step after drafting costs no switch): a curve borrowed from
 drafting costs relatively less, otherwise kept drafting on for an exploration interval where plain
 decoding won. And speculation's gain shrinks as the batch grows (a verification of k + 1 tokens a row
 costs ever more against a plain step once the forward is compute-bound, while the acceptance does not
-depend on the batch), so a step whose drafting rests on an estimate (plain decoding's or k's time not
-measured at its batch size) decodes plainly where a smaller batch size has plain decoding best on times
-measured there. Without it, a large batch size met one step at a time (a closed loop's tail, where the
-batch shrinks a row a step) switched drafting on at every visit on a curve borrowed from a small batch,
-each switch paying the drafter's intake, and never learned: a switch's step is no sample of its k's time
-(below).
+depend on the batch), so after plain steps a step whose drafting rests on an estimate (plain decoding's
+or k's time not measured at its batch size) decodes plainly where a smaller batch size has plain
+decoding best on times measured there. Without it, a large batch size met one step at a time (a closed
+loop's tail, where the batch shrinks a row a step) switched drafting on at every visit on a curve
+borrowed from a small batch, each switch paying the drafter's intake, and never learned: a switch's step
+is no sample of its k's time (below). After a drafting step such an estimate is measured instead, no
+switch to pay: decoding plainly there, as it did, left a batch size of 32 where drafting paid 1.3x
+plainly decoded until an exploration from plain decoding, hundreds of steps later
+(docs/server.md#under-load).
 
 Now and then a neighbour of the best k, or plain decoding, whichever was measured least recently, is
 measured again so that the estimates follow the workload (without plain decoding among them, a plain
@@ -168,8 +171,9 @@ class DraftLength:
         best = max(range(self.max_k + 1), key=rate.__getitem__)
         if self._plain_run > 1 and not self._pays_switch(batch_size, rate[best] / rate[0]):
             best = 0
-        if best and not {0, best} <= self._own(batch_size) and self._plain_below(batch_size):
-            best = 0  # an estimate against a smaller batch's measurements (module docstring)
+        estimated = best and not {0, best} <= self._own(batch_size)
+        if estimated and not self._last_k and self._plain_below(batch_size):
+            best = 0  # after plain steps, an estimate against a smaller batch's measurements (docstring)
         if self._from_plain is not None:  # its measurements are in: did drafting win?
             self._lost = set() if best else self._lost | {self._from_plain}
             if best:
