@@ -26,8 +26,7 @@ remaining row, several plain steps' time. Not after a single plain step between 
 exploration of plain decoding): the drafter then takes in one token a row more than a drafting step
 whose drafts were all rejected leaves it, no switch; charged the intake of a switch after hundreds of
 plain steps, drafting that paid 1.15x went back to plain decoding at the first such exploration and
-stayed there until the next exploration from it (docs/server.md#under-load). Nor does such a step's
-cost stand for a switch's. The first
+stayed there until the next exploration from it (docs/server.md#under-load). The first
 batch size starts by measuring max_k and 0, twice each, and keeps the least of the two (a first step
 also pays for first calls and, since rows join the drafter lazily, for its prefill of the prompts:
 counted in the mean, it switched speculation off for good at batch 1, where it doubles the speed) until
@@ -298,7 +297,7 @@ class DraftLength:
         chosen = k if chosen is None else chosen
         self._steps += 1
         switched, self._last_k = k > 0 and self._last_k == 0, k
-        plain_run, self._plain_run = self._plain_run, (self._plain_run + 1 if k == 0 else 0)
+        self._plain_run = self._plain_run + 1 if k == 0 else 0
         explored, self._explored = self._explored, None
         if switched and explored == chosen:
             self._again = chosen
@@ -311,7 +310,7 @@ class DraftLength:
             counts = self.counts.setdefault(batch_size, {})
             if not switched:
                 self._time(batch_size, k, max(seconds - intake, 0.0))
-            elif self.times[batch_size] and plain_run > 1:  # after one plain step: no switch (docstring)
+            elif self.times[batch_size]:
                 self._switch_cost = max(0.0, seconds - self.step_time(batch_size, k))
                 self._intake = self._switch_cost / batch_size
             if k == 0:
