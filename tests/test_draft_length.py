@@ -710,7 +710,7 @@ def test_explorations_from_plain_decoding_try_every_drafting_k_before_their_shar
     plain decoding's 15): one, two and three drafts lose (0.64x, 0.93x, 0.98x plain decoding), four pay
     1.19x, and the warm-up measured k = 4 with the drafter's first intake. The explorations from plain
     decoding try k = 1, 2, 3 and 4 at one share of the time and find k = 4 within 400 steps. (Halving
-    the share after each exploration that lost, k = 4 came at a quarter of it, after 1,180 steps.)"""
+    the share after each exploration that lost, k = 4 came at an eighth of it, after 1,180 steps.)"""
     rng, chooser = random.Random(0), DraftLength(4, adaptive=True)
     cost = _first_intake(4, lambda k: 15.0 + (40.0 + 0.5 * k if k else 0.0))
     ks = _switching_run(chooser, 1200, 16, cost, 0.95, rng, switch=30.0)
@@ -722,7 +722,7 @@ def test_drafting_that_pays_goes_on_after_one_plain_step_explored() -> None:
     70 ms (more than 16 plain steps save at 1.15x). The explorations of plain decoding from drafting
     are one plain step each, and drafting goes on after them: the drafter then takes in one token a
     row more, no switch. (Charged a switch's intake, drafting stopped at the first such exploration
-    and waited for the next exploration from plain decoding: a fifth of the steps drafted.)"""
+    and waited for the next exploration from plain decoding: 72 of the last 1,000 steps drafted.)"""
     rng, chooser = random.Random(0), DraftLength(1, adaptive=True)
     cost = _first_intake(1, lambda k: 15.0 + 9.0 * k)
     ks = _switching_run(chooser, 2000, 16, cost, 0.85, rng)
