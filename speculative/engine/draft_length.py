@@ -83,11 +83,16 @@ switching, not of drafting; an exploration from plain decoding is therefore meas
 second time clean. Nor is a step that compiled a graph (a compiled model's first call of a shape,
 seconds where the step takes milliseconds): the engine passes no time for it. And a drafting step's time
 leaves out the drafter's intake of rows that joined since its last proposal (a draft model's prefill of
-their contexts, which the proposer times: IntakeTimingProposer): like the target's prefill of admitted
-rows, it is paid once a row whatever k; counted in, it made the k measured at a batch's first drafting
-step, where every row is new, look several times as dear, and a k that the explorations did not measure
-again kept that time, so that plain decoding stayed where drafting paid (docs/server.md#under-load). A
-switch's cost keeps it.
+their contexts, which the proposer times: IntakeTimingProposer): counted in, it made the k measured at a
+batch's first drafting step, where every row is new, look several times as dear, and a k that the
+explorations did not measure again kept that time, so that plain decoding stayed where drafting paid
+(docs/server.md#under-load). A switch's cost keeps it. It is still a cost of drafting: a row that
+joins and finishes while the steps are plain never joins the drafter. So every drafting k is charged
+it apart (`intake_cost`), as the mean a drafting step pays: the drafter's intake of a row that joined
+(a moving mean over drafting steps after a drafting step, whose intake is that of the rows that joined
+in between) times the rows that join a step (a moving mean over every step, a share of the batch's
+rows) times the batch size. At 32 rows of SmolLM2 under load it is a few percent of a drafting step,
+about what drafting with its draft gains there.
 
 A proposal can be narrower than the k asked: a draft with prompt lookup first drafts a chain of its
 own length (the demo's: 1) beside lookups that shrink with the batch (at 32 rows every proposal is one
@@ -147,6 +152,8 @@ class DraftLength:
         self._explored: int | None = None  # the k of the step being an exploration
         self._again: int | None = None  # an exploration to measure once more (it came after plain steps)
         self._last_sample: tuple[int, int] | None = None  # (B, k) of the latest step time taken
+        self._joins = 0.0  # rows that joined a step, over its batch's rows: a moving mean over every step
+        self._row_intake = 0.0  # seconds: the drafter's intake of a row that joined, a moving mean
 
     def choose(self, batch_size: int) -> int:
         """The k for the next step of a batch of `batch_size` rows."""
@@ -232,7 +239,7 @@ class DraftLength:
         expected = [self.expected_tokens(k) for k in range(self.max_k + 1)]
         for size in sorted(b for b in self.times if b < batch_size):
             own, times = self._own(size), self.times[size]
-            drafting = [expected[k] / times[k] for k in own if 0 < k <= self.max_k]
+            drafting = [expected[k] / (times[k] + self.intake_cost(size)) for k in own if 0 < k <= self.max_k]
             if 0 in own and drafting and max(drafting) <= expected[0] / times[0]:
                 return True
         return False
@@ -245,7 +252,12 @@ class DraftLength:
         expected = self.expected_tokens(low)
         if width > low:
             expected += (width - low) * (self.expected_tokens(low + 1) - expected)
-        return expected / self.step_time(batch_size, width)
+        return expected / (self.step_time(batch_size, width) + (self.intake_cost(batch_size) if k else 0.0))
+
+    def intake_cost(self, batch_size: int) -> float:
+        """Seconds a drafting step of `batch_size` rows pays on average for the drafter's intake of the
+        rows that joined before it: a cost of drafting, not in its step time (module docstring)."""
+        return self._row_intake * self._joins * batch_size
 
     def _discount_acceptance(self, batch_size: int) -> None:
         """Before an exploration from plain decoding: the acceptance measured before the plain steps
@@ -285,17 +297,25 @@ class DraftLength:
         drafted: list[int],
         chosen: int | None = None,
         intake: float = 0.0,
+        joined: int = 0,
     ) -> None:
         """One step's figures: its k, the width of its proposal (the drafts verified a row: at most the
         k `chosen` for it, None: k), and its time (module docstring; None where the step compiled a
         graph: not a step of that k, which the chooser measures again), and per row the drafts accepted
         and proposed. `intake`: seconds of that time the drafter spent taking in rows that joined since
-        its last proposal, kept out of the k's time (module docstring) but not out of a switch's cost."""
+        its last proposal, kept out of the k's time (module docstring) but not out of a switch's cost;
+        `joined`: the rows that joined the batch since the step before (their intake, where it drafted
+        after a drafting step)."""
         self.history.append(k)
         if not self.adaptive:
             return
         chosen = k if chosen is None else chosen
         self._steps += 1
+        self._joins = _DECAY * self._joins + (1 - _DECAY) * joined / batch_size
+        if k and self._last_k and joined and seconds is not None:  # the intake of the rows that joined
+            self._row_intake = (
+                _TIME_DECAY * (self._row_intake or intake / joined) + (1 - _TIME_DECAY) * intake / joined
+            )
         switched, self._last_k = k > 0 and self._last_k == 0, k
         self._plain_run = self._plain_run + 1 if k == 0 else 0
         explored, self._explored = self._explored, None

@@ -158,6 +158,7 @@ class Engine:
         self.step_stats: list[StepStats] | None = None  # collected while `recording_steps` is open
         self._unobserved: tuple | None = None  # the last step's figures for draft_length (_close_period)
         self._admitting = 0.0  # seconds `add` took since the last step started (not that step's cost)
+        self._joined = 0  # rows that joined the running batch since the last step started
 
     def use_prefix_cache(self, cache: PrefixCache | None) -> None:
         """Prefill new prompts from `cache` and keep what they compute there (None: prefill every prompt
@@ -215,7 +216,7 @@ class Engine:
         """Forget the running batch and its caches, whatever state a step that raised left them in (its
         sequences are the caller's to mark); a chunked prefill under way goes on."""
         self._close_period(None)
-        self.batch, self.cache = None, None
+        self.batch, self.cache, self._joined = None, None, 0
         waiting = {id(s) for s in self.prefilling.batch.sequences} if self.prefilling is not None else set()
         self.stop_strings = {key: value for key, value in self.stop_strings.items() if key in waiting}
         if self.context_features is not None:
@@ -365,6 +366,7 @@ class Engine:
         if self.batch is None:
             self.batch, self.cache = batch, cache
         else:
+            self._joined += len(batch.sequences)
             self.batch.append(batch)
             self.cache.append_rows(cache)
         return finished
@@ -377,6 +379,7 @@ class Engine:
         if batch is None:
             return []
         start, rows, clock = time.perf_counter(), len(batch.sequences), StepClock(self.target.device)
+        joined, self._joined = self._joined, 0  # the rows a drafting step's proposer takes in
         self._close_period(start)
         graphs = graphs_compiled()
         k = self.draft_length.choose(rows) if self.proposer is not None else 0
@@ -423,6 +426,7 @@ class Engine:
                 start,
                 seconds if timed else None,
                 intake,
+                joined,
                 commit.accepted,
                 commit.drafted,
             )
@@ -452,10 +456,12 @@ class Engine:
         with None (no next step: the batch ended) its own duration; no time (None) for a step that
         compiled a graph."""
         if self._unobserved is not None:
-            rows, chosen, width, start, seconds, intake, accepted, drafted = self._unobserved
+            rows, chosen, width, start, seconds, intake, joined, accepted, drafted = self._unobserved
             admitting, self._unobserved, self._admitting = self._admitting, None, 0.0
             period = seconds if now is None or seconds is None else now - start - admitting
-            self.draft_length.observe(rows, width, period, accepted, drafted, chosen=chosen, intake=intake)
+            self.draft_length.observe(
+                rows, width, period, accepted, drafted, chosen=chosen, intake=intake, joined=joined
+            )
 
     def _score(self, query: Tensor, parents: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The target's forward over the step's query [B, q] (a chain, or the tree `parents`): its

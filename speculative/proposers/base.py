@@ -116,8 +116,9 @@ class IntakeTimingProposer(Proposer, Protocol):
     model's prefill of their contexts) and says how long that took.
 
     intake_seconds: host seconds the latest `propose` spent on it (0.0 where no row joined). Adaptive k
-    keeps it out of the step's time, as the engine keeps the target's prefill of admitted rows out: a
-    row's intake is paid once, whatever k (engine/draft_length.py).
+    keeps it out of the step's time, as the engine keeps the target's prefill of admitted rows out, and
+    charges drafting its mean per step apart: a row that finishes while the steps are plain never joins
+    the drafter (engine/draft_length.py).
     """
 
     intake_seconds: float
