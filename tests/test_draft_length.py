@@ -77,14 +77,14 @@ def test_plain_batch_sizes_explore_together_as_rarely_as_one_batch_size() -> Non
     they share one exploration schedule: over 17 sizes no more drafting steps than at one size (with
     a schedule of each size's own, 54 of these 1000 steps drafted, most of them switches from plain
     decoding, each making the drafter catch up on every row)."""
-    rng = random.Random(0)
+    rng, walk = random.Random(0), random.Random(1)
 
     def accepted(k: int) -> int:  # drafts accepted before the first rejection, each with chance 0.3
         return next((i for i in range(k) if rng.random() >= 0.3), k)
 
     chooser, size = DraftLength(4, adaptive=True), 16
     for _ in range(1000):
-        size = min(24, max(8, size + rng.choice((-1, 0, 1))))
+        size = min(24, max(8, size + walk.choice((-1, 0, 1))))
         k = chooser.choose(size)
         rows = [accepted(k) for _ in range(size)]
         chooser.observe(size, k, (10.0 + 6.0 * k) * size / 16, rows, [k] * size)
@@ -252,7 +252,8 @@ def test_a_batch_size_between_two_measured_ones_starts_from_the_line_between_the
     chooser = _measured(4, lambda k: 10.0 + 0.5 * k, acceptance=0.8, batch_size=1)
     _measured(4, lambda k: 300.0 * (1 + k), acceptance=0.8, steps=100, batch_size=64, chooser=chooser)
     assert chooser.choose(1) > 0 and chooser.choose(64) == 0
-    assert chooser.choose(31) == 0
+    chooser.choose(31)
+    assert max(range(5), key=lambda k: chooser._rate(31, k)) == 0
 
 
 def test_a_first_step_that_prefills_the_drafter_does_not_switch_speculation_off() -> None:
@@ -710,11 +711,15 @@ def test_explorations_from_plain_decoding_try_every_drafting_k_before_their_shar
     """Drafts accepted 0.95 of the time, a drafting step's cost mostly fixed (40 ms, 0.5 a draft, beside
     plain decoding's 15): one, two and three drafts lose (0.64x, 0.93x, 0.98x plain decoding), four pay
     1.19x, and the warm-up measured k = 4 with the drafter's first intake. The explorations from plain
-    decoding try k = 1, 2, 3 and 4 at one share of the time and find k = 4 within 400 steps. (Halving
-    the share after each exploration that lost, k = 4 came at an eighth of it, after 1,180 steps.)"""
+    decoding try k = 1, 2, 3 and 4 at one share of the time and find k = 4 within 1,100 steps: each
+    waits until the plain steps took 1 / share times its expected cost, the switch and what its two
+    steps lose against plain decoding, and k = 4's, estimated from the warm-up's dear steps, is the
+    largest (paced by the switch alone, k = 4 came within 400 steps, the explorations' steps costing
+    what they cost). (Halving the share after each exploration that lost, k = 4 came at an eighth of
+    it, after 1,180 steps.)"""
     rng, chooser = random.Random(0), DraftLength(4, adaptive=True)
     cost = _first_intake(4, lambda k: 15.0 + (40.0 + 0.5 * k if k else 0.0))
-    ks = _switching_run(chooser, 1200, 16, cost, 0.95, rng, switch=30.0)
+    ks = _switching_run(chooser, 1600, 16, cost, 0.95, rng, switch=30.0)
     assert sum(k == 4 for k in ks[-500:]) > 475
 
 
@@ -787,3 +792,23 @@ def test_the_drafters_intake_of_joining_rows_is_a_cost_of_drafting() -> None:
     assert sum(k > 0 for k in ks[-1000:]) < 50
     ks = _joining_run(DraftLength(1, adaptive=True), 3000, 1.0, random.Random(0))
     assert sum(k > 0 for k in ks[-1000:]) > 950
+
+
+def test_explorations_from_plain_decoding_cost_a_bounded_share_of_the_time() -> None:
+    """A busy server where drafting loses (64 rows: a plain step 190 ms, a drafting one 590 + 50 ms a
+    draft, drafts accepted 0.3 of the time, a switch only 20 ms more): the explorations from plain
+    decoding, their switches and what their own two steps take beyond plain decoding's time for their
+    tokens, cost about the share of the time they are paced by (2%, fading): 1.7% of the first 2,000
+    steps' time, the warm-up's two drafting steps included. (Paced by their switches alone: 2.6%.)"""
+    rng, chooser = random.Random(0), DraftLength(4, adaptive=True)
+    total = plain = 0.0
+    run = 0
+    for _ in range(2000):
+        k = chooser.choose(64)
+        rows = [next((i for i in range(k) if rng.random() >= 0.3), k) for _ in range(64)]
+        seconds = (590.0 + 50.0 * k if k else 190.0) + (20.0 if k and run > 1 else 0.0)
+        chooser.observe(64, k, seconds, rows, [k] * 64)
+        total += seconds
+        plain += 190.0 * (1 + sum(rows) / 64)  # plain decoding's time for the tokens a row got
+        run = 0 if k else run + 1
+    assert 1.0 - plain / total < 0.02

@@ -51,32 +51,36 @@ plainly decoded until an exploration from plain decoding, hundreds of steps late
 
 Now and then a neighbour of the best k, or plain decoding, whichever was measured least recently, is
 measured again so that the estimates follow the workload (without plain decoding among them, a plain
-step's time from long ago kept speculation on at 32 rows, where it lost); where plain decoding is
-best, each drafting k in turn, the least recently measured (of those never measured at the batch
-size, the best estimated): part of a drafting step's cost does not grow with k (the drafter's
-forward, the verification's), so one draft can lose where four win, and explorations that measured
-only k = 1, plain decoding's neighbour, kept plain decoding where a longer draft paid
-(docs/server.md#under-load). Explorations come after _EXPLORE steps at a batch size, then at
-intervals that double (up to _EXPLORE_MAX) while the best k stays the same, back to _EXPLORE when it
-changes. The batch sizes where plain decoding is best share one such schedule,
-counted in steps of every size: a server's batch size wanders as rows join and finish, and a schedule
-of each size's own would explore as often as there are sizes, each time from plain decoding, a switch.
-A switch costs what the drafter takes in (below): up to a prefill of every row's context, many plain
-steps' time at a large batch, which an interval of _EXPLORE_MAX steps would pay again and again (the
-figures: docs/server.md#under-load). So that schedule also waits until the plain steps since its last
-exploration took 1 / share times the latest switch's extra cost (its step time over its k's
-mean there): explorations from plain decoding cost at most that share of the time, however dear a
-switch. The share starts at _SWITCH_SHARE and halves (down to _SWITCH_SHARE_MIN) each time a whole
-cycle of such explorations (one of each drafting k, as they take turns) finds plain decoding still
-best, back to _SWITCH_SHARE when one finds drafting better: where drafting keeps losing (a weak drafter
-under load) the explorations' cost fades to a fraction of a percent, and a change of workload is still
-found, later. (Halved after each exploration that lost, the share was an eighth by the last drafting k
-tried, so that a k that paid where fewer drafts did not waited the longest to be measured.) It is back
-at _SWITCH_SHARE, its schedule at _EXPLORE steps, once the batch size is more than twice or less than
-half the one where it last halved: what lost at 64 rows says little about 16. The acceptance an
-exploration from plain decoding measures outweighs what was measured before the plain steps (which
-would otherwise hold the estimate for a dozen explorations): a drafter that became worth running is
-run again after one.
+step's time from long ago kept speculation on at 32 rows, where it lost); where plain decoding is best,
+each drafting k in turn, the least recently measured (of those never measured at the batch size, the
+best estimated): part of a drafting step's cost does not grow with k (the drafter's forward, the
+verification's), so one draft can lose where four win, and explorations that measured only k = 1, plain
+decoding's neighbour, kept plain decoding where a longer draft paid (docs/server.md#under-load).
+Explorations come after _EXPLORE steps at a batch size, then at intervals that double (up to
+_EXPLORE_MAX) while the best k stays the same, back to _EXPLORE when it changes. The batch sizes where
+plain decoding is best share one such schedule, counted in steps of every size: a server's batch size
+wanders as rows join and finish, and a schedule of each size's own would explore as often as there are
+sizes, each time from plain decoding, a switch. A switch costs what the drafter takes in (below): up to
+a prefill of every row's context, many plain steps' time at a large batch, which an interval of
+_EXPLORE_MAX steps would pay again and again (the figures: docs/server.md#under-load). So that schedule
+also waits until the plain steps since its last exploration took 1 / share times the next exploration's
+expected cost (`_exploration_cost`): its switch, the drafter's intake of the batch's rows at the latest
+switch's extra cost a row (its step time over its k's mean there, over its rows), and what its two steps
+take beyond plain decoding's time for their tokens, t_B(k) (1 - rate_k / rate_0) each. Explorations from
+plain decoding then cost at most that share of the time, however dear a switch or a drafting step; paced
+by the latest switch's cost alone (often a cheap one, at a few rows), those at 64 rows of SmolLM2, a
+switch of about 120 ms and two steps twice as long as a plain one's 190 ms, spent several times the
+share (docs/server.md#under-load). The share starts at _SWITCH_SHARE and halves (down to
+_SWITCH_SHARE_MIN) each time a whole cycle of such explorations (one of each drafting k, as they take
+turns) finds plain decoding still best, back to _SWITCH_SHARE when one finds drafting better: where
+drafting keeps losing (a weak drafter under load) the explorations' cost fades to a fraction of a
+percent, and a change of workload is still found, later. (Halved after each exploration that lost, the
+share was an eighth by the last drafting k tried, so that a k that paid where fewer drafts did not
+waited the longest to be measured.) It is back at _SWITCH_SHARE, its schedule at _EXPLORE steps, once
+the batch size is more than twice or less than half the one where it last halved: what lost at 64 rows
+says little about 16. The acceptance an exploration from plain decoding measures outweighs what was
+measured before the plain steps (which would otherwise hold the estimate for a dozen explorations): a
+drafter that became worth running is run again after one.
 A drafting step right after plain steps is not a sample of its k's time: its drafter first takes in
 every token it skipped (a draft model also prefills the rows that joined meanwhile), a cost of
 switching, not of drafting; an exploration from plain decoding is therefore measured twice, the
@@ -201,26 +205,37 @@ class DraftLength:
             return 0
         if best == 0:  # plain decoding's batch sizes share one schedule, in steps of every size
             interval, due = self._plain_explore
-            if self._steps < due or self._plain_seconds * self._share < self._switch_cost:
+            if self._steps < due:
+                return 0
+            drafting = set(range(1, self.max_k + 1))  # every drafting k in turn: one may lose where more pay
+            k = self._least_recent(batch_size, drafting, rate)
+            if self._plain_seconds * self._share < self._exploration_cost(batch_size, k, rate):
                 return 0
             interval = min(2 * interval, _EXPLORE_MAX)
             self._plain_explore, self._plain_seconds = (interval, self._steps + interval), 0.0
             self._discount_acceptance(batch_size)
-        elif steps < due:
+            self._explored = self._from_plain = k
+            return k
+        if steps < due:
             return best
-        else:
-            interval = min(2 * interval, _EXPLORE_MAX)
-            self.explore[batch_size] = (best, interval, steps + interval)
-        if best:
-            others = {k for k in (best - 1, best + 1, 0) if 0 <= k <= self.max_k} - {best}
-        else:  # every drafting k in turn: one draft may not pay where more do
-            others = set(range(1, self.max_k + 1))
-        seen = self.seen.get(batch_size, {})  # empty at a batch size first met in an exploration
-        # the least recently measured; of those never measured here, the best estimated
-        self._explored = min(others, key=lambda k: (seen.get(k, -1), -rate[k], k))
-        if not best:
-            self._from_plain = self._explored
+        interval = min(2 * interval, _EXPLORE_MAX)
+        self.explore[batch_size] = (best, interval, steps + interval)
+        others = {k for k in (best - 1, best + 1, 0) if 0 <= k <= self.max_k} - {best}
+        self._explored = self._least_recent(batch_size, others, rate)
         return self._explored
+
+    def _least_recent(self, batch_size: int, ks: set[int], rate: list[float]) -> int:
+        """Of `ks`, the k measured least recently at `batch_size`; of those never measured there, the best
+        estimated (`rate`: each k's tokens a second a row)."""
+        seen = self.seen.get(batch_size, {})  # empty at a batch size first met in an exploration
+        return min(ks, key=lambda k: (seen.get(k, -1), -rate[k], k))
+
+    def _exploration_cost(self, batch_size: int, k: int, rate: list[float]) -> float:
+        """Seconds an exploration of k from plain decoding is expected to cost over plain steps: the
+        switch (the drafter's intake of `batch_size` rows at the latest switch's cost a row) and, for each
+        of its two steps, the time its tokens take beyond plain decoding's (t_B(k) (1 - rate_k / rate_0))."""
+        step = self.step_time(batch_size, self.widths.get(batch_size, {}).get(k, k))
+        return self._intake * batch_size + 2 * step * max(0.0, 1.0 - rate[k] / rate[0])
 
     def _pays_switch(self, batch_size: int, gain: float) -> bool:
         """Whether drafting at `gain` times plain decoding's tokens a second is worth switching on after
