@@ -180,7 +180,7 @@ def test_drafts_equal_the_drafter_run_from_scratch(tmp_path, target, accept_all,
     checked = check_drafts(llm, monkeypatch)
     if not accept_all:
         ks = itertools.cycle([3, 0, 2, 3, 0, 0, 1])
-        llm.engine.draft_length.choose = lambda rows: next(ks)
+        llm.engine.draft_length.choose = lambda rows, backlog=None: next(ks)
     temperature = 1.0 if accept_all else 0.0
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in (20, 7, 13)]
     outputs = llm.generate(PROMPTS, params)

@@ -315,7 +315,7 @@ def test_drafts_equal_the_head_run_from_scratch(
     checked = check_drafts(llm, monkeypatch)
     if not (accept_all or tree):
         ks = itertools.cycle([3, 0, 2, 3, 0, 0, 1])  # plain steps (k = 0) between proposals too
-        llm.engine.draft_length.choose = lambda rows: next(ks)
+        llm.engine.draft_length.choose = lambda rows, backlog=None: next(ks)
     prompts = [[3, 4, 5], [7, 8, 9, 10, 11, 12, 2], [20, 21]]
     temperature = 1.0 if accept_all else 0.0
     params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in (20, 7, 13)]

@@ -20,6 +20,8 @@ class Batch:
     longest (room: the most drafts a step verifies, k for a chain, default k);
     lengths / prompt_lengths: [B]; stop_ids: [B, s] tokens that finish each row (-1 padded).
     host_lengths mirrors lengths on the host, host_stop_ids stop_ids (a set per row).
+    host_drafted: each row's length when a proposer last drafted for it (0: not since it joined), so
+    that `backlog` counts what a drafter that skipped the steps since would take in.
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class Batch:
                 s.metrics.accepted_per_position = [0] * k
         contexts = [s.prompt_token_ids + s.output_token_ids for s in sequences]
         self.host_lengths = [len(c) for c in contexts]
+        self.host_drafted = [0] * len(contexts)
         self.capacity = max(len(s.prompt_token_ids) + s.max_tokens for s in sequences) + room + 1
         tokens = torch.zeros(len(sequences), self.capacity + room + 1, dtype=torch.long)
         for row, context in enumerate(contexts):
@@ -78,10 +81,16 @@ class Batch:
             self.tokens, self.lengths, self.prompt_lengths, block, self.strategy.vocab_size, parents
         )
 
+    def backlog(self) -> int:
+        """Tokens of the rows' contexts that came after a proposer last drafted for them (a row that
+        joined since: all of its context)."""
+        return sum(self.host_lengths) - sum(self.host_drafted)
+
     def append(self, other: Batch) -> None:
         """Add `other`'s rows (same k, vocabulary and device) after these; caches are the caller's."""
         self.sequences += other.sequences
         self.host_lengths += other.host_lengths
+        self.host_drafted += other.host_drafted
         self.host_stop_ids += other.host_stop_ids
         self.eos_token_ids += [t for t in other.eos_token_ids if t not in self.eos_token_ids]
         self.capacity = max(self.capacity, other.capacity)
@@ -98,6 +107,7 @@ class Batch:
         """Keep only `rows` (host indices, repeats allowed: a repeated row is copied) everywhere."""
         self.sequences = [self.sequences[i] for i in rows]
         self.host_lengths = [self.host_lengths[i] for i in rows]
+        self.host_drafted = [self.host_drafted[i] for i in rows]
         self.host_stop_ids = [self.host_stop_ids[i] for i in rows]
         self.strategy.select_rows(rows)
         index = to_device(rows, torch.long, self.tokens.device)

@@ -19,8 +19,8 @@ speculation switched off for batch sizes where it does not pay. After plain step
 promise _SWITCH_GAIN times plain decoding's tokens a second to be switched on (a drafter then takes in
 every token it skipped, a cost no step time holds), so that where the two are about even (a weak
 drafter, a large batch) the steps do not alternate between them, paying that cost each time; and what
-it saves over _EXPLORE plain steps' time must cover that intake for the batch's rows, at the latest
-switch's cost a row: where a batch shrinks a row a step (a closed loop's tail), every size where
+it saves over _EXPLORE plain steps' time must cover that intake (the switch's backlog, below): where a
+batch shrinks a row a step (a closed loop's tail), every size where
 drafting paid switched it on for a step or two, each switch paying the drafter's prefill of every
 remaining row, several plain steps' time. Not after a single plain step between drafting steps (an
 exploration of plain decoding): the drafter then takes in one token a row more than a drafting step
@@ -64,9 +64,14 @@ sizes, each time from plain decoding, a switch. A switch costs what the drafter 
 a prefill of every row's context, many plain steps' time at a large batch, which an interval of
 _EXPLORE_MAX steps would pay again and again (the figures: docs/server.md#under-load). So that schedule
 also waits until the plain steps since its last exploration took 1 / share times the next exploration's
-expected cost (`_exploration_cost`): its switch, the drafter's intake of the batch's rows at the latest
-switch's extra cost a row (its step time over its k's mean there, over its rows), and what its two steps
-take beyond plain decoding's time for their tokens, t_B(k) (1 - rate_k / rate_0) each. Explorations from
+expected cost (`_exploration_cost`): its switch and what its two steps take beyond plain decoding's time
+for their tokens, t_B(k) (1 - rate_k / rate_0) each. A switch's cost is its backlog (the tokens of the
+rows' contexts that came after the drafter's latest proposal, all of a row's that joined since: what the
+engine passes `choose`) at the latest switch's cost a token (its step time over its k's mean there,
+over its backlog). A cost a row instead, taken from a switch at the end of a closed loop's level (a few
+rows, each a few dozen tokens behind), priced a switch at 64 rows of SmolLM2, after dozens of plain steps
+in which most rows had joined, at about 0.2 s where it took 0.5-0.7 s, and explorations took twice
+their share (docs/server.md#under-load). Explorations from
 plain decoding then cost at most that share of the time, however dear a switch or a drafting step; paced
 by the latest switch's cost alone (often a cheap one, at a few rows), those at 64 rows of SmolLM2, a
 switch of about 120 ms and two steps twice as long as a plain one's 190 ms, spent several times the
@@ -142,7 +147,8 @@ class DraftLength:
         self._plain_explore = (_EXPLORE, _EXPLORE)  # (interval, next step) where plain decoding is best
         self._plain_seconds = 0.0  # plain steps' time since the last exploration from them
         self._switch_cost = 0.0  # seconds: the latest switch's step time over its k's mean
-        self._intake = 0.0  # seconds a row: the latest switch's cost over its batch size
+        self._intake = 0.0  # seconds a token: the latest switch's cost over the backlog it took in
+        self._backlog = 0  # the tokens a drafter would take in at the step chosen last (choose)
         self._share = _SWITCH_SHARE  # of the plain steps' time for explorations' switches (docstring)
         self._from_plain: int | None = None  # the k of an exploration from plain decoding under way
         self._lost: set[int] = set()  # the drafting k such explorations found losing since the share moved
@@ -159,8 +165,11 @@ class DraftLength:
         self._joins = 0.0  # rows that joined a step, over its batch's rows: a moving mean over every step
         self._row_intake = 0.0  # seconds: the drafter's intake of a row that joined, a moving mean
 
-    def choose(self, batch_size: int) -> int:
-        """The k for the next step of a batch of `batch_size` rows."""
+    def choose(self, batch_size: int, backlog: int | None = None) -> int:
+        """The k for the next step of a batch of `batch_size` rows. `backlog`: the tokens of their contexts
+        that came after the drafter's latest proposal (a row that joined since: all of its context), what
+        a switch from plain decoding makes a drafter take in (None: one a row)."""
+        self._backlog = batch_size if backlog is None else backlog
         if self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
             self._again = None  # an exploration's second measurement: due again after the next switch
             return 0
@@ -232,17 +241,21 @@ class DraftLength:
 
     def _exploration_cost(self, batch_size: int, k: int, rate: list[float]) -> float:
         """Seconds an exploration of k from plain decoding is expected to cost over plain steps: the
-        switch (the drafter's intake of `batch_size` rows at the latest switch's cost a row) and, for each
-        of its two steps, the time its tokens take beyond plain decoding's (t_B(k) (1 - rate_k / rate_0))."""
+        switch (the drafter's intake of the backlog at the latest switch's cost a token) and, for each of
+        its two steps, the time its tokens take beyond plain decoding's (t_B(k) (1 - rate_k / rate_0))."""
         step = self.step_time(batch_size, self.widths.get(batch_size, {}).get(k, k))
-        return self._intake * batch_size + 2 * step * max(0.0, 1.0 - rate[k] / rate[0])
+        return self._switch_estimate() + 2 * step * max(0.0, 1.0 - rate[k] / rate[0])
+
+    def _switch_estimate(self) -> float:
+        """Seconds a switch to drafting would cost now: the backlog at the latest switch's cost a token."""
+        return self._intake * self._backlog
 
     def _pays_switch(self, batch_size: int, gain: float) -> bool:
         """Whether drafting at `gain` times plain decoding's tokens a second is worth switching on after
         plain steps: at least _SWITCH_GAIN, and what it saves over _EXPLORE plain steps' time at least
-        the drafter's intake of `batch_size` rows at the latest switch's cost a row (module docstring)."""
+        the drafter's intake of the backlog (`_switch_estimate`, module docstring)."""
         saved = (gain - 1.0) * _EXPLORE * self.step_time(batch_size, 0)
-        return gain >= _SWITCH_GAIN and saved >= self._intake * batch_size
+        return gain >= _SWITCH_GAIN and saved >= self._switch_estimate()
 
     def _own(self, batch_size: int) -> set[int]:
         """The widths whose step times at `batch_size` were measured there (not borrowed)."""
@@ -347,7 +360,7 @@ class DraftLength:
                 self._time(batch_size, k, max(seconds - intake, 0.0))
             elif self.times[batch_size]:
                 self._switch_cost = max(0.0, seconds - self.step_time(batch_size, k))
-                self._intake = self._switch_cost / batch_size
+                self._intake = self._switch_cost / max(self._backlog, 1)
             if k == 0:
                 self._plain_seconds += seconds
             counts[k] = counts.get(k, 0) + 1

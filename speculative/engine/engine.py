@@ -382,7 +382,7 @@ class Engine:
         joined, self._joined = self._joined, 0  # the rows a drafting step's proposer takes in
         self._close_period(start)
         graphs = graphs_compiled()
-        k = self.draft_length.choose(rows) if self.proposer is not None else 0
+        k = self.draft_length.choose(rows, batch.backlog()) if self.proposer is not None else 0
         draft_ids, draft_probs, parents = self._propose(batch, k)  # [B, j] (-1: none), [B, j, V], tree
         intake = self.proposer.intake_seconds if k and self._timed_intake else 0.0
         clock.mark()
@@ -416,6 +416,8 @@ class Engine:
         if self.prefix_cache is not None and commit.finished:
             self._store_finished(batch, commit.finished)
         self._settle(batch, self.cache, self.proposer, commit)
+        if k:  # the proposer has taken in every row's context (but the tokens it feeds each proposal)
+            batch.host_drafted = list(batch.host_lengths)
         seconds = time.perf_counter() - start
         if self.proposer is not None:
             timed = graphs_compiled() == graphs  # a step that compiled a graph is no measure of its k
