@@ -819,8 +819,8 @@ def _levels_and_tails(chooser: DraftLength, cycles: int, rng, backlog: bool) -> 
     a drafting one 200 + 10 ms a draft, drafts accepted 0.05 of the time), a row finishing and a new
     one of 100 tokens joining at most steps, then a tail of 3 steps a size down to one row, where
     drafting pays. A switch costs 0.07 ms a token the drafter takes in (its backlog: what came after
-    its latest proposal). Handed to `choose` where `backlog`. Returns the share of the 64-row steps'
-    time beyond plain decoding's for their tokens."""
+    its latest proposal), which `choose` is handed where `backlog` (else it prices a switch a row).
+    Returns the share of the 64-row steps' time beyond plain decoding's for their tokens."""
     rows: list[list[int]] = []  # per row: its length, its length when drafted for last
     total = plain = 0.0
 

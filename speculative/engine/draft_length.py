@@ -20,11 +20,11 @@ promise _SWITCH_GAIN times plain decoding's tokens a second to be switched on (a
 every token it skipped, a cost no step time holds), so that where the two are about even (a weak
 drafter, a large batch) the steps do not alternate between them, paying that cost each time; and what
 it saves over _EXPLORE plain steps' time must cover that intake (the switch's backlog, below): where a
-batch shrinks a row a step (a closed loop's tail), every size where
-drafting paid switched it on for a step or two, each switch paying the drafter's prefill of every
-remaining row, several plain steps' time. Not after a single plain step between drafting steps (an
-exploration of plain decoding): the drafter then takes in one token a row more than a drafting step
-whose drafts were all rejected leaves it, no switch; charged the intake of a switch after hundreds of
+batch shrinks a row a step (a closed loop's tail), every size where drafting paid switched it on for a
+step or two, each switch paying the drafter's prefill of every remaining row, several plain steps'
+time. Not after a single plain step between drafting steps (an exploration of plain decoding): the
+drafter then takes in one token a row more than a drafting step whose drafts were all rejected leaves
+it, no switch; charged the intake of a switch after hundreds of
 plain steps, drafting that paid 1.15x went back to plain decoding at the first such exploration and
 stayed there until the next exploration from it (docs/server.md#under-load). The first
 batch size starts by measuring max_k and 0, twice each, and keeps the least of the two (a first step
@@ -69,9 +69,9 @@ for their tokens, t_B(k) (1 - rate_k / rate_0) each. A switch's cost is its back
 rows' contexts that came after the drafter's latest proposal, all of a row's that joined since: what the
 engine passes `choose`) at the latest switch's cost a token (its step time over its k's mean there,
 over its backlog). A cost a row instead, taken from a switch at the end of a closed loop's level (a few
-rows, each a few dozen tokens behind), priced a switch at 64 rows of SmolLM2, after dozens of plain steps
-in which most rows had joined, at about 0.2 s where it took 0.5-0.7 s, and explorations took twice
-their share (docs/server.md#under-load). Explorations from
+rows, each a few dozen tokens behind), priced a switch at 60 rows of SmolLM2, after dozens of plain steps
+in which most rows had joined, at 0.14-0.30 s where it took 0.52-0.71 s, and explorations took about
+twice their share (docs/server.md#under-load). Explorations from
 plain decoding then cost at most that share of the time, however dear a switch or a drafting step; paced
 by the latest switch's cost alone (often a cheap one, at a few rows), those at 64 rows of SmolLM2, a
 switch of about 120 ms and two steps twice as long as a plain one's 190 ms, spent several times the
