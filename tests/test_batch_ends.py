@@ -57,7 +57,7 @@ def test_plain_steps_after_a_batch_that_ended_in_a_drafting_step(tmp_path, monke
         llm.generate(PROMPTS[:1], greedy)  # one row: the step that finishes it ends the batch
     assert steps[-1].num_query_tokens > 1  # ... and drafted
     chosen = itertools.chain([0, 0, 0], itertools.repeat(K))  # plain steps first, then drafting again
-    monkeypatch.setattr(llm.engine.draft_length, "choose", lambda batch_size: next(chosen))
+    monkeypatch.setattr(llm.engine.draft_length, "choose", lambda batch_size, backlog=None: next(chosen))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
     for prompt, output, n in zip(PROMPTS, llm.generate(PROMPTS, params), LENGTHS):
         assert output.outputs[0].token_ids == hf_greedy(target, prompt, n, None)

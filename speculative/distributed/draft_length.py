@@ -17,7 +17,7 @@ class RankZeroDraftLength(DraftLength):
         super().__init__(max_k, adaptive=True, disable_by_batch_size=disable_by_batch_size)
         self.device = device
 
-    def choose(self, batch_size: int) -> int:
-        k = torch.tensor([super().choose(batch_size)], device=self.device)
+    def choose(self, batch_size: int, backlog: int | None = None) -> int:
+        k = torch.tensor([super().choose(batch_size, backlog)], device=self.device)
         dist.broadcast(k, src=0)
         return int(k.item())
