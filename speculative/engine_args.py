@@ -32,6 +32,9 @@ from speculative.methods.acceptance import RULES
 if TYPE_CHECKING:
     from speculative.llm import LLM
 
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
+"""models/quantization.py's QUANTIZATIONS, written here for the flags (this module imports no torch)."""
+
 
 def arg(default: Any = None, help: str = "", **cli: Any) -> Any:
     """A dataclass field of `default` whose flag says `help`. `cli`, all optional: flags (the option
@@ -253,7 +256,14 @@ class EngineArgs:
         "weight-only (int4: bfloat16 models), w8a8 int8 weights and activations (llama.cpp's Q8_0 "
         "arithmetic), w4a8 4-bit weights and int8 activations (llama.cpp's Q4_1 arithmetic); w8a8 and "
         "w4a8 build a C++ kernel on first use",
-        choices=("int8", "int4", "w8a8", "w4a8"),  # models/quantization.py QUANTIZATIONS (no torch import)
+        choices=QUANTIZATIONS,
+    )
+    draft_quantization: str | None = arg(
+        None,
+        "the draft model's quantization alone: with --draft-model naming the target's own checkpoint, "
+        "a quantized copy of the target drafts (w8a8 keeps most of its tokens on a CPU)",
+        choices=QUANTIZATIONS,
+        default_text="--quantization",
     )
     compile: bool = arg(
         False,
@@ -558,6 +568,8 @@ def _dtypes(llm: LLM, head: str | None) -> str:
         return f"target and {head} in {llm.target.dtype}"
     if llm.draft is None:
         return f"target in {llm.target.dtype}{quantized}"
-    if llm.draft.dtype == llm.target.dtype:
+    draft = getattr(llm, "draft_quantization", None)
+    if llm.draft.dtype == llm.target.dtype and draft == getattr(llm, "quantization", None):
         return f"target and draft in {llm.target.dtype}{quantized}"
-    return f"target in {llm.target.dtype}; draft in {llm.draft.dtype}{quantized}"
+    drafts = f", {draft} weights" if draft else ""
+    return f"target in {llm.target.dtype}{quantized}; draft in {llm.draft.dtype}{drafts}"

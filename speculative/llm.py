@@ -81,6 +81,10 @@ class LLM:
         projections after loading (models/quantization.py; CPU and the native forward only, int4 for
         bfloat16 models only, a ValueError otherwise). Output is exactly the quantized
         target's own, as always: the draft's quantization changes only how often drafts are accepted.
+    draft_quantization: the draft model's quantization alone (None: `quantization`), one of the same
+        values. The target's own checkpoint quantized (draft_model = model) is a draft that keeps most
+        of its tokens at a fraction of a float forward's cost on a CPU (docs/drafters.md, "A quantized
+        copy of the target").
     tensor_parallel_size: split the target over this many ranks (ParallelConfig; speculative/distributed/
         says how the ranks start and agree): its attention heads, key/value heads and MLP columns,
         each rank's KV cache holding its own heads. It must divide them (a ValueError names the
@@ -119,6 +123,7 @@ class LLM:
         draft_compile: bool | None = None,
         precompile: PreCompileConfig | None = None,
         quantization: str | None = None,
+        draft_quantization: str | None = None,
         tensor_parallel_size: int = 1,
         draft_tensor_parallel_size: int = 1,
         enable_prefix_caching: bool = False,
@@ -127,6 +132,7 @@ class LLM:
         arguments = {name: value for name, value in locals().items() if name != "self"}  # for other ranks
         speculative_config = _speculative_config(speculative_config, draft_model)
         check_quantization(quantization)
+        check_quantization(draft_quantization, "draft_quantization")
         ok = draft_compile is None or isinstance(draft_compile, bool)
         check(ok, "draft_compile", draft_compile, "None, True or False", owner="LLM")
         check_prefix_caching(enable_prefix_caching, prefix_cache_tokens, precompile)
@@ -137,6 +143,7 @@ class LLM:
         else:
             speculative_config.options.check(speculative_config.method, arguments)
         self.quantization = quantization
+        self.draft_quantization = draft_quantization or quantization  # a draft model's, where there is one
         self.speculative_config = speculative_config
         self.precompile = precompile
         self.device = torch.device(device)

@@ -245,7 +245,11 @@ def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
 def markdown(results: dict, plots: list[str]) -> str:
     """report.md: what was run, on what, the tables, the plots and the notes."""
     config, m = results["config"], results["machine"]
-    draft_dtype = "" if config.get("draft_dtype") is None else f" (draft {config['draft_dtype']})"
+    draft = [
+        config.get("draft_dtype"),
+        config.get("draft_quantization") and f"ours {config['draft_quantization']}",
+    ]
+    draft_dtype = f" (draft {', '.join(d for d in draft if d)})" if any(draft) else ""
     features = f"; {m['cpu_features']}" if m.get("cpu_features") else ""
     parts = [
         "# speculative bench",

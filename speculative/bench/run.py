@@ -90,6 +90,9 @@ class BenchConfig:
     num_prompts: prompts per set, the first ones (None: all); sweep_prompts: prompts per k-sweep point.
     repeats: timed runs per prompt and method.
     dtype / draft_dtype: the models' dtypes, ours and Hugging Face's alike (draft_dtype None: dtype).
+    draft_quantization: ours runs the draft quantized so (LLM(draft_quantization=...)); with the
+        target's own checkpoint as draft_model, a quantized copy of the target drafts. HF's assistant
+        and llama.cpp's draft stay as `quantization` has them.
     compile: also measure ours compiled (torch.compile, models/compiled.py): autoregressive, every
         drafter's method at k, and adaptive k up to k with the draft model and n-gram lookup; their
         graphs are compiled while the pair loads.
@@ -157,6 +160,13 @@ class BenchConfig:
             "engine": "draft_dtype",
             "help": "the draft's dtype, ours and HF's assistant",
             "default_text": "--dtype",
+        },
+    )
+    draft_quantization: str | None = field(
+        default=None,
+        metadata={
+            "engine": "draft_quantization",
+            "help": "ours runs the draft quantized so (HF's assistant does not)",
         },
     )
     device: str = field(default="cpu", metadata={"engine": "device"})
@@ -300,6 +310,7 @@ class Pair:
             model_impl=config.model_impl,
             tokenizer=tokenizer,
             quantization=config.quantization,
+            draft_quantization=config.draft_quantization if models[1] else None,
             tensor_parallel_size=config.tensor_parallel_size,
         )
         if self.llm.tokenizer is None:
@@ -392,7 +403,7 @@ class Pair:
             loading.update(dtype=config.dtype, model_impl=config.model_impl, quantization=config.quantization)
             loading.update(tensor_parallel_size=config.tensor_parallel_size)
             if drafter == "draft_model":
-                loading.update(draft_dtype=config.draft_dtype)
+                loading.update(draft_dtype=config.draft_dtype, draft_quantization=config.draft_quantization)
         if drafter is None:
             return OursMethod(name, label, engine, llm=LLM(target, **loading))
         if tree:
@@ -745,6 +756,12 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
         notes.insert(0, pair.synthetic.describe())
     if config.quantization is not None:
         notes.append(quantization_note(config.quantization, pair.hf_dtype()))
+    if config.draft_quantization is not None and config.draft_model is not None:
+        notes.append(
+            f"Ours drafts with {config.draft_quantization} projections (--draft-quantization: "
+            "LLM(draft_quantization=...)), the target as --quantization has it; HF's assistant and "
+            "llama.cpp's draft are the unquantized draft model."
+        )
     if config.compile:
         notes.append(
             "Compiled methods (torch.compile of the native forward) share the eager models' weights; "

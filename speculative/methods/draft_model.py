@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 @register("draft_model")
 @dataclass
 class DraftModelConfig(MethodConfig):
-    """A draft model (LLM(draft_model=...), with draft_dtype and draft_tokenizer) proposes.
+    """A draft model (LLM(draft_model=...), with draft_dtype, draft_tokenizer and draft_quantization)
+    proposes.
 
     prompt_lookup_min: 0 (the draft alone) or an integer >= 1: each step, a row whose last
     prompt_lookup_min to prompt_lookup_max tokens occur earlier in its context proposes what followed
@@ -98,7 +99,8 @@ class DraftModelConfig(MethodConfig):
             tensor_parallel_name="draft_tensor_parallel_size",
         )
         apply_draft_vocabulary(draft.model, given["draft_model"])
-        quantize_model(draft.model, given["quantization"], "draft model", dtype_name)
+        quantization = given["draft_quantization"] or given["quantization"]
+        quantize_model(draft.model, quantization, "draft model", dtype_name)
         draft.model = prepare_model(draft.model, drafter_compiled(given), given["precompile"])
         if not _same_vocabulary(context.target, draft):
             if self.prompt_lookup_min:

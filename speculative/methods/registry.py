@@ -30,7 +30,7 @@ class BuildContext:
         tree_width, tree_nodes: the shape of the proposals).
     target: the loaded target (its model already quantized and wrapped for compile/precompile).
     arguments: LLM.__init__'s arguments by name, checked (draft_model as given, dtype, draft_dtype,
-        model_impl, draft_tokenizer, compile, draft_compile, precompile, quantization,
+        model_impl, draft_tokenizer, compile, draft_compile, precompile, quantization, draft_quantization,
         draft_tensor_parallel_size, ...); `drafter_compiled(arguments)` says whether the drafter compiles.
     device: the device the models run on (this rank's). group: this rank's tensor-parallel group (None:
         one process).
@@ -80,8 +80,8 @@ class MethodConfig(DictRoundTrip):
     def check(self, method: str, arguments: dict[str, Any]) -> None:
         """Refuse LLM arguments the method cannot run with, before anything loads (a ValueError naming
         the argument). `arguments`: LLM.__init__'s, by name. The base checks that a draft model is given
-        where it is used, and refuses the draft model's own dtype and tokenizer (DraftModelConfig takes
-        them) and draft_compile where the method has no drafter that compiles."""
+        where it is used, and refuses the draft model's own dtype, tokenizer and quantization
+        (DraftModelConfig takes them) and draft_compile where the method has no drafter that compiles."""
         check_draft_model(method, self.uses_draft_model, arguments.get("draft_model"))
         refuse_draft_options(arguments)
         if not self.compiles_drafter:
@@ -101,8 +101,13 @@ def check_draft_model(method: str, used: bool, draft: object) -> None:
 
 
 def refuse_draft_options(arguments: dict[str, Any]) -> None:
-    """A ValueError where LLM's arguments give a draft model's dtype or tokenizer without one."""
-    for name, what in (("draft_dtype", "dtype"), ("draft_tokenizer", "tokenizer")):
+    """A ValueError where LLM's arguments give a draft model's dtype, tokenizer or quantization without
+    one."""
+    for name, what in (
+        ("draft_dtype", "dtype"),
+        ("draft_tokenizer", "tokenizer"),
+        ("draft_quantization", "quantization"),
+    ):
         if arguments.get(name) is not None:
             raise ValueError(f"{name} is the draft model's {what}: give it with a draft_model")
 
