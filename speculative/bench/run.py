@@ -760,7 +760,7 @@ def _run_bench(config: BenchConfig, advance: Advance, servers: ExitStack) -> dic
         notes.append(
             f"Ours drafts with {config.draft_quantization} projections (--draft-quantization: "
             "LLM(draft_quantization=...)), the target as --quantization has it; HF's assistant and "
-            "llama.cpp's draft are the unquantized draft model."
+            "llama.cpp's draft run the draft model as --quantization alone has them."
         )
     if config.compile:
         notes.append(
