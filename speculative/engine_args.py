@@ -349,7 +349,8 @@ class EngineArgs:
             if not value or name == "draft_model":
                 continue
             if given.get("method") not in (None, name):
-                raise ValueError(f"--{name} and --method {given['method']} name two methods: give one")
+                flag = name.replace("_", "-")
+                raise ValueError(f"--{flag} and --method {given['method']} name two methods: give one")
             given["method"] = name
             if method_cls.uses_draft_model:
                 given["draft_model"] = value
@@ -490,6 +491,8 @@ SHORTCUT_HELP = {
     "unquantized, one rank (--tree: EAGLE-2's trees)",
     "dflash": "draft with a DFlash block drafter (its checkpoint directory): k tokens in one forward, "
     "reading the target's hidden states; unquantized, one rank (--tree: a tree from the block)",
+    "self_draft": "draft with the target's own weights quantized (--draft-quantization, default w8a8) on "
+    "the target's KV cache: no draft model; a float target on a CPU, one rank, chains (--method self_draft)",
 }
 """The built-in methods' shortcut flags' help; another method's is its MethodConfig's first sentence."""
 
@@ -505,10 +508,11 @@ def add_method_shortcuts(
             continue
         doc = SHORTCUT_HELP.get(name) or _first_sentence(cls.__doc__ or name)
         doc += more + (notes or {}).get(name, "")
+        flag = f"--{name.replace('_', '-')}"
         if cls.uses_draft_model:
-            group.add_argument(f"--{name}", metavar="PATH", dest=name, help=doc)
+            group.add_argument(flag, metavar="PATH", dest=name, help=doc)
         else:
-            group.add_argument(f"--{name}", action="store_true", dest=name, help=doc)
+            group.add_argument(flag, action="store_true", dest=name, help=doc)
 
 
 def _first_sentence(doc: str) -> str:

@@ -82,9 +82,9 @@ class LLM:
         bfloat16 models only, a ValueError otherwise). Output is exactly the quantized
         target's own, as always: the draft's quantization changes only how often drafts are accepted.
     draft_quantization: the draft model's quantization alone (None: `quantization`), one of the same
-        values. The target's own checkpoint quantized (draft_model = model) is a draft that keeps most
-        of its tokens at a fraction of a float forward's cost on a CPU (docs/drafters.md, "A quantized
-        copy of the target").
+        values; with SpeculativeConfig(method="self_draft"), the quantization of the target's own copy
+        that drafts on its KV cache (None: "w8a8"), which keeps most of its drafts at a fraction of a
+        float forward's cost on a CPU (docs/drafters.md, "A quantized copy of the target").
     tensor_parallel_size: split the target over this many ranks (ParallelConfig; speculative/distributed/
         says how the ranks start and agree): its attention heads, key/value heads and MLP columns,
         each rank's KV cache holding its own heads. It must divide them (a ValueError names the
@@ -143,7 +143,11 @@ class LLM:
         else:
             speculative_config.options.check(speculative_config.method, arguments)
         self.quantization = quantization
-        self.draft_quantization = draft_quantization or quantization  # a draft model's, where there is one
+        self.draft_quantization = (  # a draft model's (or the self-draft's copy's), where there is one
+            draft_quantization
+            or quantization
+            or (speculative_config.options.default_draft_quantization if speculative_config else None)
+        )
         self.speculative_config = speculative_config
         self.precompile = precompile
         self.device = torch.device(device)

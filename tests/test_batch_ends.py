@@ -32,6 +32,8 @@ def _llm(tmp_path, target, method: str) -> LLM:
         draft = tiny_model("llama", vocab_size=96, hidden_size=64, num_layers=1, seed=7)
     elif name == "dflash":
         draft = saved(tmp_path, target)
+    elif name == "self_draft":  # the target's own quantized copy
+        draft = None
     else:
         draft = write_head(tmp_path / name, name)
     return LLM(target, draft_model=draft, speculative_config=config)
@@ -45,6 +47,7 @@ METHODS = [
     "eagle3+tree",
     "dflash",
     "dflash+tree",
+    "self_draft",
 ]
 
 

@@ -48,6 +48,8 @@ METHODS = {
     "ours_ngram_tree",
     "ours_suffix",
     "ours_suffix_tree",
+    "ours_self_draft",
+    "ours_self_draft_adaptive",
 } | SKIPPED
 PLOTS = ("tokens_per_s.png", "acceptance_by_position.png", "speedup_vs_k.png", "throughput_vs_batch.png")
 

@@ -58,6 +58,7 @@ from speculative.bench.prompts import default_sets, resolve_set
 from speculative.bench.server_process import ServerProcess, free_port
 from speculative.extras import needs_extra
 from speculative.machine import machine
+from speculative.methods import METHODS
 from speculative.models.dtypes import cpu_features
 from speculative.models.loading import load_tokenizer
 from speculative.prompts import PromptRecord, load_jsonl
@@ -106,6 +107,14 @@ class LoadConfig:
         metadata={"help": "each request's tokens drawn from max-tokens * (1 -+ this); 0: all max-tokens"},
     )
     k: int = field(default=4, metadata={"engine": "num_speculative_tokens"})
+    method: str = field(
+        default="draft_model",
+        metadata={
+            "help": "the drafting servers' method (draft, adaptive): draft_model drafts with --draft-model, "
+            "self_draft with the target's quantized copy (no draft model)",
+            "choices": lambda: tuple(METHODS),
+        },
+    )
     servers: list[str] = field(
         default_factory=lambda: list(SERVERS),
         metadata={
@@ -154,6 +163,8 @@ class LoadConfig:
             raise ValueError(f"max_tokens_range must be in [0, 1); got {self.max_tokens_range}")
         if self.soak_requests < 0:
             raise ValueError(f"soak_requests must be >= 0; got {self.soak_requests}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if unknown := [s for s in self.servers if s not in SERVERS]:
             raise ValueError(f"servers must be among {', '.join(SERVERS)}; got {', '.join(unknown)}")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -188,9 +199,11 @@ def serve_command(config: LoadConfig, server: str, target: str, draft: str | Non
         command.append("--compile")
     if server == "plain":
         return command
-    if draft is None:
-        raise ValueError(f"server {server!r} needs a draft model: pass --draft-model or leave it out")
-    command += [*config.draft_flags, "--draft-model", draft, "-k", str(config.k)]
+    command += [*config.draft_flags, "--method", config.method, "-k", str(config.k)]
+    if METHODS[config.method].uses_draft_model:
+        if draft is None:
+            raise ValueError(f"server {server!r} needs a draft model: pass --draft-model or leave it out")
+        command += ["--draft-model", draft]
     return command + (["--adaptive"] if server == "adaptive" else [])
 
 

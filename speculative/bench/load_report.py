@@ -176,7 +176,8 @@ def markdown(results: dict, plot: str) -> str:
     config, m = results["config"], results["machine"]
     parts = [
         "# speculative bench-serve",
-        f"`speculative serve` per server ({', '.join(results['servers'])}; draft: k={config['k']}, "
+        f"`speculative serve` per server ({', '.join(results['servers'])}; draft: "
+        f"{config.get('method', 'draft_model')}, k={config['k']}, "
         f"adaptive: k up to {config['k']}), {config['dtype']}{', compiled' if config['compile'] else ''}; "
         f"prompts from `{Path(results['prompts']).name}` ({config['num_prompts']} in turn"
         f"{_conversations(config)}), "

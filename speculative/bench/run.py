@@ -60,6 +60,7 @@ from speculative.machine import machine
 from speculative.methods import METHODS, NgramConfig
 from speculative.models.compiled import CompiledCausalLM, warm_up_pair
 from speculative.models.dtypes import cpu_features
+from speculative.models.llama import NativeCausalLM
 from speculative.precompile import PreCompileConfig
 from speculative.prompts import encode, load_jsonl
 
@@ -334,6 +335,8 @@ class Pair:
         self.drafters = ["draft_model", "ngram", "suffix"] if self.draft is not None else ["ngram", "suffix"]
         if not skipped_heads(config):
             self.drafters += list(config.heads)
+        if self_draft_runs(config, self.target):
+            self.drafters.append("self_draft")
         self.compiled_target = self.compiled_draft = None
         if config.compile:  # sharing the eager models' weights; every shape the runs use compiled now
             self.compiled_target = CompiledCausalLM(self.target)
@@ -406,6 +409,8 @@ class Pair:
                 loading.update(draft_dtype=config.draft_dtype, draft_quantization=config.draft_quantization)
         if drafter is None:
             return OursMethod(name, label, engine, llm=LLM(target, **loading))
+        if drafter == "self_draft":  # the copy: --draft-quantization's, else the method's default
+            loading.update(draft_quantization=config.draft_quantization)
         if tree:
             options.update(tree_nodes=config.tree_nodes, tree_width=config.tree_width)
         llm = LLM(
@@ -557,6 +562,17 @@ LOOKUP_MIN = 2
 LOOKUP_OWN = 1
 
 
+def self_draft_runs(config: BenchConfig, target: object) -> bool:
+    """Whether the self-draft (SpeculativeConfig(method="self_draft"): the target's quantized copy on
+    its KV cache) runs: a float target on the native forward, on a CPU, on one rank."""
+    return (
+        isinstance(target, NativeCausalLM)
+        and target.device.type == "cpu"
+        and config.quantization is None
+        and config.tensor_parallel_size == 1
+    )
+
+
 def skipped_heads(config: BenchConfig) -> dict[str, dict]:
     """The heads' methods' entries as skipped (with why) where they cannot run: no head given, or the
     target split over ranks, or quantized; {} where they run."""
@@ -593,7 +609,8 @@ def build_methods(
         for method in methods:
             method.label = f"{method.label} ({pair.hf_dtype()} weights)"
     methods += [pair.ours(None, 0)] + [pair.ours(d, config.k) for d in drafters]
-    methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in swept]
+    adapted = swept + [d for d in drafters if d == "self_draft"]
+    methods += [pair.ours(d, max(config.sweep_k + [config.k]), adaptive=True) for d in adapted]
     looked = ["draft_model"] if pair.draft is not None else []  # the draft with prompt lookup first
     methods += [pair.ours(d, config.k, lookup=True) for d in looked]
     methods += [pair.ours(d, config.k, lookup=True, own=LOOKUP_OWN) for d in looked if config.k > LOOKUP_OWN]
@@ -603,7 +620,7 @@ def build_methods(
     if config.compile:
         methods += [pair.ours(None, 0, compiled=True)]
         methods += [pair.ours(d, config.k, compiled=True) for d in drafters]
-        methods += [pair.ours(d, config.k, compiled=True, adaptive=True) for d in swept]
+        methods += [pair.ours(d, config.k, compiled=True, adaptive=True) for d in adapted]
         methods += [pair.ours(d, config.k, compiled=True, lookup=True) for d in looked]
         own = [d for d in looked if config.k > LOOKUP_OWN]
         methods += [pair.ours(d, config.k, compiled=True, lookup=True, own=LOOKUP_OWN) for d in own]

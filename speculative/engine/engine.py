@@ -69,6 +69,7 @@ from speculative.proposers.base import (
     PrefixCachingProposer,
     Proposal,
     Proposer,
+    TargetCacheProposer,
 )
 from speculative.proposers.grammar import cut_to_grammar
 from speculative.sampling_params import SamplingParams
@@ -149,6 +150,7 @@ class Engine:
         # what a proposer that reads the target's hidden states wants of its forward (EagleProposer)
         self.hidden_layers = proposer.hidden_layers if isinstance(proposer, FeatureProposer) else None
         self._timed_intake = isinstance(proposer, IntakeTimingProposer)  # its prefill of joined rows
+        self._shares_cache = isinstance(proposer, TargetCacheProposer)  # it drafts on the target's cache
         self.use_prefix_cache(prefix_cache)
         self.batch: Batch | None = None
         self.cache: KVCache | None = None
@@ -491,6 +493,8 @@ class Engine:
         """
         if k == 0:
             return Proposal(batch.tokens.new_empty((len(batch.sequences), 0)), None)
+        if self._shares_cache:
+            self.proposer.use_target_cache(self.cache)
         proposal = self.proposer.propose(batch.tokens, batch.lengths, k, batch.strategy)
         if proposal.probs is None and batch.strategy.any_guided:
             proposal = cut_to_grammar(proposal, batch.strategy.guides)

@@ -11,6 +11,7 @@ from speculative.methods.draft_model import DraftModelConfig
 from speculative.methods.eagle import EagleConfig
 from speculative.methods.ngram import NgramConfig
 from speculative.methods.registry import METHODS, BuildContext, Built, MethodConfig, method_config, register
+from speculative.methods.self_draft import SelfDraftConfig
 from speculative.methods.suffix import SuffixConfig
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "EagleConfig",
     "MethodConfig",
     "NgramConfig",
+    "SelfDraftConfig",
     "SuffixConfig",
     "method_config",
     "register",

@@ -68,6 +68,8 @@ class MethodConfig(DictRoundTrip):
         kind that suits it ("static" or "dynamic"), the benchmark's choice.
     compiles_drafter: its drafter (a draft model, an EAGLE head) runs compiled where
         `drafter_compiled(arguments)`; LLM(draft_compile=...) is refused for the others.
+    default_draft_quantization: the drafter's quantization where LLM(draft_quantization=...) gives none
+        and the method quantizes one of its own (the self-draft's copy of the target).
     """
 
     uses_draft_model: ClassVar[bool] = False
@@ -76,6 +78,7 @@ class MethodConfig(DictRoundTrip):
     trees: ClassVar[bool] = True
     suited_tree: ClassVar[str] = "dynamic"
     compiles_drafter: ClassVar[bool] = False
+    default_draft_quantization: ClassVar[str | None] = None
 
     def check(self, method: str, arguments: dict[str, Any]) -> None:
         """Refuse LLM arguments the method cannot run with, before anything loads (a ValueError naming

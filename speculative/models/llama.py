@@ -313,6 +313,23 @@ class NativeCausalLM(nn.Module):
         if quantization in ACTIVATION_QUANTIZATIONS:  # exact speculation needs it (see there)
             self.attention_backend = QueryByQueryAttention()
 
+    def quantized_copy(self, quantization: str) -> NativeCausalLM:
+        """A second model of this float model's weights with its projections quantized (`quantize`),
+        this one left as it is. The copy shares the tensors it does not quantize (embeddings, norms,
+        biases, RoPE frequencies): it adds its quantized weights, after a peak of one more float copy
+        of the fused q/k/v and gate/up projections while it is laid out. CPU only; a RuntimeError for a
+        model that is quantized already (its float weights are gone)."""
+        self._check_not_quantized("copying it")
+        with torch.device("meta"):
+            copy = type(self)(self.config)
+        copy.load_state_dict(self.state_dict(), strict=True, assign=True)  # the same tensors, not copies
+        if getattr(self.config, "tie_word_embeddings", False):
+            copy.lm_head.weight = copy.model.embed_tokens.weight
+        copy.inv_freq = self.inv_freq
+        copy.pack_weights()
+        copy.quantize(quantization)
+        return copy.eval()
+
     @property
     def rounds_activations(self) -> bool:
         """Whether its matmuls quantize their activations (w8a8, w4a8): a row's result must then be

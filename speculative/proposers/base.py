@@ -6,6 +6,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from speculative.kv_cache import KVCache
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SampleStrategy
 
@@ -39,8 +40,8 @@ class Proposer(Protocol):
     context is tokens[b, :lengths[b]] (prompt + output so far); slots beyond are garbage.
 
     What a proposer can do beyond this is declared by the protocols below (FeatureProposer,
-    LearningProposer, PrefixCachingProposer, IntakeTimingProposer), which the engine checks once, at
-    construction.
+    LearningProposer, PrefixCachingProposer, IntakeTimingProposer, TargetCacheProposer), which the
+    engine checks once, at construction.
     """
 
     def add_rows(self, tokens: Tensor, lengths: Tensor) -> None:
@@ -122,3 +123,17 @@ class IntakeTimingProposer(Proposer, Protocol):
     """
 
     intake_seconds: float
+
+
+@runtime_checkable
+class TargetCacheProposer(Proposer, Protocol):
+    """A proposer whose model drafts on the target's own KV cache (SelfDraftProposer: a quantized copy
+    of the target, of the same layers, heads and head size), keeping none of its own.
+
+    The engine hands it the running batch's cache before every proposal. A proposal may write K/V in
+    the slots after each row's cached context (at most the engine's `room` of them) and must leave the
+    cache's lengths and host bound as it found them; the verification then writes those slots anew."""
+
+    def use_target_cache(self, cache: KVCache) -> None:
+        """The cache the next proposal drafts on (the target's StaticKVCache of the running batch)."""
+        ...

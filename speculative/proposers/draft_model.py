@@ -38,6 +38,30 @@ from speculative.proposers.grammar import GrammarWalk
 from speculative.sampling import SampleStrategy
 
 
+def draft_chain(
+    model: LanguageModel,
+    query: Tensor,
+    cache: KVCache,
+    num_tokens: int,
+    strategy: SampleStrategy,
+    greedy_decoding: bool,
+) -> Proposal:
+    """`num_tokens` drafts a row from `model`, fed `query` [B, q] on `cache` first (the cache gains q +
+    num_tokens - 1 tokens a row): each row sampled with its own parameters, a guided row under its
+    grammar (`GrammarWalk`), and a greedy batch without grammars, where `greedy_decoding` (the model is
+    a GreedyDecoding one), in one call of its `greedy_decode`; with the distributions they were drawn
+    from."""
+    if strategy.any_guided:
+        walk = GrammarWalk(strategy.guides, model.vocab_size)
+        token_ids, logits = decode(model, query, cache, num_tokens, walk.choose(strategy.next_tokens))
+        logits = walk.masked(logits)
+    elif strategy.all_greedy and greedy_decoding:
+        token_ids, logits = model.greedy_decode(query, cache, num_tokens)
+    else:
+        token_ids, logits = decode(model, query, cache, num_tokens, strategy.next_tokens)
+    return Proposal(token_ids, strategy.draft_probs(logits))
+
+
 class DraftModelProposer:
     """Proposes tokens sampled from a draft model with each row's own sampling parameters (temperature,
     min_p, top-k, top-p: the rule only needs the distribution each draft was drawn from), a guided row
@@ -148,17 +172,9 @@ class DraftModelProposer:
             self._catch_up(tokens, lengths)
         fed = self.missing + self.behind
         query = tokens.gather(1, lengths[:, None] - fed + torch.arange(fed, device=tokens.device))  # [B, fed]
-        if strategy.any_guided:
-            walk = GrammarWalk(strategy.guides, self.model.vocab_size)
-            choose = walk.choose(strategy.next_tokens)
-            token_ids, logits = decode(self.model, query, self.cache, num_tokens, choose)
-            logits = walk.masked(logits)
-        elif greedy:
-            token_ids, logits = self.model.greedy_decode(query, self.cache, num_tokens)
-        else:
-            token_ids, logits = decode(self.model, query, self.cache, num_tokens, strategy.next_tokens)
+        proposal = draft_chain(self.model, query, self.cache, num_tokens, strategy, self.greedy_decoding)
         self.behind, self._proposed, self._roots = 0, num_tokens, lengths.clone()
-        return Proposal(token_ids, strategy.draft_probs(logits))
+        return proposal
 
     def on_commit(self, lengths: Tensor, max_length: int, most_kept: int) -> None:
         if self._proposed:  # the cache holds the context before the step and the drafts but the last

@@ -57,7 +57,10 @@ def test_server_variants_and_bad_configs() -> None:
     config = LoadConfig(k=3, dtype="bfloat16")
     plain = serve_command(config, "plain", "t", "d", 9000)
     assert plain[1:4] == ["-m", "speculative", "serve"] and "--draft-model" not in plain
-    assert serve_command(config, "draft", "t", "d", 9000)[-4:] == ["--draft-model", "d", "-k", "3"]
+    want = ["--method", "draft_model", "-k", "3", "--draft-model", "d"]
+    assert serve_command(config, "draft", "t", "d", 9000)[-6:] == want
+    own = serve_command(LoadConfig(k=3, method="self_draft"), "draft", "t", None, 9000)
+    assert own[-4:] == ["--method", "self_draft", "-k", "3"] and "--draft-model" not in own
     assert serve_command(config, "adaptive", "t", "d", 9000)[-1] == "--adaptive"
     drafting = LoadConfig(
         k=3, serve_flags=["--max-num-seqs", "4"], draft_flags=["--num-assistant-tokens", "1"]
@@ -76,6 +79,7 @@ def test_server_variants_and_bad_configs() -> None:
         ("max_tokens_range", 1.0, r"max_tokens_range must be in \[0, 1\)"),
         ("soak_requests", -1, "soak_requests must be >= 0"),
         ("rounds", 0, "rounds must be >= 1"),
+        ("method", "medusa", "method must be one of .*self_draft"),
     ]:
         with pytest.raises(ValueError, match=message):
             LoadConfig(**{field: value})
