@@ -269,6 +269,16 @@ def test_a_kernel_that_cannot_be_built_is_a_clear_error(monkeypatch, quantizatio
         LLM(tiny_model("llama"), dtype="float32", quantization=quantization)
 
 
+@pytest.mark.parametrize(
+    ("vendor", "prefetch"), [("GenuineIntel", True), ("AuthenticAMD", False), ("", False)]
+)
+def test_the_kernels_prefetch_weights_where_that_was_measured_to_pay(monkeypatch, vendor, prefetch):
+    """A build flag (the extension is built per machine, and rebuilt where its flags change)."""
+    monkeypatch.setattr(cpu_kernels, "_vendor", lambda: vendor)
+    flags = [flag for flag in cpu_kernels._flags() if flag.startswith("-DSPECULATIVE_PREFETCH=")]
+    assert flags == (["-DSPECULATIVE_PREFETCH=8192"] if prefetch else [])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["w8a8", "w4a8"])
 def test_compiled_greedy_output_is_the_eager_quantized_targets_own(quantization: str) -> None:
