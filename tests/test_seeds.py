@@ -8,7 +8,7 @@ from conftest import noisy_copy, tiny_model
 from speculative import LLM, SamplingParams, SpeculativeConfig
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", None])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "self_draft", None])
 def test_seeded_request_alone_and_in_a_batch(method) -> None:
     target = tiny_model("llama")
     kwargs = {}
@@ -17,8 +17,8 @@ def test_seeded_request_alone_and_in_a_batch(method) -> None:
             draft_model=noisy_copy(target, 0.05),
             speculative_config=SpeculativeConfig(num_speculative_tokens=3),
         )
-    elif method == "ngram":
-        kwargs = dict(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    elif method in ("ngram", "self_draft"):
+        kwargs = dict(speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=3))
     llm = LLM(target, **kwargs)
     prompt = [5, 6, 7, 5, 6]
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=30)

@@ -2,8 +2,9 @@
 cache. Greedy output is the target's own (eager and compiled, rows joining a running batch, plain
 steps between drafting ones), sampled output follows the target's distribution (a chi-square test
 that a proposer lying about its probabilities fails), the copy leaves the target's cache as the
-target alone would have it, takes in nothing when rows join or plain steps pass, and the settings it
-cannot run with are refused by name. Tiny in-process models."""
+target alone would have it, takes in nothing when rows join or plain steps pass, attends query by query
+only beside a seeded sampled row, and the settings it cannot run with are refused by name. Tiny
+in-process models."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from scipy.stats import chi2
 
 from speculative import LLM, SamplingParams, SpeculativeConfig
 from speculative.cli import main
+from speculative.models.attention import FusedAttention, QueryByQueryAttention
 from speculative.precompile import PreCompileConfig
+from speculative.proposers import self_draft as self_draft_module
 from speculative.proposers.self_draft import SelfDraftProposer
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12] * 3, [3, 4, 5] * 6 + [8]]
@@ -127,6 +130,33 @@ def test_sampled_output_follows_the_target(monkeypatch, lying) -> None:
     samples = dist.sample(llm, [prompt] * dist.SAMPLES, [params] * dist.SAMPLES)
     p_value = chi2.sf(*dist.chi_square(samples, dist.exact_probs(small, prompt, 0.8, 6)))
     assert p_value < 1e-6 if lying else p_value > 1e-3
+
+
+def test_the_copy_attends_query_by_query_only_beside_a_seeded_sampled_row(target, monkeypatch) -> None:
+    """The w8a8 copy's drafts are row-exact (one SDPA call a query) in a batch holding a seeded sampled
+    row, whose text must not depend on its neighbours, and batched (one call a layer) in any other."""
+    llm = self_draft(target)
+    native = llm.draft.model
+    backends = []
+
+    def spy(model, *args):
+        backends.append(type(native.attention_backend))
+        return draft_chain(model, *args)
+
+    draft_chain = self_draft_module.draft_chain
+    monkeypatch.setattr(self_draft_module, "draft_chain", spy)
+    sampled = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+    greedy_seeded = SamplingParams(temperature=0.0, seed=5, max_tokens=24, ignore_eos=True)
+    for params, expected in (
+        ([GREEDY] * 3, FusedAttention),
+        ([GREEDY, sampled, greedy_seeded], FusedAttention),
+        ([GREEDY, seeded, sampled], QueryByQueryAttention),
+    ):
+        backends.clear()
+        outputs = llm.generate(PROMPTS, params)
+        assert backends and set(backends) == {expected}, params
+        assert outputs[0].outputs[0].token_ids == hf_greedy(target, PROMPTS[0], 24, None)
 
 
 def test_int8_copy_adaptive_k_and_prefix_caching(target) -> None:

@@ -10,6 +10,13 @@ invariant: a step's verification feeds that token first). The copy feeds it and 
 the last, writing their K/V (the copy's, approximate) in the k slots after the context, and the cache's
 lengths are set back. The verification that follows feeds the same last token and the drafts at the
 same positions, so it overwrites every slot the copy wrote before any forward of the target reads one.
+
+A copy whose matmuls round their activations (w8a8, w4a8) attends query by query (QueryByQueryAttention)
+so that a row's drafts are bitwise what they would be alone: that keeps a seeded sampled row's text
+independent of the rows beside it. Only such a row needs it (a greedy row's output is the target's
+whatever its drafts; an unseeded sampled row's depends on its batch anyway, through the generator it
+shares), and one batched call a layer costs less than one a query, so a batch without one drafts on
+batched attention (FusedAttention).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from speculative.kv_cache import StaticKVCache
-from speculative.models.base import GreedyDecoding, LanguageModel
+from speculative.models.attention import AttentionBackend, FusedAttention
+from speculative.models.base import CompiledDrafting, GreedyDecoding, LanguageModel
 from speculative.proposers.base import Proposal
 from speculative.proposers.draft_model import draft_chain
 from speculative.sampling import SampleStrategy
@@ -34,6 +42,12 @@ class SelfDraftProposer:
         self.model = model
         self.greedy_decoding = isinstance(model, GreedyDecoding)  # its k greedy drafts in one call
         self.cache: StaticKVCache | None = None
+        native = model.model if isinstance(model, CompiledDrafting) else model
+        exact = getattr(native, "rounds_activations", False)
+        # (model to switch, its row-exact backend, its batched one); None: one backend whatever the rows
+        self._backends: tuple[LanguageModel, AttentionBackend, AttentionBackend] | None = (
+            (native, native.attention_backend, FusedAttention()) if exact else None
+        )
 
     def use_target_cache(self, cache: StaticKVCache) -> None:
         self.cache = cache
@@ -41,6 +55,10 @@ class SelfDraftProposer:
     def propose(self, tokens: Tensor, lengths: Tensor, num_tokens: int, strategy: SampleStrategy) -> Proposal:
         cache = self.cache
         before, bound = cache.lengths.clone(), cache.host_max_length  # [B]: each context but its last token
+        if self._backends is not None:
+            native, row_exact, batched = self._backends
+            seeded = any(p.seed is not None and not p.greedy for p in strategy.params)
+            native.attention_backend = row_exact if seeded else batched
         try:
             query = tokens.gather(1, lengths[:, None] - 1)  # [B, 1]
             return draft_chain(self.model, query, cache, num_tokens, strategy, self.greedy_decoding)
