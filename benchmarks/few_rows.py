@@ -8,7 +8,8 @@ forward of 1 and k + 1 = 5 tokens and the draft's of 1 (a cache of `context` tok
 each call), and greedy generation of `tokens` tokens for `prompts` chat prompts, plain and with the
 draft at k = 4, each with the kernel (PackedLinear.few_rows on) and with oneDNN (off), interleaved in
 rounds; a figure is the median over rounds, with the minimum beside it. Outputs with and without
-the kernel are compared token for token. Needs an AVX2-only CPU (elsewhere oneDNN keeps these calls).
+the kernel are compared token for token. Needs a CPU the kernel serves (AVX2-only, or Intel; elsewhere
+oneDNN keeps these calls).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main() -> None:
     drafted = LLM(str(pair.target), draft_model=str(pair.draft), speculative_config=config, dtype="float32")
     target, draft = plain.target.model, drafted.draft.model
     if not target._lm_head.few_rows:
-        raise SystemExit("the kernel serves CPUs whose vector ISA is AVX2 (no AVX-512): nothing to compare")
+        raise SystemExit("the kernel serves AVX2-only CPUs and Intel ones, not this one: nothing to compare")
     records = load_jsonl(BUNDLED_DIR / "chat.jsonl")[: args.prompts]
     prompts = [encode(plain.tokenizer, record, 2048) for record in records]
     models = [target, drafted.target.model, draft]

@@ -1,7 +1,8 @@
 """float32 matmuls of a few rows by the project's own kernel (models/few_rows.py): it computes x @ W.T
 (+ bias) (+ residual), each row's result is bitwise that of a one-row call on any number of threads
 (a verification's rows are a decoding step's), PackedLinear gives it exactly the calls it is for (float32,
-at most ROWS_MAX rows, AVX2-only CPUs), and a kernel that cannot be built leaves oneDNN, with a warning.
+at most ROWS_MAX rows, AVX2-only CPUs and Intel ones with AVX-512), and a kernel that cannot be built
+leaves oneDNN, with a warning.
 The kernel is built once per machine (about a minute)."""
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _counting(monkeypatch) -> list[int]:
 def test_packed_linear_gives_the_kernel_the_float32_calls_of_a_few_rows(monkeypatch) -> None:
     layer = PackedLinear([torch.nn.Linear(64, 96), torch.nn.Linear(64, 32)])
     if not layer.few_rows:
-        pytest.skip("the kernel serves CPUs whose vector ISA is AVX2 (no AVX-512)")
+        pytest.skip("the kernel serves AVX2-only CPUs and Intel ones, not this one")
     calls = _counting(monkeypatch)
     with torch.inference_mode():
         for rows in (1, 5, few_rows.ROWS_MAX, few_rows.ROWS_MAX + 1, 40):
@@ -89,7 +90,7 @@ def test_greedy_speculative_output_is_plain_decodings_through_the_kernel(monkeyp
     target, draft = tiny_model("llama", seed=0), tiny_model("llama", hidden_size=64, num_layers=1, seed=1)
     plain = LLM(target, dtype="float32")
     if not plain.target.model._lm_head.few_rows:
-        pytest.skip("the kernel serves CPUs whose vector ISA is AVX2 (no AVX-512)")
+        pytest.skip("the kernel serves AVX2-only CPUs and Intel ones, not this one")
     calls = _counting(monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12] * 3]
@@ -100,11 +101,25 @@ def test_greedy_speculative_output_is_plain_decodings_through_the_kernel(monkeyp
     assert {1, 2, 5} <= set(calls)  # steps of two rows and one, verifications of 5 tokens
 
 
+@pytest.mark.parametrize(
+    ("capability", "prefetches", "served"),
+    [
+        ("AVX2", False, True),  # AMD or Intel
+        ("AVX2", True, True),
+        ("AVX512", True, True),  # an Intel CPU: built with the weights' prefetch, measured faster
+        ("AVX512", False, False),  # an AMD one: oneDNN's, the kernel unmeasured against it
+        ("DEFAULT", True, False),  # no AVX2: scalar code
+    ],
+)
+def test_the_cpus_the_kernel_serves(capability, prefetches, served) -> None:
+    assert few_rows.serves(capability, prefetches) is served
+
+
 def test_a_kernel_that_cannot_be_built_leaves_onednn_with_a_warning(monkeypatch) -> None:
     def no_compiler(**kwargs):
         raise RuntimeError("Error building extension 'speculative_cpu_kernels'")
 
-    monkeypatch.setattr(few_rows, "_AVX2_ONLY", True)
+    monkeypatch.setattr(few_rows, "_SERVES_THIS_CPU", True)
     monkeypatch.setattr(few_rows, "_usable", None)
     monkeypatch.setattr(cpu_kernels, "_loaded", False)
     monkeypatch.setattr(cpp_extension, "load", no_compiler)

@@ -24,9 +24,9 @@ _lock = threading.Lock()
 _loaded = False
 
 
-# Bytes ahead of the weights in use that the w8a8 / w4a8 kernels prefetch (int8_activations.cpp's
-# `prefetch`), by CPU vendor: where it was measured to pay; AMD CPUs build without it
-# (docs/internals.md#measured-choices).
+# Bytes ahead of the weights in use that the kernels prefetch (linear_kernels.h's `prefetch`: the w8a8 /
+# w4a8 kernels and the float32 few-row one), by CPU vendor: where it was measured to pay; AMD CPUs build
+# without it (docs/internals.md#measured-choices).
 PREFETCH_BYTES = {"GenuineIntel": 8192}
 
 
@@ -39,11 +39,16 @@ def _vendor() -> str:
     return next((ln.partition(":")[2].strip() for ln in lines if ln.startswith("vendor_id")), "")
 
 
+def prefetches() -> bool:
+    """Whether the kernels built on this CPU prefetch their weights (PREFETCH_BYTES has its vendor)."""
+    return _vendor() in PREFETCH_BYTES
+
+
 def _flags() -> list[str]:
     flags = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP in torch's CPU builds
     if torch.backends.cpu.get_cpu_capability() != "DEFAULT":  # "AVX2" or "AVX512": the CPU has AVX2
         flags += ["-mavx2", "-mfma", "-mf16c"]
-    if _vendor() in PREFETCH_BYTES:
+    if prefetches():
         flags.append(f"-DSPECULATIVE_PREFETCH={PREFETCH_BYTES[_vendor()]}")
     return flags
 

@@ -10,7 +10,8 @@
 // two chains of fused multiply-adds over 8 lanes (the even and the odd 8-value halves of each 16
 // values), whose 16 lanes are summed at the end: the same instructions whatever the number of rows and
 // threads, so a verification's rows are bitwise a one-row step's. Without AVX2, scalar code does the
-// same arithmetic in the same order.
+// same arithmetic in the same order. Where the build prefetches (linear_kernels.h), each 64-byte line of
+// a weight row is prefetched that far ahead as it is read.
 
 #include "linear_kernels.h"
 
@@ -28,7 +29,8 @@ inline void dot_rows(const float* w, const float* x, int64_t in, float* out) {
 #if defined(__AVX2__)
   __m256 even[R], odd[R];
   for (int i = 0; i < R; ++i) even[i] = odd[i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < in; j += 16) {
+  for (int64_t j = 0; j < in; j += 16) {  // 16 floats: a 64-byte cache line
+    prefetch(w + j);
     const __m256 w0 = _mm256_loadu_ps(w + j), w1 = _mm256_loadu_ps(w + j + 8);
     for (int i = 0; i < R; ++i) {
       even[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * in + j), even[i]);

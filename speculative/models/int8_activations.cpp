@@ -87,18 +87,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t in, int8_t* q, float* d
   }
 }
 
-// Where SPECULATIVE_PREFETCH is defined (models/cpu_kernels.py: on Intel CPUs, where it was measured
-// to pay), each block's loop asks the CPU to fetch the weights that many bytes ahead into cache: there a
-// thread streaming its share of a weight matrix does not keep enough reads in flight on its own to
-// reach the memory's bandwidth. A prefetch past the matrix's end is harmless: it never faults.
-inline void prefetch(const void* weights) {
-#if defined(__AVX2__) && defined(SPECULATIVE_PREFETCH)
-  _mm_prefetch(static_cast<const char*>(weights) + SPECULATIVE_PREFETCH, _MM_HINT_T0);
-#else
-  (void)weights;
-#endif
-}
-
 // Without AVX2: the integer dot product of lane `lane` of a block (its values 4 lane .. 4 lane + 3),
 // weight(j) giving weight j of the block.
 template <typename Weight>

@@ -33,6 +33,18 @@ inline float lane_sum(const float* lanes) {
   return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
 }
 
+// Where SPECULATIVE_PREFETCH is defined (models/cpu_kernels.py: on Intel CPUs, where it was measured
+// to pay), a kernel's loop asks the CPU to fetch the weights that many bytes ahead into cache: there a
+// thread streaming its share of a weight matrix does not keep enough reads in flight on its own to
+// reach the memory's bandwidth. A prefetch past the matrix's end is harmless: it never faults.
+inline void prefetch(const void* weights) {
+#if defined(__AVX2__) && defined(SPECULATIVE_PREFETCH)
+  _mm_prefetch(static_cast<const char*>(weights) + SPECULATIVE_PREFETCH, _MM_HINT_T0);
+#else
+  (void)weights;
+#endif
+}
+
 // x [rows, in] float32 (+ bias [out]) (+ residual [rows, out]) checked and made contiguous, for `name`.
 struct Operands {
   at::Tensor x, bias, residual;
