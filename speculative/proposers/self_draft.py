@@ -15,8 +15,8 @@ A copy whose matmuls round their activations (w8a8, w4a8) attends query by query
 so that a row's drafts are bitwise what they would be alone: that keeps a seeded sampled row's text
 independent of the rows beside it. Only such a row needs it (a greedy row's output is the target's
 whatever its drafts; an unseeded sampled row's depends on its batch anyway, through the generator it
-shares), and one batched call a layer costs less than one a query, so a batch without one drafts on
-batched attention (FusedAttention).
+shares), and one batched call a layer costs less than one a query, so an eager copy drafts a batch
+without one on batched attention (FusedAttention).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ class SelfDraftProposer:
         self.model = model
         self.greedy_decoding = isinstance(model, GreedyDecoding)  # its k greedy drafts in one call
         self.cache: StaticKVCache | None = None
-        native = model.model if isinstance(model, CompiledDrafting) else model
-        exact = getattr(native, "rounds_activations", False)
-        # (model to switch, its row-exact backend, its batched one); None: one backend whatever the rows
+        # (model to switch, its row-exact backend, its batched one); None: one backend whatever the rows,
+        # as for a compiled copy, whose graphs attend as they were traced (an assignment to the model
+        # would also cost its graphs' guard checks their shortcut: models/compiled.py)
+        switch = not isinstance(model, CompiledDrafting) and getattr(model, "rounds_activations", False)
         self._backends: tuple[LanguageModel, AttentionBackend, AttentionBackend] | None = (
-            (native, native.attention_backend, FusedAttention()) if exact else None
+            (model, model.attention_backend, FusedAttention()) if switch else None
         )
 
     def use_target_cache(self, cache: StaticKVCache) -> None:
@@ -58,7 +59,9 @@ class SelfDraftProposer:
         if self._backends is not None:
             native, row_exact, batched = self._backends
             seeded = any(p.seed is not None and not p.greedy for p in strategy.params)
-            native.attention_backend = row_exact if seeded else batched
+            wanted = row_exact if seeded else batched
+            if native.attention_backend is not wanted:
+                native.attention_backend = wanted
         try:
             query = tokens.gather(1, lengths[:, None] - 1)  # [B, 1]
             return draft_chain(self.model, query, cache, num_tokens, strategy, self.greedy_decoding)
