@@ -3,12 +3,12 @@ verifications at about the speed of reading the weights.
 
 A decoding step multiplies one row (a batch: a few rows; a verification: k + 1) by every weight
 matrix, so its cost is reading the weights. Where the CPU's vector ISA is AVX2 (no AVX-512), oneDNN's
-kernels for a few rows read them at about half the speed of a large copy, and on an Intel CPU with
-AVX-512 at about two thirds of it, and the eager forward is where a user without `compile=True` spends
-its time. few_rows.cpp's kernel gives each thread a share
-of the outputs and reads each of their weight rows once for up to 6 rows of x at a time (measured:
-docs/internals.md#measured-choices). Every row's result comes from the same instructions whatever the
-number of rows and threads, so a verification's rows are bitwise a one-row step's.
+kernels for a few rows read them at about half the speed of a large copy (on an Intel CPU with
+AVX-512, at about two thirds of it), and the eager forward is where a user without `compile=True`
+spends its time. few_rows.cpp's kernel gives each thread a share of the outputs and reads each of their
+weight rows once for up to 6 rows of x at a time (measured: docs/internals.md#measured-choices). Every
+row's result comes from the same instructions whatever the number of rows and threads, so a
+verification's rows are bitwise a one-row step's.
 
 PackedLinear (models/packed.py) calls it for float32 calls of at most ROWS_MAX rows, eager (and the
 compiled graphs' opaque calls of a dynamic batch), where `usable` says so: the ISA is AVX2, or AVX-512
